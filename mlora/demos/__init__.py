@@ -1,0 +1,1 @@
+"""Runnable demos (the README's first command)."""

@@ -1,0 +1,88 @@
+"""HF model facts + mesh -> megatron-core TransformerConfig, layer spec and GPTModel for this rank."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from mlora.models.hf_config import ModelSpec, hf_inv_freq
+from mlora.models.norm import RMSNorm
+from mlora.parallel.mesh import Mesh
+
+
+def transformer_config(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype):
+    """The megatron TransformerConfig that reproduces ``spec`` on ``mesh`` (no fusions on CPU)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    on_gpu = mesh.device.type == "cuda"
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        apply_query_key_layer_scaling=False,
+        attention_softmax_in_fp32=True,
+        tensor_model_parallel_size=mesh.tp,
+        pipeline_model_parallel_size=mesh.pp,
+        sequence_parallel=mesh.sp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        batch_p2p_sync=on_gpu,
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=False,  # weights come from the checkpoint; never build full matrices
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def block_spec(config):
+    """megatron's local GPT layer spec with mlora's RMSNorm (SP-capable) in every norm slot."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer.submodules = dataclasses.replace(layer.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=RMSNorm)
+
+
+def build_gpt_model(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype):
+    """This rank's GPTModel shard, parameters allocated but not initialised, base frozen."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    config = transformer_config(spec, mesh, dtype)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec(config),
+        vocab_size=spec.padded_vocab_size(mesh.tp),
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=mesh.is_first_stage,
+        post_process=mesh.is_last_stage,
+        share_embeddings_and_output_weights=spec.tied_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
+        parallel_output=True,
+    )
+    # transformers' own inverse frequencies (covers linear and llama3 scaling exactly).
+    model.rotary_pos_emb.inv_freq = hf_inv_freq(spec).to(mesh.device)
+    model.to(mesh.device)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model

@@ -1,0 +1,153 @@
+"""HF <-> Megatron weight mapping, shard by shard.
+
+Each Megatron parameter of a rank is described by a :class:`ParamMap`: the HF tensors it
+comes from and how TP splits them. ``load`` reads only this rank's slice from the checkpoint;
+``to_hf`` turns the list of all TP shards back into the HF tensors, so that loading then
+saving is bit-exact.
+
+Layouts (megatron-core):
+- ``linear_qkv``: per query group ``[q heads of the group; k; v]``, groups split over TP.
+- ``linear_fc1``: per TP rank ``[gate shard; up shard]``.
+- column-parallel weights split dim 0, row-parallel weights split dim 1.
+- vocabulary rows padded up to a multiple of TP, padding rows zero and dropped on export.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mlora.models.checkpoint_reader import CheckpointReader
+from mlora.models.hf_config import ModelSpec
+
+REPLICATED, ROWS, COLUMNS, QKV, FC1, VOCAB = "replicated", "rows", "columns", "qkv", "fc1", "vocab"
+
+
+@dataclass(frozen=True)
+class ParamMap:
+    """How one Megatron parameter of this rank maps onto HF tensors."""
+
+    megatron_name: str
+    hf_names: tuple[str, ...]
+    kind: str
+
+    def hf_shapes(self, spec: ModelSpec, reader_shapes: dict[str, tuple[int, ...]] | None = None
+                  ) -> dict[str, tuple[int, ...]]:
+        """Shapes of the HF tensors this parameter exports to."""
+        h, hd = spec.hidden_size, spec.head_dim
+        if self.kind == QKV:
+            q, k, v = self.hf_names
+            trail = (h,) if self.megatron_name.endswith("weight") else ()
+            return {q: (spec.num_heads * hd, *trail), k: (spec.num_kv_heads * hd, *trail),
+                    v: (spec.num_kv_heads * hd, *trail)}
+        if self.kind == FC1:
+            return {n: (spec.intermediate_size, h) for n in self.hf_names}
+        if self.kind == VOCAB:
+            return {self.hf_names[0]: (spec.vocab_size, h)}
+        if self.kind == COLUMNS:
+            out = h
+            inp = spec.num_heads * hd if "linear_proj" in self.megatron_name else spec.intermediate_size
+            return {self.hf_names[0]: (out, inp)}
+        return {self.hf_names[0]: (h,)}
+
+    def load(self, reader: CheckpointReader, spec: ModelSpec, tp: int, tp_rank: int) -> torch.Tensor:
+        """This TP rank's shard, reading only its slices."""
+        if self.kind == REPLICATED:
+            return reader.read(self.hf_names[0])
+        if self.kind == COLUMNS:
+            name = self.hf_names[0]
+            n = reader.entry(name).shape[1] // tp
+            return reader.read(name, dim=1, start=tp_rank * n, stop=(tp_rank + 1) * n)
+        if self.kind == ROWS:
+            name = self.hf_names[0]
+            n = reader.entry(name).shape[0] // tp
+            return reader.read(name, dim=0, start=tp_rank * n, stop=(tp_rank + 1) * n)
+        if self.kind == FC1:
+            n = spec.intermediate_size // tp
+            return torch.cat([reader.read(name, 0, tp_rank * n, (tp_rank + 1) * n) for name in self.hf_names])
+        if self.kind == QKV:
+            groups = spec.num_kv_heads // tp
+            g0 = tp_rank * groups
+            hd, hpg = spec.head_dim, spec.heads_per_group
+            q_name, k_name, v_name = self.hf_names
+            q = reader.read(q_name, 0, g0 * hpg * hd, (g0 + groups) * hpg * hd)
+            k = reader.read(k_name, 0, g0 * hd, (g0 + groups) * hd)
+            v = reader.read(v_name, 0, g0 * hd, (g0 + groups) * hd)
+            trail = q.shape[1:]
+            parts = [q.reshape(groups, hpg * hd, *trail), k.reshape(groups, hd, *trail),
+                     v.reshape(groups, hd, *trail)]
+            return torch.cat(parts, dim=1).reshape(-1, *trail)
+        if self.kind == VOCAB:
+            name = self.hf_names[0]
+            rows = spec.padded_vocab_size(tp) // tp
+            start, stop = tp_rank * rows, (tp_rank + 1) * rows
+            real = reader.read(name, 0, min(start, spec.vocab_size), min(stop, spec.vocab_size))
+            if real.shape[0] == rows:
+                return real
+            pad = torch.zeros(rows - real.shape[0], *real.shape[1:], dtype=real.dtype)
+            return torch.cat([real, pad])
+        raise AssertionError(self.kind)
+
+    def to_hf(self, shards: list[torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+        """The HF tensors, from the shards of all TP ranks in rank order."""
+        if self.kind == REPLICATED:
+            return {self.hf_names[0]: shards[0]}
+        if self.kind == COLUMNS:
+            return {self.hf_names[0]: torch.cat(shards, dim=1)}
+        if self.kind == ROWS:
+            return {self.hf_names[0]: torch.cat(shards, dim=0)}
+        if self.kind == VOCAB:
+            return {self.hf_names[0]: torch.cat(shards)[: spec.vocab_size]}
+        if self.kind == FC1:
+            halves = [s.chunk(2, dim=0) for s in shards]
+            gate, up = self.hf_names
+            return {gate: torch.cat([g for g, _ in halves]), up: torch.cat([u for _, u in halves])}
+        if self.kind == QKV:
+            full = torch.cat(shards)
+            hd, hpg = spec.head_dim, spec.heads_per_group
+            trail = full.shape[1:]
+            grouped = full.reshape(spec.num_kv_heads, (hpg + 2) * hd, *trail)
+            q, k, v = grouped.split([hpg * hd, hd, hd], dim=1)
+            q_name, k_name, v_name = self.hf_names
+            return {q_name: q.reshape(-1, *trail), k_name: k.reshape(-1, *trail), v_name: v.reshape(-1, *trail)}
+        raise AssertionError(self.kind)
+
+
+def stage_layers(spec: ModelSpec, pp: int, pp_rank: int) -> range:
+    """Global indices of the decoder layers held by pipeline stage ``pp_rank``."""
+    per = spec.num_layers // pp
+    return range(pp_rank * per, (pp_rank + 1) * per)
+
+
+def stage_param_maps(spec: ModelSpec, pp: int, pp_rank: int) -> list[ParamMap]:
+    """Every Megatron parameter of one pipeline stage, in HF checkpoint order."""
+    maps: list[ParamMap] = []
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    if first:
+        maps.append(ParamMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VOCAB))
+    for local, i in enumerate(stage_layers(spec, pp, pp_rank)):
+        m, h = f"decoder.layers.{local}.", f"model.layers.{i}."
+        attn = tuple(f"{h}self_attn.{p}_proj" for p in "qkv")
+        maps.append(ParamMap(m + "input_layernorm.weight", (h + "input_layernorm.weight",), REPLICATED))
+        maps.append(ParamMap(m + "self_attention.linear_qkv.weight", tuple(a + ".weight" for a in attn), QKV))
+        if spec.qkv_bias:
+            maps.append(ParamMap(m + "self_attention.linear_qkv.bias", tuple(a + ".bias" for a in attn), QKV))
+        maps.append(ParamMap(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), COLUMNS))
+        maps.append(ParamMap(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), REPLICATED))
+        maps.append(ParamMap(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), FC1))
+        maps.append(ParamMap(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), COLUMNS))
+    if last:
+        maps.append(ParamMap("decoder.final_layernorm.weight", ("model.norm.weight",), REPLICATED))
+        if not spec.tied_embeddings:
+            maps.append(ParamMap("output_layer.weight", ("lm_head.weight",), VOCAB))
+        elif not first:
+            # Tied weights on a separate last stage: megatron keeps a copy in output_layer,
+            # read from embed_tokens and never exported (the first stage exports it).
+            maps.append(ParamMap("output_layer.weight", ("model.embed_tokens.weight",), VOCAB))
+    return maps
+
+
+def is_export_copy(pm: ParamMap, spec: ModelSpec) -> bool:
+    """True for the last stage's copy of tied embeddings, which HF checkpoints do not hold."""
+    return spec.tied_embeddings and pm.megatron_name == "output_layer.weight"

@@ -1,0 +1,97 @@
+"""Tiny random Llama / Qwen2 / Mistral checkpoints with a locally trained tokenizer.
+
+They exercise what real checkpoints have: GQA, head_dim independent of hidden size,
+RoPE scaling, q/k/v bias, tied embeddings, sliding windows, sharded safetensors, and a
+vocabulary (1001) that no TP size > 1 divides and that is not a multiple of 64.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import torch
+
+VOCAB_SIZE = 1001
+
+TINY_ARCHS: dict[str, dict] = {
+    "llama": dict(
+        architecture="LlamaForCausalLM", hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        rms_norm_eps=1e-5, tie_word_embeddings=False, shard_size="1MB",
+    ),
+    "qwen2": dict(
+        architecture="Qwen2ForCausalLM", hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        rms_norm_eps=1e-6, tie_word_embeddings=True,
+    ),
+    "mistral": dict(
+        architecture="MistralForCausalLM", hidden_size=128, intermediate_size=192, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=8,
+    ),
+}
+
+_NAMES = ["Ann", "Bob", "Cid", "Dee", "Eve", "Fay", "Gus", "Hal"]
+_ITEMS = ["apples", "pens", "books", "coins", "cards", "eggs"]
+
+
+def _corpus(n: int = 2000, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n):
+        a, b = rng.randint(1, 99), rng.randint(1, 99)
+        who, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+        lines.append(f"{who} has {a} {item} and gets {b} more. How many {item} does {who} have? "
+                     f"{a} + {b} = {a + b}. #### {a + b}")
+    return lines
+
+
+def train_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512):
+    """Train a byte-level BPE tokenizer on a small synthetic corpus and save it HF-style."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def build_tiny_model(arch: str, out_dir: str | os.PathLike, seed: int = 0, **overrides) -> Path:
+    """Write a tiny random HF checkpoint of ``arch`` ("llama", "qwen2", "mistral") to ``out_dir``."""
+    import transformers
+
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"unknown tiny arch {arch!r}; choose from {sorted(TINY_ARCHS)}")
+    out = Path(out_dir)
+    params = {**TINY_ARCHS[arch], **overrides}
+    architecture = params.pop("architecture")
+    shard_size = params.pop("shard_size", None)
+    tokenizer = train_tokenizer(out)
+    config_cls = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    config = config_cls(vocab_size=VOCAB_SIZE, bos_token_id=tokenizer.bos_token_id,
+                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                        **params)
+    config.architectures = [architecture]
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):  # non-trivial norms so their mapping is tested too
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    kwargs = {"max_shard_size": shard_size} if shard_size else {}
+    model.save_pretrained(str(out), **kwargs)
+    return out

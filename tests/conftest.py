@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny HF models built once per session, and a torchrun launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TESTS = Path(__file__).parent
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> Path:
+    """A directory with tiny ``llama`` (sharded, llama3 RoPE), ``qwen2`` (tied, bias) and ``mistral`` (SWA)."""
+    from mlora.testing import TINY_ARCHS, build_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    for arch in TINY_ARCHS:
+        build_tiny_model(arch, root / arch)
+    return root
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int, script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run ``tests/dist/<script>`` on ``nproc`` CPU ranks; fail with the workers' output."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={_free_port()}", str(TESTS / "dist" / script), *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode != 0:
+        pytest.fail(f"torchrun {script} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def run_records(nproc: int, script: str, out: Path, *args: str) -> list[dict]:
+    """torchrun a worker that writes JSON records to ``out``; return them."""
+    torchrun(nproc, script, *args)
+    return json.loads(out.read_text())

@@ -1,0 +1,109 @@
+"""torchrun worker: mlora logits vs transformers at several layouts; round trip; bytes read.
+
+Usage: torchrun --nproc_per_node N tests/dist/hf_equivalence.py MODELS_DIR OUT_JSON LAYOUTS [--roundtrip DIR]
+LAYOUTS is "tp,pp[,sp];..." (DP = world // (tp*pp); a third field "sp" turns on sequence parallel). Rank 0 writes one JSON record per check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import mlora
+from mlora.parallel import reset_parallel
+
+MODELS = ("llama", "qwen2", "mistral")
+
+
+def batch(dp_rank: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A right-padded batch (lengths 19, 13, 5; odd, so SP must pad), different on each DP rank."""
+    g = torch.Generator().manual_seed(100 + dp_rank)
+    ids = torch.randint(0, vocab, (3, 19), generator=g)
+    mask = torch.ones_like(ids)
+    for row, length in enumerate((19, 13, 5)):
+        mask[row, length:] = 0
+        ids[row, length:] = 0
+    return ids, mask
+
+
+_hf_cache: dict[str, torch.Tensor] = {}
+
+
+def hf_logits(model_dir: Path, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        return hf(input_ids=ids, attention_mask=mask).logits
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("models_dir", type=Path)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("layouts")
+    ap.add_argument("--roundtrip", type=Path, default=None)
+    args = ap.parse_args()
+    records = []
+    for layout in args.layouts.split(";"):
+        fields = layout.split(",")
+        tp, pp, sp = int(fields[0]), int(fields[1]), fields[2:] == ["sp"]
+        mesh = mlora.init_parallel(tp=tp, pp=pp, sp=sp)
+        for name in MODELS:
+            model_dir = args.models_dir / name
+            model = mlora.from_pretrained(model_dir, mesh, dtype=torch.float32)
+            ids, mask = batch(mesh.dp_rank, model.spec.vocab_size)
+            out = model.logits(ids, attention_mask=mask)
+            if out is not None:
+                ref = hf_logits(model_dir, ids, mask)
+                valid = mask.bool()
+                records.append(dict(check="logits", model=name, tp=tp, pp=pp, dp=mesh.dp, sp=sp, rank=mesh.rank,
+                                    shape=list(out.shape), ref_shape=list(ref.shape),
+                                    max_abs_diff=(out - ref)[valid].abs().max().item()))
+            if args.roundtrip is not None and (tp, pp) == (2, 2):
+                own = sum(p.numel() * p.element_size() for n, p in model.gpt.named_parameters())
+                # vocabulary padding rows are never read from the checkpoint
+                pad_rows = model.spec.padded_vocab_size(tp) // tp - max(
+                    0, min(model.spec.vocab_size - mesh.tp_rank * (model.spec.padded_vocab_size(tp) // tp),
+                           model.spec.padded_vocab_size(tp) // tp))
+                n_vocab_params = sum(1 for n, _ in model.gpt.named_parameters()
+                                     if n in ("embedding.word_embeddings.weight", "output_layer.weight"))
+                own -= pad_rows * model.spec.hidden_size * 4 * n_vocab_params
+                records.append(dict(check="bytes_read", model=name, rank=mesh.rank, bytes_read=model.bytes_read,
+                                    own_param_bytes=own,
+                                    checkpoint_bytes=sum(Path(f).stat().st_size
+                                                         for f in glob.glob(str(model_dir / "*.safetensors")))))
+                out_dir = args.roundtrip / name
+                model.save_merged(out_dir)
+                if mesh.rank == 0:
+                    from safetensors.torch import load_file
+
+                    def tensors(d: Path) -> dict[str, torch.Tensor]:
+                        t: dict[str, torch.Tensor] = {}
+                        for f in sorted(d.glob("*.safetensors")):
+                            t.update(load_file(f))
+                        return t
+
+                    src, dst = tensors(model_dir), tensors(out_dir)
+                    records.append(dict(check="roundtrip", model=name, same_names=sorted(src) == sorted(dst),
+                                        bit_identical=sorted(src) == sorted(dst) and all(
+                                            torch.equal(src[k], dst[k]) and src[k].dtype == dst[k].dtype
+                                            for k in src),
+                                        files=sorted(p.name for p in out_dir.iterdir())))
+            del model
+        reset_parallel()
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, records)
+    if dist.get_rank() == 0:
+        args.out.write_text(json.dumps([r for rs in gathered for r in rs], indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
