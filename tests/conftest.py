@@ -29,6 +29,17 @@ def tiny_models(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def peft_refs_dir(tiny_models, tmp_path_factory) -> Path:
+    """Random PEFT adapters for tiny Llama and Qwen2 and the HF+PEFT results mlora must match."""
+    from peft_refs import build_refs
+
+    root = tmp_path_factory.mktemp("peft_refs")
+    for name in ("llama", "qwen2"):
+        build_refs(tiny_models / name, root / name)
+    return root
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

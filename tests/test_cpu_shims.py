@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mlora.parallel.cpu_shims import CpuRNGStatesTracker, PATCHED_SITES, check_patched_sites
+from mlora.parallel.cpu_shims import PATCHED_SITES, CpuRNGStatesTracker, check_patched_sites
 
 
 def test_patched_megatron_symbols_still_exist():

@@ -3,20 +3,20 @@
 Three grouped torchrun launches (1, 2 and 4 CPU ranks) cover (TP, PP, DP) = (1,1,1), (2,1,1),
 (2,1,1)+SP, (1,2,1), (1,1,2) and (2,2,1) for tiny Llama (llama3 RoPE scaling, sharded
 checkpoint), Qwen2 (tied embeddings, q/k/v bias) and Mistral (head_dim 64 != hidden/heads,
-sliding window shorter than the sequence). Vocabulary 1001: TP 2 pads it.
+sliding window shorter than the sequence), with and without sequence parallelism.
+Vocabulary 1001: TP 2 pads it; 19-token sequences: SP pads them.
 """
 
 from __future__ import annotations
 
 import pytest
-
 from conftest import run_records
 
 LOGITS_TOL = 1e-4  # float32, issue 2
 LAUNCHES = {
     1: ("1,1", {(1, 1, 1, False)}),
     2: ("2,1;2,1,sp;1,2;1,1", {(2, 1, 1, False), (2, 1, 1, True), (1, 2, 1, False), (1, 1, 2, False)}),
-    4: ("2,2", {(2, 2, 1, False)}),
+    4: ("2,2;2,2,sp", {(2, 2, 1, False), (2, 2, 1, True)}),
 }
 MODELS = {"llama", "qwen2", "mistral"}
 MAX_READ_FRACTION = 0.35

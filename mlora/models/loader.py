@@ -52,4 +52,4 @@ def from_pretrained(hf_dir: str | os.PathLike, mesh: Mesh, dtype: torch.dtype = 
         if params:
             raise RuntimeError(f"parameters without an HF mapping: {sorted(params)}")
         bytes_read = reader.bytes_read
-    return MLoraModel(gpt, spec, mesh, Path(hf_dir), dtype, bytes_read=bytes_read)
+    return MLoraModel(gpt, spec, mesh, Path(hf_dir), dtype, bytes_read=bytes_read).eval()  # like HF: eval mode

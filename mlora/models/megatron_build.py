@@ -7,6 +7,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from mlora.lora.adapters import attach_lora_sites
 from mlora.models.hf_config import ModelSpec, hf_inv_freq
 from mlora.models.norm import RMSNorm
 from mlora.parallel.mesh import Mesh
@@ -50,16 +51,25 @@ def transformer_config(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype):
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
+        calculate_per_token_loss=True,  # loss functions return their micro-batch's share; no rescaling
     )
 
 
 def block_spec(config):
-    """megatron's local GPT layer spec with mlora's RMSNorm (SP-capable) in every norm slot."""
+    """megatron's local GPT layer spec with two swaps: mlora's RMSNorm (SP-capable) in every norm
+    slot and LoRA-capable parallel linears in every linear slot."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+    from mlora.lora.layers import LoraColumnParallelLinear, LoraRowParallelLinear
+
     layer = get_gpt_layer_local_spec(normalization="RMSNorm")
-    layer.submodules = dataclasses.replace(layer.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm)
+    sub = layer.submodules
+    sub.self_attention.submodules = dataclasses.replace(
+        sub.self_attention.submodules, linear_qkv=LoraColumnParallelLinear, linear_proj=LoraRowParallelLinear)
+    sub.mlp.submodules = dataclasses.replace(
+        sub.mlp.submodules, linear_fc1=LoraColumnParallelLinear, linear_fc2=LoraRowParallelLinear)
+    layer.submodules = dataclasses.replace(sub, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm)
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=RMSNorm)
 
 
@@ -85,4 +95,5 @@ def build_gpt_model(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype):
     model.to(mesh.device)
     for p in model.parameters():
         p.requires_grad_(False)
+    attach_lora_sites(model, spec, mesh.tp)
     return model

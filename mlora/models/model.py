@@ -6,11 +6,12 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from mlora.lora.adapters import AdapterHost
 from mlora.models.attention import attention_mask as build_attention_mask
 from mlora.models.hf_config import ModelSpec
 from mlora.models.safetensors_writer import SafetensorsWriter
@@ -23,10 +24,11 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
               "chat_template.jinja")
 
 
-class MLoraModel(torch.nn.Module):
-    """The frozen base of one rank (a megatron ``GPTModel`` shard) and its facade.
+class MLoraModel(AdapterHost, torch.nn.Module):
+    """The frozen base of one rank (a megatron ``GPTModel`` shard), its adapters, and the facade.
 
-    Build it with :func:`mlora.from_pretrained`.
+    Build it with :func:`mlora.from_pretrained`. Adapter methods (``add_adapter``,
+    ``load_adapter``, ``use_adapters`` ...) come from :class:`mlora.lora.adapters.AdapterHost`.
     """
 
     def __init__(self, gpt: torch.nn.Module, spec: ModelSpec, mesh: Mesh, hf_dir: Path, dtype: torch.dtype,
@@ -38,6 +40,8 @@ class MLoraModel(torch.nn.Module):
         self.hf_dir = Path(hf_dir)
         self.dtype = dtype
         self.bytes_read = bytes_read  # checkpoint bytes this rank read while loading
+        self.adapters = {}
+        self._active: tuple[str, ...] | None = None  # None: every adapter, in the order added
 
     @property
     def config(self):
@@ -66,29 +70,58 @@ class MLoraModel(torch.nn.Module):
         mask = build_attention_mask(batch, ids.shape[1], attention_mask, self.spec.sliding_window, device)
         return ids, positions, mask, seq
 
-    def _forward_stage(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-        """Run the pipeline (megatron's schedule, forward only); vocab-parallel logits on the last stage."""
+    def vocab_shard_range(self) -> tuple[int, int]:
+        """Columns ``[start, stop)`` of the real vocabulary held by this TP rank's logits shard."""
+        per = self.spec.padded_vocab_size(self.mesh.tp) // self.mesh.tp
+        start = self.mesh.tp_rank * per
+        return start, max(start, min(start + per, self.spec.vocab_size))
+
+    def forward_backward(self, micro_batches: Sequence[dict], loss_fn: Callable | None = None,
+                         forward_only: bool = False) -> list | None:
+        """Run micro-batches through megatron's pipeline schedule (collective over TP and PP).
+
+        Each micro-batch is a dict with ``input_ids`` ``[b, s]`` (the same shape for all) and
+        optionally ``attention_mask`` plus anything ``loss_fn`` needs. On the last stage
+        ``loss_fn(logits, micro_batch) -> (loss, metrics)`` gets this TP rank's vocab-parallel
+        logits ``[b, s, padded_vocab / TP]`` (see :meth:`vocab_shard_range`); ``loss`` is the
+        micro-batch's share of the step's loss, and gradients accumulate as the plain sum of
+        them. Returns the metrics per micro-batch (or, without ``loss_fn``, the logits) on the
+        last stage and None elsewhere.
+        """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        ids, positions, mask, seq = self._prepare(input_ids, attention_mask)
+        if not micro_batches:
+            raise ValueError("forward_backward needs at least one micro-batch")
+        shape = tuple(micro_batches[0]["input_ids"].shape)
+        for mb in micro_batches:
+            if tuple(mb["input_ids"].shape) != shape:
+                raise ValueError(f"all micro-batches must have the same [batch, seq] shape; got {shape} and "
+                                 f"{tuple(mb['input_ids'].shape)}")
+        prepared = [(mb, *self._prepare(mb["input_ids"], mb.get("attention_mask"))) for mb in micro_batches]
 
         def forward_step(data_iterator, model):
-            batch = next(data_iterator)
-            return model(batch["ids"], batch["positions"], batch["mask"]), None
+            mb, ids, positions, mask, seq = next(data_iterator)
+            output = model(ids, positions, mask)
+            if loss_fn is None:
+                return output[:, :seq], None
 
-        seq_len = ids.shape[1] // (self.mesh.tp if self.mesh.sp else 1)
+            def loss_func(output_tensor):
+                loss, metrics = loss_fn(output_tensor[:, :seq], mb)
+                return loss, torch.tensor(1, dtype=torch.int), metrics
+
+            return output, loss_func
+
+        ids = prepared[0][1]
         outputs = get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=iter([{"ids": ids, "positions": positions, "mask": mask}]),
+            data_iterator=iter(prepared),
             model=self.gpt,
-            num_microbatches=1,
-            seq_length=seq_len,
+            num_microbatches=len(prepared),
+            seq_length=ids.shape[1],  # megatron divides by TP itself under sequence parallelism
             micro_batch_size=ids.shape[0],
-            forward_only=True,
+            forward_only=forward_only,
         )
-        if not self.mesh.is_last_stage:
-            return None
-        return outputs[0][:, :seq]
+        return outputs if self.mesh.is_last_stage else None
 
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -97,22 +130,29 @@ class MLoraModel(torch.nn.Module):
         Logits are gathered over TP and cut to the HF vocabulary (padding rows never show).
         With a right-padded batch and HF's ``attention_mask``, non-pad positions equal HF's.
         """
-        local = self._forward_stage(input_ids, attention_mask)
-        if local is None:
+        outputs = self.forward_backward([{"input_ids": input_ids, "attention_mask": attention_mask}],
+                                        forward_only=True)
+        if outputs is None:
             return None
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-        return gather_from_tensor_model_parallel_region(local)[..., : self.spec.vocab_size].float()
+        return gather_from_tensor_model_parallel_region(outputs[0])[..., : self.spec.vocab_size].float()
 
     # ------------------------------------------------------------------ export
-    def _hf_tensors(self, adapters: Iterable[str]) -> Iterable[tuple[str, torch.Tensor]]:
-        """This stage's HF tensors, gathered over TP one parameter at a time (collective over TP)."""
+    def _hf_tensors(self, adapters: list[str]) -> Iterable[tuple[str, torch.Tensor]]:
+        """This stage's HF tensors, gathered over TP one parameter at a time (collective over TP);
+        the weights of adapted linears come merged with ``adapters``."""
         params = dict(self.gpt.named_parameters())
+        modules = dict(self.gpt.named_modules())
         group = self.mesh.tp_group
         for pm in stage_param_maps(self.spec, self.mesh.pp, self.mesh.pp_rank):
             if is_export_copy(pm, self.spec):
                 continue
-            local = params[pm.megatron_name].detach()
+            owner = modules.get(pm.megatron_name.rsplit(".", 1)[0])
+            if adapters and pm.megatron_name.endswith(".weight") and hasattr(owner, "lora_site"):
+                local = self.merged_weight(owner, adapters)
+            else:
+                local = params[pm.megatron_name].detach()
             if self.mesh.tp > 1 and pm.kind != "replicated":
                 shards = [torch.empty_like(local) for _ in range(self.mesh.tp)]
                 dist.all_gather(shards, local.contiguous(), group=group)
@@ -129,17 +169,15 @@ class MLoraModel(torch.nn.Module):
         return layout
 
     def save_merged(self, out_dir: str | os.PathLike, adapters: Iterable[str] = ()) -> None:
-        """Write an HF checkpoint from the shards (collective: call on every rank).
+        """Write an HF checkpoint from the shards, with ``W + s·B·A`` of ``adapters`` merged in
+        (collective: call on every rank).
 
         One safetensors file per pipeline stage (``model.safetensors`` when PP is 1) plus
         ``model.safetensors.index.json``, config and tokenizer files copied from the source.
         Each stage streams its tensors, gathered over TP one at a time.
         """
         adapters = list(adapters)
-        known = sorted(getattr(self, "adapters", {}) or {})
-        unknown = [a for a in adapters if a not in known]
-        if unknown:
-            raise ValueError(f"unknown adapters {unknown}; this model has {known or 'no adapters'}")
+        self._require(*adapters)
         out = Path(out_dir)
         pp, stage = self.mesh.pp, self.mesh.pp_rank
         file_name = "model.safetensors" if pp == 1 else f"model-{stage + 1:05d}-of-{pp:05d}.safetensors"

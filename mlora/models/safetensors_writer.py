@@ -50,8 +50,8 @@ class SafetensorsWriter:
         if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
             raise ValueError(f"tensor {name!r} is {tensor.dtype}{tuple(tensor.shape)}, "
                              f"the header promised {dtype}{tuple(shape)}")
-        self._file.write(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
-                         if tensor.numel() else b"")
+        if tensor.numel():  # write the tensor's own bytes: no copy beyond .contiguous()/.cpu()
+            self._file.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
         self._next += 1
 
     def close(self) -> None:

@@ -24,6 +24,32 @@ from mlora.models.hf_config import ModelSpec
 REPLICATED, ROWS, COLUMNS, QKV, FC1, VOCAB = "replicated", "rows", "columns", "qkv", "fc1", "vocab"
 
 
+_SPLIT_DIM = {ROWS: 0, COLUMNS: 1}
+
+
+def read_shard(reader: CheckpointReader, name: str, kind: str, tp: int, tp_rank: int) -> torch.Tensor:
+    """This TP rank's even slice of tensor ``name`` (whole tensor when ``kind`` is replicated)."""
+    if kind == REPLICATED:
+        return reader.read(name)
+    dim = _SPLIT_DIM[kind]
+    n = reader.entry(name).shape[dim] // tp
+    return reader.read(name, dim=dim, start=tp_rank * n, stop=(tp_rank + 1) * n)
+
+
+def shard(full: torch.Tensor, kind: str, tp: int, tp_rank: int) -> torch.Tensor:
+    """In-memory twin of :func:`read_shard`."""
+    if kind == REPLICATED:
+        return full
+    return full.chunk(tp, dim=_SPLIT_DIM[kind])[tp_rank]
+
+
+def unshard(shards: list[torch.Tensor], kind: str) -> torch.Tensor:
+    """The full tensor from all TP ranks' shards, in rank order (inverse of :func:`shard`)."""
+    if kind == REPLICATED:
+        return shards[0]
+    return torch.cat(shards, dim=_SPLIT_DIM[kind])
+
+
 @dataclass(frozen=True)
 class ParamMap:
     """How one Megatron parameter of this rank maps onto HF tensors."""
@@ -53,16 +79,8 @@ class ParamMap:
 
     def load(self, reader: CheckpointReader, spec: ModelSpec, tp: int, tp_rank: int) -> torch.Tensor:
         """This TP rank's shard, reading only its slices."""
-        if self.kind == REPLICATED:
-            return reader.read(self.hf_names[0])
-        if self.kind == COLUMNS:
-            name = self.hf_names[0]
-            n = reader.entry(name).shape[1] // tp
-            return reader.read(name, dim=1, start=tp_rank * n, stop=(tp_rank + 1) * n)
-        if self.kind == ROWS:
-            name = self.hf_names[0]
-            n = reader.entry(name).shape[0] // tp
-            return reader.read(name, dim=0, start=tp_rank * n, stop=(tp_rank + 1) * n)
+        if self.kind in (REPLICATED, ROWS, COLUMNS):
+            return read_shard(reader, self.hf_names[0], self.kind, tp, tp_rank)
         if self.kind == FC1:
             n = spec.intermediate_size // tp
             return torch.cat([reader.read(name, 0, tp_rank * n, (tp_rank + 1) * n) for name in self.hf_names])
@@ -91,12 +109,8 @@ class ParamMap:
 
     def to_hf(self, shards: list[torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
         """The HF tensors, from the shards of all TP ranks in rank order."""
-        if self.kind == REPLICATED:
-            return {self.hf_names[0]: shards[0]}
-        if self.kind == COLUMNS:
-            return {self.hf_names[0]: torch.cat(shards, dim=1)}
-        if self.kind == ROWS:
-            return {self.hf_names[0]: torch.cat(shards, dim=0)}
+        if self.kind in (REPLICATED, ROWS, COLUMNS):
+            return {self.hf_names[0]: unshard(shards, self.kind)}
         if self.kind == VOCAB:
             return {self.hf_names[0]: torch.cat(shards)[: spec.vocab_size]}
         if self.kind == FC1:

@@ -119,6 +119,9 @@ def init_parallel(tp: int = 1, pp: int = 1, sp: bool = False, seed: int = 1234,
     else:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                      create_gloo_process_groups=use_cuda)
+        # Same default stream on every rank (dropout on TP-replicated inputs must agree across
+        # TP ranks); megatron's tracker adds the per-TP-rank stream for TP-sharded inputs.
+        torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
     return Mesh(

@@ -65,7 +65,7 @@ def main() -> None:
                 records.append(dict(check="logits", model=name, tp=tp, pp=pp, dp=mesh.dp, sp=sp, rank=mesh.rank,
                                     shape=list(out.shape), ref_shape=list(ref.shape),
                                     max_abs_diff=(out - ref)[valid].abs().max().item()))
-            if args.roundtrip is not None and (tp, pp) == (2, 2):
+            if args.roundtrip is not None and (tp, pp, sp) == (2, 2, False):
                 own = sum(p.numel() * p.element_size() for n, p in model.gpt.named_parameters())
                 # vocabulary padding rows are never read from the checkpoint
                 pad_rows = model.spec.padded_vocab_size(tp) // tp - max(

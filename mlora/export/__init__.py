@@ -1,0 +1,1 @@
+"""Adapters out to the HF ecosystem: PEFT files, merged checkpoints, export plans."""

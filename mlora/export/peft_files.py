@@ -1,0 +1,162 @@
+"""PEFT adapter directories: read and check them, write them exactly as PEFT does (atomically)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from mlora.lora.config import LoraConfig
+from mlora.lora.sites import factor_shapes
+from mlora.lora.targets import HF_PROJECTIONS, hf_module_name
+from mlora.models.checkpoint_reader import CheckpointError, CheckpointReader
+from mlora.models.safetensors_writer import SafetensorsWriter
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def peft_tensor_name(layer: int, proj: str, factor: str) -> str:
+    """PEFT's saved name of a LoRA factor (``factor`` is "A" or "B")."""
+    return f"base_model.model.{hf_module_name(layer, proj)}.lora_{factor}.weight"
+
+
+def peft_target_modules(modules: set[tuple[int, str]], num_layers: int) -> list[str]:
+    """PEFT ``target_modules`` naming exactly the adapted modules.
+
+    Projection names when each adapted projection is adapted in every layer (what PEFT itself
+    writes for ``target_modules=["q_proj", ...]``), otherwise full module paths.
+    """
+    projs = sorted({p for _, p in modules}, key=HF_PROJECTIONS.index)
+    if all((i, p) in modules for p in projs for i in range(num_layers)):
+        return projs
+    return sorted(hf_module_name(i, p) for i, p in modules)
+
+
+def peft_adapter_config(config: LoraConfig, modules: set[tuple[int, str]], num_layers: int,
+                        base_model_name_or_path: str, architecture: str) -> dict:
+    """The ``adapter_config.json`` PEFT 0.2x writes for a plain LoRA adapter on a causal LM."""
+    module = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}[architecture]
+    return {
+        "alpha_pattern": {},
+        "auto_mapping": {"base_model_class": architecture,
+                         "parent_library": f"transformers.models.{module}.modeling_{module}"},
+        "base_model_name_or_path": base_model_name_or_path,
+        "bias": "none",
+        "exclude_modules": None,
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "layer_replication": None,
+        "layers_pattern": None,
+        "layers_to_transform": None,
+        "loftq_config": {},
+        "lora_alpha": config.alpha if not float(config.alpha).is_integer() else int(config.alpha),
+        "lora_bias": False,
+        "lora_dropout": config.dropout,
+        "megatron_config": None,
+        "megatron_core": "megatron.core",
+        "modules_to_save": None,
+        "peft_type": "LORA",
+        "r": config.rank,
+        "rank_pattern": {},
+        "revision": None,
+        "target_modules": peft_target_modules(modules, num_layers),
+        "task_type": "CAUSAL_LM",
+        "use_dora": False,
+        "use_rslora": config.use_rslora,
+    }
+
+
+def write_peft_adapter(out_dir: str | os.PathLike, tensors: dict[str, torch.Tensor], config: dict) -> Path:
+    """Write ``adapter_model.safetensors`` and ``adapter_config.json``; each file appears atomically."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    names = sorted(tensors)
+    writer = SafetensorsWriter(out / ADAPTER_WEIGHTS,
+                               {n: (tensors[n].dtype, tuple(tensors[n].shape)) for n in names},
+                               metadata={"format": "pt"})
+    try:
+        for n in names:
+            writer.write(n, tensors[n])
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
+    tmp = out / (ADAPTER_CONFIG + ".tmp")
+    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, out / ADAPTER_CONFIG)
+    return out
+
+
+_UNSUPPORTED_PEFT = {
+    "use_dora": (True,), "fan_in_fan_out": (True,), "bias": ("all", "lora_only"),
+}
+
+
+def read_peft_config(path: Path) -> LoraConfig:
+    """LoraConfig from a PEFT ``adapter_config.json``, rejecting features mlora cannot reproduce."""
+    file = path / ADAPTER_CONFIG
+    if not path.is_dir():
+        raise FileNotFoundError(f"adapter directory {str(path)!r} does not exist")
+    if not file.is_file():
+        raise FileNotFoundError(f"{path} has no {ADAPTER_CONFIG}: not a PEFT adapter directory")
+    raw = json.loads(file.read_text())
+    if raw.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{file}: peft_type {raw.get('peft_type')!r} is not supported; supported: 'LORA'")
+    for key, bad in _UNSUPPORTED_PEFT.items():
+        if raw.get(key) in bad:
+            raise ValueError(f"{file}: {key}={raw[key]!r} is not supported (mlora loads plain LoRA)")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if raw.get(key):
+            raise ValueError(f"{file}: a non-empty {key} is not supported (one rank and alpha per adapter)")
+    if raw.get("modules_to_save"):
+        raise ValueError(f"{file}: modules_to_save={raw['modules_to_save']} is not supported")
+    return LoraConfig(rank=int(raw["r"]), alpha=float(raw.get("lora_alpha", raw["r"])),
+                      dropout=float(raw.get("lora_dropout", 0.0) or 0.0),
+                      target_modules=raw.get("target_modules") or "all-linear",
+                      exclude_modules=raw.get("exclude_modules"),
+                      use_rslora=bool(raw.get("use_rslora", False)), extra=raw)
+
+
+def peft_modules(names, num_layers: int, path: Path) -> set[tuple[int, str]]:
+    """(layer, projection) pairs present in a PEFT weights file."""
+    pattern = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+    found: dict[tuple[int, str], set[str]] = {}
+    for name in names:
+        m = pattern.match(name)
+        if m is None:
+            raise CheckpointError(f"{path / ADAPTER_WEIGHTS}: tensor {name!r} is not a LoRA factor of a "
+                                  "supported decoder layer")
+        layer, proj, factor = int(m.group(1)), m.group(3), m.group(4)
+        if proj not in HF_PROJECTIONS:
+            raise CheckpointError(f"{path / ADAPTER_WEIGHTS}: unknown projection {proj!r} in {name!r}; "
+                                  f"valid: {', '.join(HF_PROJECTIONS)}")
+        if layer >= num_layers:
+            raise CheckpointError(f"{path / ADAPTER_WEIGHTS}: adapter has layer {layer}, the base has only "
+                                  f"{num_layers} layers: an adapter for another base?")
+        found.setdefault((layer, proj), set()).add(factor)
+    incomplete = [f"{hf_module_name(*k)}" for k, v in found.items() if v != {"A", "B"}]
+    if incomplete:
+        raise CheckpointError(f"{path / ADAPTER_WEIGHTS}: modules without both lora_A and lora_B: {incomplete[:3]}")
+    if not found:
+        raise CheckpointError(f"{path / ADAPTER_WEIGHTS} holds no LoRA tensors")
+    return set(found)
+
+
+def check_peft_shapes(reader: CheckpointReader, modules, sites, rank: int, path: Path) -> None:
+    """Every factor must have the shape the base implies (rank from adapter_config.json)."""
+    for layer, proj in sorted(modules):
+        site = sites[(layer, proj)]
+        a_shape, b_shape = factor_shapes(site, proj, rank)
+        for factor, shape in (("A", a_shape), ("B", b_shape)):
+            name = peft_tensor_name(layer, proj, factor)
+            got = reader.entry(name).shape
+            if tuple(got) != shape:
+                hint = (f"r in {ADAPTER_CONFIG} is {rank}" if (factor == "A" and got[0] != rank)
+                        or (factor == "B" and got[1] != rank) else "an adapter for another base?")
+                raise CheckpointError(f"{path / ADAPTER_WEIGHTS}: {name} has shape {tuple(got)}, this base "
+                                      f"needs {shape} ({hint})")

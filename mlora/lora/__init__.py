@@ -1,0 +1,6 @@
+"""LoRA on column- and row-parallel linears: config, layers, adapter registry, target resolution."""
+
+from mlora.lora.config import LoraConfig
+from mlora.lora.layers import LoraColumnParallelLinear, LoraRowParallelLinear
+
+__all__ = ["LoraColumnParallelLinear", "LoraConfig", "LoraRowParallelLinear"]

@@ -1,0 +1,289 @@
+"""Many named adapters on one frozen base: add, load (PEFT), select, stack, gather.
+
+:class:`AdapterHost` is mixed into :class:`mlora.MLoraModel`; it walks the LoRA linears of this
+rank's megatron model, creates one :class:`LoraBranch` per adapter on each adapted linear, and
+converts between this rank's shards and canonical PEFT tensors
+(``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` ...).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from mlora.export.peft_files import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    check_peft_shapes,
+    peft_adapter_config,
+    peft_modules,
+    peft_tensor_name,
+    read_peft_config,
+    write_peft_adapter,
+)
+from mlora.lora.config import LoraConfig
+from mlora.lora.layers import LORA_LINEARS, LoraBranch, LoraSite, stacked_b
+from mlora.lora.sites import FACTOR_KINDS, factor_shapes, model_sites
+from mlora.lora.targets import resolve_targets
+from mlora.models.checkpoint_reader import CheckpointReader
+from mlora.models.weight_map import REPLICATED, read_shard, shard, unshard
+
+
+@dataclass
+class AdapterInfo:
+    """What the model knows about one adapter."""
+
+    config: LoraConfig
+    trainable: bool
+    modules: frozenset  # (layer, HF projection) pairs, over the whole model
+
+
+def attach_lora_sites(gpt: torch.nn.Module, spec, tp: int) -> None:
+    """Tell each LoRA linear of this stage where it sits: layer index, projections, output layout."""
+    sites = model_sites(spec, tp)
+    for layer in gpt.decoder.layers:
+        i = layer.layer_number - 1
+        layer.self_attention.linear_qkv.lora_site = sites[(i, "q_proj")]
+        layer.self_attention.linear_proj.lora_site = sites[(i, "o_proj")]
+        layer.mlp.linear_fc1.lora_site = sites[(i, "gate_proj")]
+        layer.mlp.linear_fc2.lora_site = sites[(i, "down_proj")]
+
+
+def _init_factors(cfg: LoraConfig, site: LoraSite, sub: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """PEFT's default init (A ~ kaiming-uniform(a=√5) = U(±1/√in), B = 0), seeded per module so that
+    every mesh builds the same adapter."""
+    a_shape, b_shape = factor_shapes(site, sub, cfg.rank)
+    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + site.layer * 101 + site.subs.index(sub)
+                                      + 7 * ("column", "row").index(site.parallel))
+    bound = 1.0 / site.in_full ** 0.5
+    a = (torch.rand(a_shape, generator=g, dtype=torch.float64) * 2 - 1) * bound
+    return a, torch.zeros(b_shape, dtype=torch.float64)
+
+
+class AdapterHost:
+    """Adapter management for a model that has ``gpt``, ``spec``, ``mesh`` and ``dtype``."""
+
+    adapters: dict[str, AdapterInfo]
+
+    def _lora_linears(self) -> Iterator[torch.nn.Module]:
+        for module in self.gpt.modules():
+            if isinstance(module, LORA_LINEARS):
+                yield module
+
+    # ------------------------------------------------------------- creation
+    def _check_new_name(self, name: str) -> None:
+        if not isinstance(name, str) or not name or "." in name:
+            raise ValueError(f"adapter name {name!r} is invalid: use a non-empty string without dots")
+        if name in self.adapters:
+            raise ValueError(f"an adapter named {name!r} already exists; existing: {sorted(self.adapters)}")
+
+    def _install(self, name: str, cfg: LoraConfig, modules: set, trainable: bool, factors) -> None:
+        """Create the branches of this stage. ``factors(site, sub) -> (A_local, B_local)``."""
+        for linear in self._lora_linears():
+            site = linear.lora_site
+            subs = tuple(s for s in site.subs if (site.layer, s) in modules)
+            if not subs:
+                continue
+            a_parts, b_parts = [], []
+            for sub in subs:
+                a, b = factors(site, sub)
+                a_parts.append(a)
+                b_parts.append(b)
+            device = linear.weight.device
+            branch = LoraBranch(subs, cfg.rank, cfg.scaling, cfg.dropout,
+                                torch.cat(a_parts).to(device=device, dtype=self.dtype),
+                                [b.to(device=device, dtype=self.dtype) for b in b_parts], trainable)
+            branch.train(self.training)
+            linear.lora[name] = branch
+        self.adapters[name] = AdapterInfo(cfg, trainable, frozenset(modules))
+        self._apply_active()
+
+    def add_adapter(self, name: str, config: LoraConfig, trainable: bool = True) -> None:
+        """Add a freshly initialised adapter (B = 0, so the model's output is unchanged)."""
+        self._check_new_name(name)
+        modules = resolve_targets(config.target_modules, config.exclude_modules, self.spec.num_layers)
+        tp, tp_rank = self.mesh.tp, self.mesh.tp_rank
+
+        def factors(site: LoraSite, sub: str):
+            a, b = _init_factors(config, site, sub)
+            a_kind, b_kind = FACTOR_KINDS[site.parallel]
+            return shard(a, a_kind, tp, tp_rank), shard(b, b_kind, tp, tp_rank)
+
+        self._install(name, config, modules, trainable, factors)
+
+    def load_adapter(self, name: str, peft_dir: str | os.PathLike, trainable: bool = False) -> None:
+        """Load a PEFT LoRA adapter (``adapter_config.json`` + ``adapter_model.safetensors``).
+
+        Each rank reads only its slices. Adapters that target a subset of projections load as
+        that subset. Shapes are checked against the base before anything is created.
+        """
+        self._check_new_name(name)
+        path = Path(peft_dir)
+        cfg = read_peft_config(path)
+        weights = path / ADAPTER_WEIGHTS
+        if not weights.is_file():
+            raise FileNotFoundError(f"{path} has no {ADAPTER_WEIGHTS} (a PEFT adapter directory holds "
+                                    f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
+        tp, tp_rank = self.mesh.tp, self.mesh.tp_rank
+        with CheckpointReader(path) as reader:
+            modules = peft_modules(reader.entries, self.spec.num_layers, path)
+            check_peft_shapes(reader, modules, self._all_sites(), cfg.rank, path)
+
+            def factors(site: LoraSite, sub: str):
+                a_kind, b_kind = FACTOR_KINDS[site.parallel]
+                return (read_shard(reader, peft_tensor_name(site.layer, sub, "A"), a_kind, tp, tp_rank),
+                        read_shard(reader, peft_tensor_name(site.layer, sub, "B"), b_kind, tp, tp_rank))
+
+            self._install(name, cfg, modules, trainable, factors)
+
+    def _all_sites(self) -> dict[tuple[int, str], LoraSite]:
+        """Sites of every (layer, projection) of the whole model, computed from the spec."""
+        return model_sites(self.spec, self.mesh.tp)
+
+    def delete_adapter(self, name: str) -> None:
+        self._require(name)
+        for linear in self._lora_linears():
+            if name in linear.lora:
+                del linear.lora[name]
+        del self.adapters[name]
+        self._active = tuple(a for a in self._active if a != name) if self._active is not None else None
+        self._apply_active()
+
+    # ------------------------------------------------------------- selection
+    def _require(self, *names: str) -> None:
+        unknown = [n for n in names if n not in self.adapters]
+        if unknown:
+            raise ValueError(f"unknown adapters {unknown}; this model has {sorted(self.adapters) or 'none'}")
+
+    @property
+    def active_adapters(self) -> tuple[str, ...]:
+        """Adapters applied in forward passes: those of the innermost ``use_adapters`` block, else all."""
+        return tuple(self.adapters) if self._active is None else self._active
+
+    def _apply_active(self) -> None:
+        active = self.active_adapters
+        for linear in self._lora_linears():
+            linear.active_adapters = active
+
+    @contextlib.contextmanager
+    def use_adapters(self, *names: str):
+        """Apply exactly ``names`` (stacked, in order) inside the block; no names = the base alone."""
+        self._require(*names)
+        previous = self._active
+        self._active = tuple(names)
+        self._apply_active()
+        try:
+            yield self
+        finally:
+            self._active = previous
+            self._apply_active()
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """Parameters that train: adapter factors (and heads) with ``requires_grad``; never the base."""
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def set_trainable(self, name: str, trainable: bool) -> None:
+        self._require(name)
+        for linear in self._lora_linears():
+            if name in linear.lora:
+                linear.lora[name].requires_grad_(trainable)
+        self.adapters[name].trainable = trainable
+
+    # ------------------------------------------------------------- gradients and gathering
+    def _replicated_factors(self) -> Iterator[torch.nn.Parameter]:
+        """Factors every TP rank holds whole (A of column layers, B of row layers)."""
+        for linear in self._lora_linears():
+            for branch in linear.lora.values():
+                if linear.lora_site.parallel == "column":
+                    yield branch.lora_A
+                else:
+                    yield from branch.lora_B
+
+    def reduce_tp_replicated_grads(self) -> None:
+        """Sum the gradients of TP-replicated factors over TP: one bucketed all-reduce per step.
+
+        Each TP rank holds only its part of those gradients (they depend on its output or input
+        shard); the sum is the full gradient. Call once per optimizer step, after backward.
+        """
+        if self.mesh.tp == 1:
+            return
+        grads = [p.grad for p in self._replicated_factors() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.mesh.tp_group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def adapter_tensors(self, name: str, grads: bool = False) -> dict[str, torch.Tensor]:
+        """This stage's factors of ``name`` (or their gradients) in PEFT layout, gathered over TP.
+
+        Collective over the TP group. Replicated factors' gradients must have been reduced with
+        :meth:`reduce_tp_replicated_grads` first.
+        """
+        self._require(name)
+        out: dict[str, torch.Tensor] = {}
+        for linear in self._lora_linears():
+            if name not in linear.lora:
+                continue
+            site, branch = linear.lora_site, linear.lora[name]
+            a_kind, b_kind = FACTOR_KINDS[site.parallel]
+            for k, sub in enumerate(branch.subs):
+                a = branch.lora_A.grad[k * branch.rank:(k + 1) * branch.rank] if grads else branch.a_of(k)
+                b = branch.lora_B[k].grad if grads else branch.lora_B[k]
+                out[peft_tensor_name(site.layer, sub, "A")] = self._gather_tp(a, a_kind)
+                out[peft_tensor_name(site.layer, sub, "B")] = self._gather_tp(b, b_kind)
+        return out
+
+    def save_adapter(self, name: str, out_dir: str | os.PathLike) -> None:
+        """Write adapter ``name`` as a PEFT directory (collective: call on every rank).
+
+        Gathers the factors over TP and over all pipeline stages to global rank 0, which writes
+        ``adapter_model.safetensors`` and ``adapter_config.json`` exactly as PEFT does; each file
+        appears atomically. Loads unchanged with ``PeftModel.from_pretrained`` and in vLLM.
+        """
+        self._require(name)
+        tensors = self.adapter_tensors(name)
+        mine = tensors if self.mesh.tp_rank == 0 and self.mesh.dp_rank == 0 else {}
+        parts: list | None = [None] * self.mesh.world_size if self.mesh.rank == 0 else None
+        dist.gather_object(mine, parts, dst=0)
+        if self.mesh.rank == 0:
+            full: dict[str, torch.Tensor] = {}
+            for part in parts:
+                full.update(part)
+            info = self.adapters[name]
+            config = peft_adapter_config(info.config, set(info.modules), self.spec.num_layers,
+                                         str(self.hf_dir), self.spec.architecture)
+            write_peft_adapter(out_dir, {k: v.to(self.dtype) for k, v in full.items()}, config)
+        dist.barrier()
+
+    def merged_weight(self, linear: torch.nn.Module, names: list[str]) -> torch.Tensor:
+        """This rank's ``W + Σ s·B·A`` of a LoRA linear for adapters ``names`` (same layout as W)."""
+        weight = linear.weight.detach().clone()
+        site = linear.lora_site
+        for name in names:
+            if name not in linear.lora:
+                continue
+            branch = linear.lora[name]
+            if site.parallel == "column":
+                delta = stacked_b(branch, site) @ branch.lora_A
+            else:
+                delta = (branch.lora_B[0] * branch.scaling) @ branch.lora_A
+            weight += delta.detach().to(weight.dtype)
+        return weight
+
+    def _gather_tp(self, local: torch.Tensor, kind: str) -> torch.Tensor:
+        local = local.detach()
+        if kind == REPLICATED or self.mesh.tp == 1:
+            return local.cpu().clone()
+        shards = [torch.empty_like(local) for _ in range(self.mesh.tp)]
+        dist.all_gather(shards, local.contiguous(), group=self.mesh.tp_group)
+        return unshard([s.cpu() for s in shards], kind)

@@ -1,0 +1,39 @@
+"""LoRA sites of a whole model computed from its spec alone (no weights, any stage)."""
+
+from __future__ import annotations
+
+from mlora.lora.layers import LoraSite
+from mlora.models.weight_map import COLUMNS, REPLICATED, ROWS
+
+# How each factor is split over TP (see mlora.lora.layers): column: A replicated, B like W;
+# row: A split on the input dim, B replicated.
+FACTOR_KINDS = {"column": (REPLICATED, ROWS), "row": (COLUMNS, REPLICATED)}
+
+
+def factor_shapes(site: LoraSite, sub: str, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Full (HF/PEFT) shapes of A and B for projection ``sub`` of ``site``."""
+    return (rank, site.in_full), (site.out_full[site.subs.index(sub)], rank)
+
+
+def model_sites(spec, tp: int) -> dict[tuple[int, str], LoraSite]:
+    """(layer, HF projection) -> the LoraSite of the parallel linear that carries it."""
+    hd, hpg, inter = spec.head_dim, spec.heads_per_group, spec.intermediate_size
+    sites: dict[tuple[int, str], LoraSite] = {}
+    for i in range(spec.num_layers):
+        for site in (
+            LoraSite(layer=i, parallel="column", subs=("q_proj", "k_proj", "v_proj"),
+                     in_local=spec.hidden_size, in_full=spec.hidden_size,
+                     out_full=(spec.num_heads * hd, spec.num_kv_heads * hd, spec.num_kv_heads * hd),
+                     groups=spec.num_kv_heads // tp, block=(hpg + 2) * hd,
+                     placement=((0, hpg * hd), (hpg * hd, hd), ((hpg + 1) * hd, hd))),
+            LoraSite(layer=i, parallel="row", subs=("o_proj",), in_local=spec.num_heads * hd // tp,
+                     in_full=spec.num_heads * hd, out_full=(spec.hidden_size,)),
+            LoraSite(layer=i, parallel="column", subs=("gate_proj", "up_proj"), in_local=spec.hidden_size,
+                     in_full=spec.hidden_size, out_full=(inter, inter), groups=1, block=2 * inter // tp,
+                     placement=((0, inter // tp), (inter // tp, inter // tp))),
+            LoraSite(layer=i, parallel="row", subs=("down_proj",), in_local=inter // tp, in_full=inter,
+                     out_full=(spec.hidden_size,)),
+        ):
+            for sub in site.subs:
+                sites[(i, sub)] = site
+    return sites

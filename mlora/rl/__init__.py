@@ -1,0 +1,11 @@
+"""RL math as pure tensor functions: advantages, policy/value/KL/entropy losses, aggregation,
+vocab-parallel log-probs. Tensors in, tensors out, no hidden state (verl's core_algos style)."""
+
+from mlora.rl.advantages import gae_advantages, grpo_advantages, rloo_advantages
+from mlora.rl.kl import AdaptiveKLController, FixedKLController, kl_penalty
+from mlora.rl.losses import agg_loss, entropy_from_logits, policy_loss, value_loss
+
+__all__ = [
+    "AdaptiveKLController", "FixedKLController", "agg_loss", "entropy_from_logits", "gae_advantages",
+    "grpo_advantages", "kl_penalty", "policy_loss", "rloo_advantages", "value_loss",
+]

@@ -1,0 +1,81 @@
+"""PPO policy loss, clipped value loss, entropy, and loss aggregation modes."""
+
+from __future__ import annotations
+
+import torch
+
+from mlora.rl.masked import masked_mean
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+
+def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
+             normalizer: float | None = None) -> torch.Tensor:
+    """Reduce a ``[batch, response_len]`` per-token loss to a scalar.
+
+    - ``token-mean``: ``Σ_{b,t} ℓ·m / Σ m`` (every token weighs the same)
+    - ``seq-mean-token-sum``: ``mean_b Σ_t ℓ·m`` (sum per sequence, mean over sequences)
+    - ``seq-mean-token-mean``: ``mean_b (Σ_t ℓ·m / Σ_t m)``
+
+    ``normalizer`` replaces the denominator (token count or sequence count) so that a loss split
+    into micro-batches sums to the mini-batch loss: pass the mini-batch's count.
+    """
+    mask = mask.to(loss_mat.dtype)
+    if mode == "token-mean":
+        denom = mask.sum().clamp(min=1) if normalizer is None else max(float(normalizer), 1.0)
+        return (loss_mat * mask).sum() / denom
+    has_tokens = (mask.sum(-1) > 0).to(loss_mat.dtype)
+    if mode == "seq-mean-token-sum":
+        per_seq = (loss_mat * mask).sum(-1)
+    elif mode == "seq-mean-token-mean":
+        per_seq = (loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    else:
+        raise ValueError(f"unknown loss aggregation mode {mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
+    denom = has_tokens.sum().clamp(min=1) if normalizer is None else max(float(normalizer), 1.0)
+    return (per_seq * has_tokens).sum() / denom
+
+
+def policy_loss(logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
+                agg_mode: str = "token-mean", normalizer: float | None = None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate with separate low/high clip (DAPO's clip-higher) and optional dual clip.
+
+    ``ρ = exp(log π - log π_old)``; per token
+    ``ℓ = max(-A·ρ, -A·clip(ρ, 1 - ε_low, 1 + ε_high))``; with dual clip ``c > 1`` and ``A < 0``
+    the loss is further capped: ``ℓ = min(ℓ, -A·c)`` (Ye et al., 2020). Returns the aggregated
+    loss and metrics (clip fraction, approximate KL to the old policy).
+    """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip={dual_clip} must be > 1")
+    log_ratio = logprob - old_logprob
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    metrics = {"clipfrac": masked_mean((clipped > unclipped).to(loss.dtype), mask.to(loss.dtype)).detach(),
+               "ppo_kl": masked_mean(-log_ratio, mask.to(loss.dtype)).detach()}
+    if dual_clip is not None:
+        capped = torch.minimum(loss, -advantages * dual_clip)
+        loss = torch.where(advantages < 0, capped, loss)
+        metrics["dual_clipfrac"] = masked_mean(((advantages < 0) & (capped < torch.maximum(unclipped, clipped)))
+                                               .to(loss.dtype), mask.to(loss.dtype)).detach()
+    return agg_loss(loss, mask, agg_mode, normalizer), metrics
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip_range: float = 0.2, agg_mode: str = "token-mean", normalizer: float | None = None
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss: ``½·max((V - R)², (V_old + clip(V - V_old, ±ε) - R)²)``."""
+    clipped_values = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
+    unclipped = (values - returns).square()
+    clipped = (clipped_values - returns).square()
+    loss = 0.5 * torch.maximum(unclipped, clipped)
+    metrics = {"vf_clipfrac": masked_mean((clipped > unclipped).to(loss.dtype), mask.to(loss.dtype)).detach()}
+    return agg_loss(loss, mask, agg_mode, normalizer), metrics
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """``H = logsumexp(z) - Σ softmax(z)·z`` over the last dim (full vocabulary)."""
+    p = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (p * logits).sum(-1)

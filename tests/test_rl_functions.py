@@ -1,0 +1,137 @@
+"""Every rl/ function against values computed by hand on small tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mlora.rl import (
+    AdaptiveKLController,
+    FixedKLController,
+    agg_loss,
+    entropy_from_logits,
+    gae_advantages,
+    grpo_advantages,
+    kl_penalty,
+    policy_loss,
+    rloo_advantages,
+    value_loss,
+)
+from mlora.rl.kl import apply_kl_in_reward
+from mlora.rl.vocab_parallel import vocab_parallel_logprobs
+
+T = torch.tensor
+
+
+def test_gae_by_hand():
+    # one sequence, 3 response tokens, γ=0.9, λ=0.5
+    r, v, m = T([[0.0, 0.0, 1.0]]), T([[0.5, 0.4, 0.3]]), T([[1.0, 1.0, 1.0]])
+    adv, ret = gae_advantages(r, v, m, gamma=0.9, lam=0.5, whiten=False)
+    d2 = 1.0 - 0.3
+    d1 = 0.0 + 0.9 * 0.3 - 0.4
+    d0 = 0.0 + 0.9 * 0.4 - 0.5
+    a2, a1 = d2, d1 + 0.45 * d2
+    a0 = d0 + 0.45 * a1
+    torch.testing.assert_close(adv, T([[a0, a1, a2]]))
+    torch.testing.assert_close(ret, T([[a0 + 0.5, a1 + 0.4, a2 + 0.3]]))
+
+
+def test_gae_skips_masked_tokens_and_whitens():
+    r, v = T([[1.0, 0.0, 2.0, 0.0]]), T([[0.1, 0.2, 0.3, 9.0]])
+    m = T([[1.0, 1.0, 1.0, 0.0]])  # the last position is padding: its value must not leak
+    adv, _ = gae_advantages(r, v, m, gamma=1.0, lam=1.0, whiten=False)
+    # γ=λ=1: A_t = Σ_{k≥t} r_k - V_t
+    torch.testing.assert_close(adv, T([[3.0 - 0.1, 2.0 - 0.2, 2.0 - 0.3, 0.0]]))
+    w, _ = gae_advantages(r, v, m, gamma=1.0, lam=1.0, whiten=True)
+    vals = w[0, :3]
+    assert abs(vals.mean().item()) < 1e-6 and abs(vals.std().item() - 1) < 1e-5 and w[0, 3] == 0
+
+
+def test_grpo_and_rloo_by_hand():
+    s = T([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])  # two prompts, three samples each
+    std0 = math.sqrt(((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2)
+    torch.testing.assert_close(grpo_advantages(s, 3), T([2 / 3 / std0, -1 / 3 / std0, -1 / 3 / std0, 0, 0, 0]),
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grpo_advantages(s, 3, norm_by_std=False), T([2 / 3, -1 / 3, -1 / 3, 0, 0, 0]))
+    # RLOO: R_i - mean of the others
+    torch.testing.assert_close(rloo_advantages(s, 3), T([1.0, -0.5, -0.5, 0, 0, 0]))
+    with pytest.raises(ValueError, match="cannot be split into groups of 4"):
+        grpo_advantages(s, 4)
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        rloo_advantages(s, 1)
+
+
+def test_kl_estimators_by_hand():
+    lp, ref = T([0.0, -1.0]), T([-0.5, -0.5])
+    d = T([0.5, -0.5])
+    torch.testing.assert_close(kl_penalty(lp, ref, "k1"), d)
+    torch.testing.assert_close(kl_penalty(lp, ref, "k2"), 0.5 * d * d)
+    torch.testing.assert_close(kl_penalty(lp, ref, "k3"), torch.exp(-d) - 1 + d)
+    torch.testing.assert_close(kl_penalty(lp, ref, "abs"), d.abs())
+    with pytest.raises(ValueError, match="unknown KL estimator 'k9'; valid: k1, k2, k3, abs"):
+        kl_penalty(lp, ref, "k9")
+
+
+def test_kl_controllers_and_reward_penalty():
+    fixed = FixedKLController(0.1)
+    fixed.update(5.0, 10)
+    assert fixed.value == 0.1
+    ada = AdaptiveKLController(0.1, target_kl=1.0, horizon=100)
+    ada.update(3.0, 10)  # error clipped to +0.2
+    assert ada.value == pytest.approx(0.1 * (1 + 0.2 * 10 / 100))
+    ada.update(0.9, 10)
+    assert ada.value == pytest.approx(0.1 * 1.02 * (1 - 0.1 * 0.1))
+    torch.testing.assert_close(apply_kl_in_reward(T([[0.0, 1.0]]), T([[0.5, 0.5]]), T([[1.0, 1.0]]), 0.2),
+                               T([[-0.1, 0.9]]))
+
+
+def test_agg_modes_by_hand():
+    loss = T([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = T([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    assert agg_loss(loss, mask, "token-mean").item() == pytest.approx(10 / 4)
+    assert agg_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx((6 + 4) / 2)
+    assert agg_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
+    assert agg_loss(loss, mask, "token-mean", normalizer=8).item() == pytest.approx(10 / 8)
+    with pytest.raises(ValueError, match="unknown loss aggregation mode 'sum'; valid: token-mean"):
+        agg_loss(loss, mask, "sum")
+
+
+def test_policy_loss_clip_and_dual_clip_by_hand():
+    old = T([[0.0, 0.0, 0.0]])
+    lp = T([[math.log(1.5), math.log(0.5), math.log(4.0)]])
+    adv = T([[1.0, 1.0, -1.0]])
+    m = torch.ones(1, 3)
+    loss, metrics = policy_loss(lp, old, adv, m, clip_low=0.2, clip_high=0.28)
+    # token 0: max(-1.5, -1.28) = -1.28; token 1: max(-0.5, -0.8) = -0.5; token 2: max(4, 1.28) = 4
+    assert loss.item() == pytest.approx((-1.28 - 0.5 + 4.0) / 3, rel=1e-5)
+    assert metrics["clipfrac"].item() == pytest.approx(1 / 3)
+    dual, _ = policy_loss(lp, old, adv, m, clip_low=0.2, clip_high=0.28, dual_clip=3.0)
+    assert dual.item() == pytest.approx((-1.28 - 0.5 + 3.0) / 3, rel=1e-5)  # token 2 capped at -A·c = 3
+    with pytest.raises(ValueError, match="dual_clip=0.5 must be > 1"):
+        policy_loss(lp, old, adv, m, dual_clip=0.5)
+
+
+def test_value_loss_by_hand():
+    v, old, ret = T([[1.0, 0.0]]), T([[0.0, 0.0]]), T([[0.5, 1.0]])
+    loss, _ = value_loss(v, old, ret, torch.ones(1, 2), clip_range=0.2)
+    # token 0: max((1-.5)², (0.2-.5)²) = .25; token 1: max(1, 1) = 1
+    assert loss.item() == pytest.approx(0.5 * (0.25 + 1.0) / 2)
+
+
+def test_entropy_and_vocab_parallel_single_shard():
+    z = torch.tensor([[0.0, math.log(3.0)]])  # p = (1/4, 3/4)
+    h = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    assert entropy_from_logits(z).item() == pytest.approx(h, rel=1e-6)
+    logits = torch.randn(2, 4, 13, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 11, (2, 4))
+    lp, ent = vocab_parallel_logprobs(logits, target, 0, 11, group=None, with_entropy=True)
+    ref = torch.log_softmax(logits[..., :11], -1)
+    torch.testing.assert_close(lp, ref.gather(-1, target[..., None])[..., 0])
+    torch.testing.assert_close(ent, entropy_from_logits(logits[..., :11]))
+    w = torch.randn(2, 4, dtype=torch.float64)
+    g = torch.autograd.grad((lp * w).sum() + ent.sum(), logits)[0]
+    g_ref = torch.autograd.grad((ref.gather(-1, target[..., None])[..., 0] * w).sum()
+                                + entropy_from_logits(logits[..., :11]).sum(), logits)[0]
+    torch.testing.assert_close(g, g_ref)
