@@ -28,7 +28,7 @@ from mlora.export.peft_files import (
     write_peft_adapter,
 )
 from mlora.lora.config import LoraConfig
-from mlora.lora.layers import LORA_LINEARS, LoraBranch, LoraSite, stacked_b
+from mlora.lora.layers import LORA_LINEARS, LoraBranch, LoraSite, has_tp_partial_grad, stacked_b
 from mlora.lora.sites import FACTOR_KINDS, factor_shapes, model_sites
 from mlora.lora.targets import resolve_targets
 from mlora.models.checkpoint_reader import CheckpointReader
@@ -98,7 +98,8 @@ class AdapterHost:
             device = linear.weight.device
             branch = LoraBranch(subs, cfg.rank, cfg.scaling, cfg.dropout,
                                 torch.cat(a_parts).to(device=device, dtype=self.dtype),
-                                [b.to(device=device, dtype=self.dtype) for b in b_parts], trainable)
+                                [b.to(device=device, dtype=self.dtype) for b in b_parts], trainable,
+                                parallel=site.parallel)
             branch.train(self.training)
             linear.lora[name] = branch
         self.adapters[name] = AdapterInfo(cfg, trainable, frozenset(modules))
@@ -188,6 +189,11 @@ class AdapterHost:
         """Parameters that train: adapter factors (and heads) with ``requires_grad``; never the base."""
         return [p for p in self.parameters() if p.requires_grad]
 
+    def adapter_parameters(self, name: str) -> list[torch.nn.Parameter]:
+        """This rank's parameters of adapter ``name`` (its factors on this stage)."""
+        self._require(name)
+        return [p for linear in self._lora_linears() if name in linear.lora for p in linear.lora[name].parameters()]
+
     def set_trainable(self, name: str, trainable: bool) -> None:
         self._require(name)
         for linear in self._lora_linears():
@@ -196,32 +202,16 @@ class AdapterHost:
         self.adapters[name].trainable = trainable
 
     # ------------------------------------------------------------- gradients and gathering
-    def _replicated_factors(self) -> Iterator[torch.nn.Parameter]:
-        """Factors every TP rank holds whole (A of column layers, B of row layers)."""
-        for linear in self._lora_linears():
-            for branch in linear.lora.values():
-                if linear.lora_site.parallel == "column":
-                    yield branch.lora_A
-                else:
-                    yield from branch.lora_B
-
     def reduce_tp_replicated_grads(self) -> None:
-        """Sum the gradients of TP-replicated factors over TP: one bucketed all-reduce per step.
+        """Sum the gradients of TP-replicated parameters over TP (one bucketed all-reduce).
 
-        Each TP rank holds only its part of those gradients (they depend on its output or input
-        shard); the sum is the full gradient. Call once per optimizer step, after backward.
+        Each TP rank holds only its part of those gradients (A of column layers and B of row
+        layers depend on its output or input shard); the sum is the full gradient. The training
+        engine folds this into its once-per-step DP reduction (:mod:`mlora.train.grads`).
         """
-        if self.mesh.tp == 1:
-            return
-        grads = [p.grad for p in self._replicated_factors() if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.mesh.tp_group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        from mlora.train.grads import all_reduce_grads
+
+        all_reduce_grads([p for p in self.parameters() if has_tp_partial_grad(p)], self.mesh.tp_group)
 
     def adapter_tensors(self, name: str, grads: bool = False) -> dict[str, torch.Tensor]:
         """This stage's factors of ``name`` (or their gradients) in PEFT layout, gathered over TP.

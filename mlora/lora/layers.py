@@ -51,16 +51,46 @@ class LoraSite:
     placement: tuple[tuple[int, int], ...] = ()
 
 
+# Attributes on parameters that every TP rank holds whole:
+TP_REPLICATED = "_mlora_tp_replicated"  # same value on every TP rank: counted once in norms
+TP_PARTIAL_GRAD = "_mlora_tp_partial_grad"  # and its gradient is partial per TP rank: summed over TP
+
+
+def mark_tp_replicated(param: torch.nn.Parameter, partial_grad: bool = True) -> torch.nn.Parameter:
+    """Flag a parameter held whole by every TP rank.
+
+    ``partial_grad``: each rank's gradient is only its share (LoRA factors meeting a sharded
+    input or output), so gradients are summed over TP. A head on TP-replicated hidden states
+    gets the full gradient on every rank instead (``partial_grad=False``).
+    """
+    setattr(param, TP_REPLICATED, True)
+    setattr(param, TP_PARTIAL_GRAD, partial_grad)
+    return param
+
+
+def is_tp_replicated(param: torch.Tensor) -> bool:
+    return getattr(param, TP_REPLICATED, False)
+
+
+def has_tp_partial_grad(param: torch.Tensor) -> bool:
+    return getattr(param, TP_PARTIAL_GRAD, False)
+
+
 class LoraBranch(torch.nn.Module):
-    """One adapter on one parallel linear: stacked A ``[n·r, in_local]`` and one B per projection."""
+    """One adapter on one parallel linear: stacked A ``[n·r, in_local]`` and one B per projection.
+
+    Column-parallel sites replicate A, row-parallel sites replicate B (marked TP-replicated).
+    """
 
     def __init__(self, subs: tuple[str, ...], rank: int, scaling: float, dropout: float,
-                 lora_a: torch.Tensor, lora_b: list[torch.Tensor], trainable: bool) -> None:
+                 lora_a: torch.Tensor, lora_b: list[torch.Tensor], trainable: bool, parallel: str = "column") -> None:
         super().__init__()
         self.subs, self.rank, self.scaling = subs, rank, scaling
         self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
         self.lora_A = torch.nn.Parameter(lora_a, requires_grad=trainable)
         self.lora_B = torch.nn.ParameterList([torch.nn.Parameter(b, requires_grad=trainable) for b in lora_b])
+        for p in ([self.lora_A] if parallel == "column" else list(self.lora_B)):
+            mark_tp_replicated(p)
 
     def a_of(self, k: int) -> torch.Tensor:
         return self.lora_A[k * self.rank:(k + 1) * self.rank]

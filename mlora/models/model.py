@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -42,6 +43,7 @@ class MLoraModel(AdapterHost, torch.nn.Module):
         self.bytes_read = bytes_read  # checkpoint bytes this rank read while loading
         self.adapters = {}
         self._active: tuple[str, ...] | None = None  # None: every adapter, in the order added
+        self.heads = torch.nn.ModuleDict()  # scalar heads (value, reward) on the last stage only
 
     @property
     def config(self):
@@ -76,8 +78,42 @@ class MLoraModel(AdapterHost, torch.nn.Module):
         start = self.mesh.tp_rank * per
         return start, max(start, min(start + per, self.spec.vocab_size))
 
+    def add_value_head(self, name: str = "critic", seed: int = 0) -> torch.nn.Module | None:
+        """A scalar head ``[hidden] -> 1`` on the last stage (None elsewhere), trainable.
+
+        Initialised from ``seed`` alone (weight ~ N(0, 1/hidden), bias 0), so every mesh builds
+        the same head. Every TP rank holds it whole and computes its full gradient from the same
+        hidden states: the gradient is summed over DP only and counted once in the grad norm.
+        """
+        if name in self.heads:
+            raise ValueError(f"a head named {name!r} already exists")
+        if not self.mesh.is_last_stage:
+            return None
+        from mlora.lora.layers import mark_tp_replicated
+
+        g = torch.Generator().manual_seed(seed)
+        head = torch.nn.Linear(self.spec.hidden_size, 1, dtype=self.dtype)
+        with torch.no_grad():
+            head.weight.copy_(torch.randn(head.weight.shape, generator=g, dtype=torch.float64)
+                              / self.spec.hidden_size ** 0.5)
+            head.bias.zero_()
+        for p in head.parameters():
+            mark_tp_replicated(p, partial_grad=False)
+        self.heads[name] = head.to(self.mesh.device)
+        return self.heads[name]
+
+    @contextlib.contextmanager
+    def _hidden_states_output(self):
+        """Make the last stage return final hidden states (after the final norm) instead of logits."""
+        post = self.gpt.post_process
+        self.gpt.post_process = False
+        try:
+            yield
+        finally:
+            self.gpt.post_process = post
+
     def forward_backward(self, micro_batches: Sequence[dict], loss_fn: Callable | None = None,
-                         forward_only: bool = False) -> list | None:
+                         forward_only: bool = False, hidden_states: bool = False) -> list | None:
         """Run micro-batches through megatron's pipeline schedule (collective over TP and PP).
 
         Each micro-batch is a dict with ``input_ids`` ``[b, s]`` (the same shape for all) and
@@ -86,7 +122,8 @@ class MLoraModel(AdapterHost, torch.nn.Module):
         logits ``[b, s, padded_vocab / TP]`` (see :meth:`vocab_shard_range`); ``loss`` is the
         micro-batch's share of the step's loss, and gradients accumulate as the plain sum of
         them. Returns the metrics per micro-batch (or, without ``loss_fn``, the logits) on the
-        last stage and None elsewhere.
+        last stage and None elsewhere. With ``hidden_states`` the last stage hands ``loss_fn`` the
+        final hidden states ``[b, s, hidden]`` (whole sequence on every TP rank) instead of logits.
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -99,9 +136,15 @@ class MLoraModel(AdapterHost, torch.nn.Module):
                                  f"{tuple(mb['input_ids'].shape)}")
         prepared = [(mb, *self._prepare(mb["input_ids"], mb.get("attention_mask"))) for mb in micro_batches]
 
+        last = self.mesh.is_last_stage
+
         def forward_step(data_iterator, model):
             mb, ids, positions, mask, seq = next(data_iterator)
-            output = model(ids, positions, mask)
+            if hidden_states and last:
+                with self._hidden_states_output():
+                    output = self._batch_major_hidden(model(ids, positions, mask))
+            else:
+                output = model(ids, positions, mask)
             if loss_fn is None:
                 return output[:, :seq], None
 
@@ -122,6 +165,16 @@ class MLoraModel(AdapterHost, torch.nn.Module):
             forward_only=forward_only,
         )
         return outputs if self.mesh.is_last_stage else None
+
+    def _batch_major_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[s(/TP), b, h]`` -> ``[b, s, h]``, gathering the sequence under SP. Every TP rank then
+        computes the same head output; the gather's backward keeps (does not sum) the local slice."""
+        if self.mesh.sp:
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False,
+                                                          group=self.mesh.tp_group)
+        return hidden.transpose(0, 1)
 
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -1,0 +1,1 @@
+"""The shared-base actor/critic engine, its optimizer and gradient handling."""

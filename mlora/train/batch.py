@@ -1,0 +1,49 @@
+"""The rollout batch the trainer consumes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    """Prompts and sampled responses, right-padded to one length ``S``.
+
+    ``response_mask`` is 1 on response tokens. Per-token quantities (log-probs, values,
+    advantages) live on the ``S - 1`` *action* positions: position ``t`` holds the prediction
+    of token ``t + 1``. ``rewards`` are outcome rewards, one per sequence.
+    """
+
+    input_ids: torch.Tensor  # [B, S] int64
+    attention_mask: torch.Tensor  # [B, S]
+    response_mask: torch.Tensor  # [B, S]
+    rewards: torch.Tensor  # [B]
+    rollout_logprobs: torch.Tensor | None = None  # [B, S - 1], from the inference engine
+
+    def __post_init__(self) -> None:
+        b, s = self.input_ids.shape
+        for name in ("attention_mask", "response_mask"):
+            if tuple(getattr(self, name).shape) != (b, s):
+                raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, input_ids {(b, s)}")
+        if tuple(self.rewards.shape) != (b,):
+            raise ValueError(f"rewards must have shape ({b},), got {tuple(self.rewards.shape)}")
+        empty = (self.action_mask.sum(-1) == 0).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(f"responses of length zero in rows {empty[:8]}; every sequence needs at least one "
+                             "response token (drop empty generations before training)")
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def action_mask(self) -> torch.Tensor:
+        """``[B, S - 1]`` float: 1 where position ``t`` predicts a response token."""
+        return (self.response_mask[:, 1:] * self.attention_mask[:, 1:]).float()
+
+    def rows(self, index: slice) -> "RolloutBatch":
+        return RolloutBatch(self.input_ids[index], self.attention_mask[index], self.response_mask[index],
+                            self.rewards[index],
+                            None if self.rollout_logprobs is None else self.rollout_logprobs[index])

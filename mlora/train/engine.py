@@ -1,0 +1,288 @@
+"""The shared-base actor/critic engine: one frozen base per rank, policy and critic as adapters.
+
+Actor = base (+ frozen stacked adapters) + ``policy``; critic = the same + ``critic`` + value
+head; reference = the base with the RL adapters off. All passes run through megatron's
+pipeline schedule in micro-batches; each DP rank takes its slice of every mini-batch; losses
+are normalised by global counts so that the plain sum of gradients over micro-batches and DP
+ranks is the gradient of the mini-batch loss (see :mod:`mlora.train.grads`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from mlora.lora.config import LoraConfig
+from mlora.models.model import MLoraModel
+from mlora.rl import (
+    AdaptiveKLController,
+    FixedKLController,
+    agg_loss,
+    gae_advantages,
+    grpo_advantages,
+    kl_penalty,
+    policy_loss,
+    rloo_advantages,
+    value_loss,
+)
+from mlora.rl.advantages import broadcast_to_tokens
+from mlora.rl.kl import apply_kl_in_reward
+from mlora.rl.masked import masked_mean, masked_sum
+from mlora.rl.vocab_parallel import vocab_parallel_logprobs
+from mlora.train.batch import RolloutBatch
+from mlora.train.config import PPOConfig
+from mlora.train.grads import clip_grads, finalize_grads
+from mlora.train.optim import build_optimizer
+
+
+class ActorCriticEngine:
+    """PPO / GRPO / RLOO updates of LoRA adapters on one shared frozen base."""
+
+    def __init__(self, model: MLoraModel, cfg: PPOConfig, policy: str = "policy", critic: str = "critic",
+                 reference_adapters: Sequence[str] = (), policy_lora: LoraConfig | None = None,
+                 critic_lora: LoraConfig | None = None) -> None:
+        self.model, self.cfg, self.mesh = model, cfg, model.mesh
+        self.policy, self.critic = policy, (critic if cfg.uses_critic else None)
+        self.reference = tuple(reference_adapters)
+        model._require(*self.reference)
+        if policy not in model.adapters:
+            model.add_adapter(policy, policy_lora or LoraConfig())
+        model.set_trainable(policy, True)
+        self.actor_params = model.adapter_parameters(policy)
+        opt_args = dict(weight_decay=cfg.weight_decay, betas=cfg.betas, warmup_steps=cfg.warmup_steps,
+                        total_steps=cfg.total_steps, min_lr_ratio=cfg.min_lr_ratio, schedule=cfg.lr_schedule)
+        self.actor_opt, self.actor_sched = build_optimizer(self.actor_params, cfg.actor_lr, **opt_args)
+        if self.critic is not None:
+            if self.critic not in model.adapters:
+                model.add_adapter(self.critic, critic_lora or LoraConfig(seed=1))
+            model.set_trainable(self.critic, True)
+            if self.critic not in model.heads:
+                model.add_value_head(self.critic)
+            head = model.heads[self.critic] if self.critic in model.heads else None
+            self.critic_params = model.adapter_parameters(self.critic) + (list(head.parameters()) if head else [])
+            self.critic_opt, self.critic_sched = build_optimizer(self.critic_params, cfg.critic_lr, **opt_args)
+        self.kl_ctrl = (AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_ctrl == "adaptive"
+                        else FixedKLController(cfg.kl_coef))
+        self.global_step = 0
+
+    # ------------------------------------------------------------------ layout helpers
+    def _check_sizes(self, batch: RolloutBatch) -> None:
+        c, dp = self.cfg, self.mesh.dp
+        if batch.size % c.mini_batch_size:
+            raise ValueError(f"batch of {batch.size} sequences is not divisible by mini_batch_size={c.mini_batch_size}")
+        if c.mini_batch_size % (c.micro_train_batch_size * dp):
+            raise ValueError(f"mini_batch_size={c.mini_batch_size} is not divisible by micro_train_batch_size x DP = "
+                             f"{c.micro_train_batch_size} x {dp}; valid mini-batch sizes are multiples of "
+                             f"{c.micro_train_batch_size * dp}")
+        if batch.size % (c.micro_forward_batch_size * dp):
+            raise ValueError(f"batch of {batch.size} sequences is not divisible by micro_forward_batch_size x DP = "
+                             f"{c.micro_forward_batch_size} x {dp}")
+        if c.advantage_estimator != "gae" and batch.size % c.n_samples_per_prompt:
+            raise ValueError(f"batch of {batch.size} is not a whole number of groups of "
+                             f"n_samples_per_prompt={c.n_samples_per_prompt}")
+
+    def _dp_rows(self, start: int, count: int) -> slice:
+        per = count // self.mesh.dp
+        return slice(start + self.mesh.dp_rank * per, start + (self.mesh.dp_rank + 1) * per)
+
+    def _micro_batches(self, batch: RolloutBatch, rows: slice, size: int, extra: dict) -> list[dict]:
+        out = []
+        for s in range(rows.start, rows.stop, size):
+            r = slice(s, s + size)
+            mb = {"input_ids": batch.input_ids[r], "attention_mask": batch.attention_mask[r],
+                  "action_mask": batch.action_mask[r]}
+            mb.update({k: v[r] for k, v in extra.items()})
+            out.append(mb)
+        return out
+
+    def _from_last_stage(self, t: torch.Tensor | None, shape, dtype=torch.float32) -> torch.Tensor:
+        """Broadcast a tensor computed on the last pipeline stage to every stage."""
+        from megatron.core import parallel_state as ps
+
+        if self.mesh.pp == 1:
+            return t
+        buf = t.contiguous() if self.mesh.is_last_stage else torch.zeros(shape, dtype=dtype, device=self.mesh.device)
+        dist.broadcast(buf, src=ps.get_pipeline_model_parallel_last_rank(), group=self.mesh.pp_group)
+        return buf
+
+    def _dp_gather(self, t: torch.Tensor) -> torch.Tensor:
+        if self.mesh.dp == 1:
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.mesh.dp)]
+        dist.all_gather(parts, t.contiguous(), group=self.mesh.dp_group)
+        return torch.cat(parts)
+
+    # ------------------------------------------------------------------ forward-only passes
+    def _token_logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: bool):
+        lo, hi = self.model.vocab_shard_range()
+        return vocab_parallel_logprobs(logits[:, :-1], input_ids[:, 1:].to(logits.device), lo, hi - lo,
+                                       self.mesh.tp_group if self.mesh.tp > 1 else None, with_entropy)
+
+    def _values(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.heads[self.critic](hidden)[..., 0][:, :-1].float()
+
+    @torch.no_grad()
+    def _forward_pass(self, batch: RolloutBatch, adapters: tuple[str, ...], values: bool) -> torch.Tensor:
+        """Per-action log-probs (or values) of the whole batch, on every rank."""
+        rows = self._dp_rows(0, batch.size)
+        mbs = self._micro_batches(batch, rows, self.cfg.micro_forward_batch_size, {})
+        if values:
+            fn = lambda hidden, mb: (torch.zeros(()), {"out": self._values(hidden)})  # noqa: E731
+        else:
+            fn = lambda logits, mb: (torch.zeros(()), {"out": self._token_logprobs(logits, mb["input_ids"], False)[0]})  # noqa: E731
+        with self.model.use_adapters(*adapters):
+            outs = self.model.forward_backward(mbs, fn, forward_only=True, hidden_states=values)
+        local = torch.cat([o["out"].float() for o in outs]).cpu() if outs is not None else None
+        local = self._from_last_stage(local, (rows.stop - rows.start, batch.input_ids.shape[1] - 1))
+        return self._dp_gather(local)
+
+    # ------------------------------------------------------------------ advantages
+    def compute_advantages(self, batch: RolloutBatch, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+                           values: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Token rewards (outcome reward on the last response token, KL penalty if in reward),
+        then GAE / GRPO / RLOO advantages. Pure given its inputs; identical on every rank."""
+        c, mask = self.cfg, batch.action_mask
+        last = mask.shape[1] - 1 - torch.flip(mask, dims=[1]).argmax(dim=1)  # last response position per row
+        token_rewards = torch.zeros_like(mask)
+        token_rewards[torch.arange(batch.size), last] = batch.rewards.float()
+        kl = kl_penalty(old_logprobs, ref_logprobs, c.kl_estimator) * mask
+        out = {"kl": kl}
+        if c.use_kl_in_reward:
+            token_rewards = apply_kl_in_reward(token_rewards, kl, mask, self.kl_ctrl.value)
+        if c.advantage_estimator == "gae":
+            adv, returns = gae_advantages(token_rewards, values, mask, c.gamma, c.lam)
+            out["returns"] = returns
+        else:
+            scores = (token_rewards * mask).sum(-1)
+            per_seq = (grpo_advantages(scores, c.n_samples_per_prompt, c.norm_adv_by_std_in_grpo)
+                       if c.advantage_estimator == "grpo" else rloo_advantages(scores, c.n_samples_per_prompt))
+            adv = broadcast_to_tokens(per_seq, mask)
+        out["advantages"] = adv
+        out["token_rewards"] = token_rewards
+        return out
+
+    # ------------------------------------------------------------------ updates
+    def _normalizer(self, mask: torch.Tensor) -> float:
+        if self.cfg.loss_agg_mode == "token-mean":
+            return float(mask.sum())
+        return float((mask.sum(-1) > 0).sum())
+
+    def _update(self, batch: RolloutBatch, extra: dict, params, opt, sched, loss_fn_factory, hidden: bool,
+                adapters: tuple[str, ...]) -> list[dict]:
+        c, results = self.cfg, []
+        for _ in range(c.ppo_epochs):
+            for start in range(0, batch.size, c.mini_batch_size):
+                mini_mask = batch.action_mask[start:start + c.mini_batch_size]
+                mbs = self._micro_batches(batch, self._dp_rows(start, c.mini_batch_size), c.micro_train_batch_size,
+                                          extra)
+                opt.zero_grad(set_to_none=True)
+                with self.model.use_adapters(*adapters):
+                    outs = self.model.forward_backward(
+                        mbs, loss_fn_factory(self._normalizer(mini_mask), float(mini_mask.sum())), hidden_states=hidden)
+                finalize_grads(params)
+                grad_norm = clip_grads(params, c.max_grad_norm)
+                lr = sched.get_last_lr()[0]
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)  # gradients do not outlive the step
+                metrics = self._reduce_metrics(outs)
+                metrics["grad_norm"] = float(grad_norm)
+                metrics["lr"] = lr
+                results.append(metrics)
+        return results
+
+    def _reduce_metrics(self, outs: list[dict] | None) -> dict[str, float]:
+        """Sum micro-batch metrics, then over DP; the same numbers on every rank."""
+        keys = sorted(outs[0]) if outs else None
+        keys = self._broadcast_keys(keys)
+        if self.mesh.is_last_stage:
+            vec = torch.stack([sum(o[k].detach().float().cpu() for o in outs) for k in keys])
+            if self.mesh.dp > 1:
+                dist.all_reduce(vec, group=self.mesh.dp_group)
+        else:
+            vec = None
+        vec = self._from_last_stage(vec, (len(keys),))
+        return {k: float(v) for k, v in zip(keys, vec)}
+
+    def _broadcast_keys(self, keys):
+        if self.mesh.pp == 1:
+            return keys
+        from megatron.core import parallel_state as ps
+
+        box = [keys]
+        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(), group=self.mesh.pp_group)
+        return box[0]
+
+    def _actor_loss(self, normalizer: float, tokens: float):
+        c = self.cfg
+
+        def loss_fn(logits, mb):
+            mask = mb["action_mask"].to(logits.device)
+            logprob, entropy = self._token_logprobs(logits, mb["input_ids"], with_entropy=True)
+            pg, m = policy_loss(logprob, mb["old_logprobs"], mb["advantages"], mask, c.eps_clip_low,
+                                c.eps_clip_high, c.dual_clip, c.loss_agg_mode, normalizer)
+            ent = agg_loss(entropy, mask, c.loss_agg_mode, normalizer)
+            kl = agg_loss(kl_penalty(logprob, mb["ref_logprobs"], c.kl_estimator), mask, c.loss_agg_mode, normalizer)
+            loss = pg - c.entropy_coeff * ent + (c.kl_loss_coef * kl if c.use_kl_loss else 0.0)
+            share = mask.sum() / max(tokens, 1.0)  # token-weighted, so micro-batch sums are mini-batch means
+            return loss, {"pg_loss": pg.detach(), "entropy": ent.detach(), "kl_loss": kl.detach(),
+                          "loss": loss.detach(), "clipfrac": m["clipfrac"] * share, "ppo_kl": m["ppo_kl"] * share}
+
+        return loss_fn
+
+    def _critic_loss(self, normalizer: float, tokens: float):
+        c = self.cfg
+
+        def loss_fn(hidden, mb):
+            mask = mb["action_mask"].to(hidden.device)
+            values = self._values(hidden)
+            vl, m = value_loss(values, mb["old_values"], mb["returns"], mask, c.value_clip, c.loss_agg_mode,
+                               normalizer)
+            share = mask.sum() / max(tokens, 1.0)
+            return vl, {"value_loss": vl.detach(), "values": (masked_sum(values, mask) / max(tokens, 1.0)).detach(),
+                        "vf_clipfrac": m["vf_clipfrac"] * share}
+
+        return loss_fn
+
+    def step(self, batch: RolloutBatch) -> dict[str, float]:
+        """One RL step on a rollout batch: forward-only passes, advantages, actor and critic updates.
+
+        Every rank passes the same (global) batch; each DP rank trains on its slice.
+        Returns metrics, identical on every rank.
+        """
+        self._check_sizes(batch)
+        actor = self.reference + (self.policy,)
+        old = self._forward_pass(batch, actor, values=False)
+        ref = self._forward_pass(batch, self.reference, values=False)
+        values = self._forward_pass(batch, self.reference + (self.critic,), values=True) if self.critic else None
+        adv = self.compute_advantages(batch, old, ref, values)
+        mask = batch.action_mask
+        metrics: dict[str, float] = {
+            "reward/mean": float(batch.rewards.float().mean()),
+            "kl/mean": float(masked_mean(adv["kl"], mask)),
+            "advantages/mean": float(masked_mean(adv["advantages"], mask)),
+            "response_length/mean": float(mask.sum(-1).mean()),
+        }
+        if batch.rollout_logprobs is not None:
+            metrics["rollout/logprob_abs_diff"] = float(masked_mean((batch.rollout_logprobs - old).abs(), mask))
+        if self.cfg.use_kl_in_reward:
+            self.kl_ctrl.update(metrics["kl/mean"], batch.size)
+            metrics["kl/coef"] = self.kl_ctrl.value
+        actor_extra = {"old_logprobs": old, "ref_logprobs": ref, "advantages": adv["advantages"]}
+        actor_steps = self._update(batch, actor_extra, self.actor_params, self.actor_opt, self.actor_sched,
+                                   self._actor_loss, hidden=False, adapters=actor)
+        for k in actor_steps[0]:
+            metrics[f"actor/{k}"] = sum(s[k] for s in actor_steps) / len(actor_steps)
+        metrics["actor/per_minibatch"] = actor_steps  # type: ignore[assignment]
+        if self.critic is not None:
+            critic_extra = {"old_values": values, "returns": adv["returns"]}
+            critic_steps = self._update(batch, critic_extra, self.critic_params, self.critic_opt,
+                                        self.critic_sched, self._critic_loss, hidden=True,
+                                        adapters=self.reference + (self.critic,))
+            for k in critic_steps[0]:
+                metrics[f"critic/{k}"] = sum(s[k] for s in critic_steps) / len(critic_steps)
+            metrics["critic/per_minibatch"] = critic_steps  # type: ignore[assignment]
+        self.global_step += 1
+        return metrics

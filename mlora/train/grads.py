@@ -1,0 +1,67 @@
+"""Gradient reduction and clipping across TP, PP and DP, once per optimizer step.
+
+- Parameters with partial gradients per TP rank (A of column layers, B of row layers) are
+  summed over TP *and* DP in one all-reduce over the TP×DP group.
+- Every other trainable parameter (TP-sharded factors, heads) is summed over DP.
+Losses are normalised by global counts, so a plain sum gives the gradient of the global loss.
+The global grad norm counts each distinct parameter once: TP-replicated ones on TP rank 0 only,
+sharded ones on every TP rank, every PP stage; DP replicas are identical after reduction.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from mlora.lora.layers import has_tp_partial_grad, is_tp_replicated
+
+
+def all_reduce_grads(params: Iterable[torch.nn.Parameter], group) -> None:
+    """Sum the gradients of ``params`` over ``group`` in one flat bucket."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads or group is None or dist.get_world_size(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def finalize_grads(params: list[torch.nn.Parameter]) -> None:
+    """Reduce gradients of one optimizer's parameters: TP-partial ones over TP×DP, the rest over DP."""
+    from megatron.core import parallel_state as ps
+
+    all_reduce_grads([p for p in params if has_tp_partial_grad(p)], ps.get_tensor_and_data_parallel_group())
+    all_reduce_grads([p for p in params if not has_tp_partial_grad(p)], ps.get_data_parallel_group())
+
+
+def global_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """L2 norm of all gradients of the model (every stage and shard), after :func:`finalize_grads`."""
+    from megatron.core import parallel_state as ps
+
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    sq = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is not None and (tp_rank == 0 or not is_tp_replicated(p)):
+            sq += p.grad.detach().double().pow(2).sum().cpu()
+    group = ps.get_model_parallel_group()
+    if dist.get_world_size(group) > 1:
+        sq = sq.to(params[0].device) if params else sq
+        dist.all_reduce(sq, group=group)
+    return sq.sqrt().float().cpu()
+
+
+def clip_grads(params: list[torch.nn.Parameter], max_norm: float | None) -> torch.Tensor:
+    """Scale gradients so that the global norm is at most ``max_norm``; returns the norm before."""
+    norm = global_grad_norm(params)
+    if max_norm is not None and max_norm > 0:
+        coef = max_norm / (float(norm) + 1e-6)
+        if coef < 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+    return norm

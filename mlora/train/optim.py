@@ -1,0 +1,32 @@
+"""AdamW over trainable parameters with linear warm-up and cosine decay."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def lr_lambda(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float, schedule: str) -> float:
+    """Multiplier of the peak LR at optimizer step ``step`` (0-based).
+
+    Warm-up: ``(step + 1) / warmup_steps``; then cosine from 1 to ``min_lr_ratio`` over the
+    remaining steps (``constant`` keeps 1).
+    """
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(params: list[torch.nn.Parameter], lr: float, weight_decay: float, betas, warmup_steps: int,
+                    total_steps: int, min_lr_ratio: float, schedule: str):
+    """``(AdamW, LambdaLR)``; AdamW is element-wise, so sharded parameters update exactly as whole ones."""
+    if not params:
+        raise ValueError("no trainable parameters for the optimizer")
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), foreach=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_lambda(s, warmup_steps, total_steps, min_lr_ratio, schedule))
+    return opt, sched
