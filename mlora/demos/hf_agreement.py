@@ -72,15 +72,9 @@ def main() -> None:
     merged = args.out / "roundtrip"
     model.save_merged(merged)
     if mesh.rank == 0:
-        from safetensors.torch import load_file
+        from mlora.testing import load_checkpoint_tensors
 
-        def load(d: Path) -> dict[str, torch.Tensor]:
-            out: dict[str, torch.Tensor] = {}
-            for f in sorted(d.glob("*.safetensors")):
-                out.update(load_file(f))
-            return out
-
-        src, dst = load(model_dir), load(merged)
+        src, dst = load_checkpoint_tensors(model_dir), load_checkpoint_tensors(merged)
         same = sorted(src) == sorted(dst) and all(torch.equal(src[k], dst[k]) for k in src)
         _say(mesh, f"save_merged -> {merged}: {len(dst)} tensors, "
                    f"{'bit-identical to' if same else 'DIFFERENT from'} the input checkpoint")

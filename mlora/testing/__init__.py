@@ -1,5 +1,5 @@
 """Helpers for tests and demos: tiny HF models built locally (no hub needed)."""
 
-from mlora.testing.tiny_models import TINY_ARCHS, build_tiny_model, train_tokenizer
+from mlora.testing.tiny_models import TINY_ARCHS, build_tiny_model, load_checkpoint_tensors, train_tokenizer
 
-__all__ = ["TINY_ARCHS", "build_tiny_model", "train_tokenizer"]
+__all__ = ["TINY_ARCHS", "build_tiny_model", "load_checkpoint_tensors", "train_tokenizer"]

@@ -95,3 +95,13 @@ def build_tiny_model(arch: str, out_dir: str | os.PathLike, seed: int = 0, **ove
     kwargs = {"max_shard_size": shard_size} if shard_size else {}
     model.save_pretrained(str(out), **kwargs)
     return out
+
+
+def load_checkpoint_tensors(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of every ``*.safetensors`` file in ``directory`` (for comparisons)."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out

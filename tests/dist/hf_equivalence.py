@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+from common import write_records_and_exit
 
 import mlora
 from mlora.parallel import reset_parallel
@@ -81,15 +80,9 @@ def main() -> None:
                 out_dir = args.roundtrip / name
                 model.save_merged(out_dir)
                 if mesh.rank == 0:
-                    from safetensors.torch import load_file
+                    from mlora.testing import load_checkpoint_tensors
 
-                    def tensors(d: Path) -> dict[str, torch.Tensor]:
-                        t: dict[str, torch.Tensor] = {}
-                        for f in sorted(d.glob("*.safetensors")):
-                            t.update(load_file(f))
-                        return t
-
-                    src, dst = tensors(model_dir), tensors(out_dir)
+                    src, dst = load_checkpoint_tensors(model_dir), load_checkpoint_tensors(out_dir)
                     records.append(dict(check="roundtrip", model=name, same_names=sorted(src) == sorted(dst),
                                         bit_identical=sorted(src) == sorted(dst) and all(
                                             torch.equal(src[k], dst[k]) and src[k].dtype == dst[k].dtype
@@ -97,12 +90,7 @@ def main() -> None:
                                         files=sorted(p.name for p in out_dir.iterdir())))
             del model
         reset_parallel()
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, records)
-    if dist.get_rank() == 0:
-        args.out.write_text(json.dumps([r for rs in gathered for r in rs], indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    write_records_and_exit(records, args.out)
 
 
 if __name__ == "__main__":

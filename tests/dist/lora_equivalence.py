@@ -5,11 +5,10 @@ REFS_DIR/<model>/ holds the adapters and refs.pt from tests/peft_refs.py."""
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+from common import merged_from_all_ranks, write_records_and_exit
 
 import mlora
 from mlora.parallel import reset_parallel
@@ -25,15 +24,6 @@ def masked_sum_loss(model, mask):
         return (logits[..., : hi - lo] * mask[..., None].to(logits.dtype)).sum(), {}
 
     return loss_fn
-
-
-def gather_dicts(d: dict) -> dict:
-    parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, d)
-    out = {}
-    for p in parts:
-        out.update(p)
-    return out
 
 
 def main() -> None:
@@ -69,7 +59,7 @@ def main() -> None:
             model.forward_backward([mb], masked_sum_loss(model, mask))
             model.reduce_tp_replicated_grads()
             base_grads = [n for n, p in model.named_parameters() if "lora_" not in n and (p.grad is not None or p.requires_grad)]
-            grads = gather_dicts(model.adapter_tensors("policy", grads=True))
+            grads = merged_from_all_ranks(model.adapter_tensors("policy", grads=True))
             if mesh.rank == 0:
                 ref = refs["policy_grads"]
                 rel = {k: ((grads[k] - ref[k]).norm() / ref[k].norm()).item() for k in ref if k in grads}
@@ -105,12 +95,7 @@ def main() -> None:
                 records.append(dict(check="collectives", model=name, **tag, rank=mesh.rank, **summaries))
             del model
         reset_parallel()
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, records)
-    if dist.get_rank() == 0:
-        args.out.write_text(json.dumps([r for rs in gathered for r in rs], indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    write_records_and_exit(records, args.out)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from common import merged_from_all_ranks
 
 import mlora
 from mlora.parallel import reset_parallel
@@ -38,13 +39,7 @@ def synthetic_rollouts(vocab: int) -> RolloutBatch:
 
 
 def gather_adapter(model, name: str) -> dict:
-    parts: list = [None] * dist.get_world_size()
-    mine = model.adapter_tensors(name) if model.mesh.dp_rank == 0 else {}
-    dist.all_gather_object(parts, mine)
-    out = {}
-    for p in parts:
-        out.update(p)
-    return out
+    return merged_from_all_ranks(model.adapter_tensors(name) if model.mesh.dp_rank == 0 else {})
 
 
 def main() -> None:

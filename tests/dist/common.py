@@ -1,0 +1,28 @@
+"""Helpers shared by the torchrun workers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch.distributed as dist
+
+
+def merged_from_all_ranks(mine: dict) -> dict:
+    """The union of every rank's dict (e.g. each pipeline stage's adapter tensors)."""
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    out: dict = {}
+    for part in parts:
+        out.update(part)
+    return out
+
+
+def write_records_and_exit(records: list[dict], out: Path) -> None:
+    """Gather every rank's records to rank 0, write them as JSON, shut the process group down."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, records)
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps([r for rs in gathered for r in rs], indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
