@@ -101,3 +101,33 @@ def test_merge_errors(big, tmp_path):
 
     assert main(["merge", "--base", str(base), "--adapter", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
     assert main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(base)]) == 2
+
+
+def test_export_adapter_from_checkpoint(big, tmp_path):
+    import shutil
+
+    from safetensors import safe_open
+
+    from mlora.cli import CHECKPOINT_ADAPTERS, main
+
+    base, adapter, _ = big
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(adapter, ckpt / CHECKPOINT_ADAPTERS / "policy")
+    out = tmp_path / "exported"
+    assert main(["export-adapter", str(ckpt), "--adapter", "policy", "--out", str(out), "--base", str(base),
+                 "--dtype", "bfloat16"]) == 0
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] == str(base) and cfg["r"] == R
+    with safe_open(out / "adapter_model.safetensors", "pt") as f:
+        names = list(f.keys())
+        assert len(names) == 6 * 7 * 2 and f.get_tensor(names[0]).dtype == torch.bfloat16
+    assert main(["export-adapter", str(ckpt), "--adapter", "critic", "--out", str(out)]) == 2
+
+
+def test_adapter_for_a_deeper_base_is_rejected(tmp_path):
+    from mlora.export.peft_files import peft_modules
+    from mlora.models.checkpoint_reader import CheckpointError
+
+    names = [peft_tensor_name(9, "q_proj", f) for f in "AB"]
+    with pytest.raises(CheckpointError, match="adapter has layer 9, the base has only 4 layers"):
+        peft_modules(names, 4, tmp_path)

@@ -94,7 +94,7 @@ class ActorCriticEngine:
             mb = {"input_ids": batch.input_ids[r], "attention_mask": batch.attention_mask[r],
                   "action_mask": batch.action_mask[r]}
             mb.update({k: v[r] for k, v in extra.items()})
-            out.append(mb)
+            out.append({k: v.to(self.mesh.device) for k, v in mb.items()})
         return out
 
     def _from_last_stage(self, t: torch.Tensor | None, shape, dtype=torch.float32) -> torch.Tensor:
@@ -134,9 +134,10 @@ class ActorCriticEngine:
             fn = lambda logits, mb: (torch.zeros(()), {"out": self._token_logprobs(logits, mb["input_ids"], False)[0]})  # noqa: E731
         with self.model.use_adapters(*adapters):
             outs = self.model.forward_backward(mbs, fn, forward_only=True, hidden_states=values)
-        local = torch.cat([o["out"].float() for o in outs]).cpu() if outs is not None else None
+        # collectives run on the mesh's device (NCCL needs CUDA tensors); results come back to CPU
+        local = torch.cat([o["out"].float() for o in outs]) if outs is not None else None
         local = self._from_last_stage(local, (rows.stop - rows.start, batch.input_ids.shape[1] - 1))
-        return self._dp_gather(local)
+        return self._dp_gather(local).cpu()
 
     # ------------------------------------------------------------------ advantages
     def compute_advantages(self, batch: RolloutBatch, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
@@ -198,12 +199,12 @@ class ActorCriticEngine:
         keys = sorted(outs[0]) if outs else None
         keys = self._broadcast_keys(keys)
         if self.mesh.is_last_stage:
-            vec = torch.stack([sum(o[k].detach().float().cpu() for o in outs) for k in keys])
+            vec = torch.stack([sum(o[k].detach().float() for o in outs) for k in keys]).to(self.mesh.device)
             if self.mesh.dp > 1:
                 dist.all_reduce(vec, group=self.mesh.dp_group)
         else:
             vec = None
-        vec = self._from_last_stage(vec, (len(keys),))
+        vec = self._from_last_stage(vec, (len(keys),)).cpu()
         return {k: float(v) for k, v in zip(keys, vec)}
 
     def _broadcast_keys(self, keys):
