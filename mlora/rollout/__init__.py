@@ -1,0 +1,1 @@
+"""Rollouts: prompt data, reward environments, generators (vLLM) and adapter hand-off."""

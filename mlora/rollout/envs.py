@@ -1,0 +1,103 @@
+"""Reward environments: GSM8K, synthetic tasks a tiny model learns on CPU, and user-registered ones.
+
+An environment scores one response: ``env.reward(sample, response_text, response_ids) -> float``.
+``sample`` is the prompt row (with its ``reward_spec``). Select one with ``environment.env_class``;
+register your own with :func:`register_env`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Protocol
+
+
+class Environment(Protocol):
+    def reward(self, sample: dict, response_text: str, response_ids: list[int]) -> float: ...
+
+
+_REGISTRY: dict[str, Callable[..., Environment]] = {}
+
+
+def register_env(name: str):
+    """Class decorator: ``@register_env("my_task")`` makes ``environment.env_class=my_task`` work."""
+
+    def wrap(cls):
+        if name in _REGISTRY:
+            raise ValueError(f"environment {name!r} is already registered")
+        _REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def make_env(name: str, **kwargs) -> Environment:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown env_class {name!r}; registered: {', '.join(sorted(_REGISTRY))} "
+                         "(add your own with mlora.rollout.envs.register_env)")
+    return _REGISTRY[name](**kwargs)
+
+
+def registered_envs() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def _normalise(number: str) -> str:
+    number = number.replace(",", "").rstrip(".")
+    if "." in number:
+        number = number.rstrip("0").rstrip(".")
+    return number
+
+
+def gsm8k_reference(answer: str) -> str:
+    """The final answer of a GSM8K solution: the number after ``####``."""
+    if "####" not in answer:
+        raise ValueError(f"GSM8K answer without '####': {answer[-80:]!r}")
+    found = _NUMBER.findall(answer.split("####")[-1])
+    if not found:
+        raise ValueError(f"no number after '####' in {answer[-80:]!r}")
+    return _normalise(found[0])
+
+
+def gsm8k_extract(response: str, strict: bool = False) -> str | None:
+    """The model's answer: the number in ``#### N`` (strict) or the last number in the response."""
+    if strict:
+        m = re.search(r"####\s*(-?[\d,]*\.?\d+)", response)
+        return _normalise(m.group(1)) if m else None
+    found = _NUMBER.findall(response)
+    return _normalise(found[-1]) if found else None
+
+
+@register_env("gsm8k")
+class GSM8KEnv:
+    """Reward 1 when the extracted answer equals ``reward_spec.ground_truth``, else 0."""
+
+    def __init__(self, strict: bool = False) -> None:
+        self.strict = strict
+
+    def reward(self, sample: dict, response_text: str, response_ids: list[int]) -> float:
+        truth = _normalise(str(sample["reward_spec"]["ground_truth"]))
+        return float(gsm8k_extract(response_text, self.strict) == truth)
+
+
+@register_env("target_token")
+class TargetTokenEnv:
+    """Synthetic: the fraction of response tokens equal to ``reward_spec.target`` (a token id).
+
+    A tiny random model learns it in a few dozen CPU steps: the policy only has to raise one
+    token's probability, so reward visibly rises in a demo.
+    """
+
+    def reward(self, sample: dict, response_text: str, response_ids: list[int]) -> float:
+        target = int(sample["reward_spec"]["target"])
+        return sum(t == target for t in response_ids) / max(len(response_ids), 1)
+
+
+@register_env("copy_first")
+class CopyFirstEnv:
+    """Synthetic: 1 when the first response token repeats the prompt's last token."""
+
+    def reward(self, sample: dict, response_text: str, response_ids: list[int]) -> float:
+        return float(bool(response_ids) and response_ids[0] == int(sample["reward_spec"]["last_prompt_token"]))
