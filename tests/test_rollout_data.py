@@ -29,6 +29,7 @@ def test_gsm8k_scoring():
 
 def test_synthetic_envs_and_registry():
     assert make_env("target_token").reward({"reward_spec": {"target": 5}}, "", [5, 1, 5, 5]) == 0.75
+    assert make_env("target_token").reward({"reward_spec": {"targets": [1, 2]}}, "", [5, 1, 2, 9]) == 0.5
     assert make_env("copy_first").reward({"reward_spec": {"last_prompt_token": 9}}, "", [9, 2]) == 1.0
 
     @register_env("always_one_test")

@@ -84,15 +84,17 @@ class GSM8KEnv:
 
 @register_env("target_token")
 class TargetTokenEnv:
-    """Synthetic: the fraction of response tokens equal to ``reward_spec.target`` (a token id).
+    """Synthetic: the fraction of response tokens in the target set.
 
-    A tiny random model learns it in a few dozen CPU steps: the policy only has to raise one
-    token's probability, so reward visibly rises in a demo.
+    ``reward_spec`` gives ``targets`` (token ids) or ``target`` (one id). A tiny random model
+    learns it in a few dozen CPU steps when the targets are tokens its output layer can favour
+    together (see :mod:`mlora.demos.rl_assets`), so the reward visibly rises in a demo.
     """
 
     def reward(self, sample: dict, response_text: str, response_ids: list[int]) -> float:
-        target = int(sample["reward_spec"]["target"])
-        return sum(t == target for t in response_ids) / max(len(response_ids), 1)
+        spec = sample["reward_spec"]
+        targets = set(spec["targets"]) if spec.get("targets") is not None else {int(spec["target"])}
+        return sum(t in targets for t in response_ids) / max(len(response_ids), 1)
 
 
 @register_env("copy_first")

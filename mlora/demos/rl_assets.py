@@ -1,0 +1,44 @@
+"""Assets of the CPU RL demo: a tiny random Llama and prompts for the synthetic ``target_token`` task."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+TARGET_FRACTION = 0.1  # the targets: this share of the vocabulary
+
+
+def build_demo_assets(directory: str | Path, n_prompts: int = 256, seed: int = 0) -> Path:
+    """``<dir>/tiny-llama`` and ``<dir>/train.parquet`` (prompt, env_class, reward_spec); idempotent."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from mlora.testing import build_tiny_model
+
+    root = Path(directory)
+    if not (root / "tiny-llama" / "config.json").exists():
+        # a wider init than the default 0.02 gives the output layer enough range for a LoRA to move it
+        build_tiny_model("llama", root / "tiny-llama", seed=seed, initializer_range=0.1)
+    if not (root / "train.parquet").exists():
+        targets = aligned_targets(root / "tiny-llama", seed)
+        rng = random.Random(seed)
+        words = ["red", "blue", "cat", "dog", "sun", "moon", "tree", "rock", "fish", "bird"]
+        rows = [{"prompt": " ".join(rng.choice(words) for _ in range(rng.randint(3, 8))),
+                 "env_class": "target_token", "reward_spec": {"targets": targets}} for _ in range(n_prompts)]
+        pq.write_table(pa.Table.from_pylist(rows), root / "train.parquet")
+    return root
+
+
+def aligned_targets(model_dir: Path, seed: int) -> list[int]:
+    """The tokens whose output-layer rows point most along one random direction: raising the final
+    hidden state along it favours them all at once, which a LoRA can learn (a random set of tokens
+    would need a direction the RMS-normed hidden state cannot reach)."""
+    import torch
+
+    from mlora.models.checkpoint_reader import CheckpointReader
+
+    with CheckpointReader(model_dir) as reader:
+        head = reader.read("lm_head.weight").float()
+    u = torch.randn(head.shape[1], generator=torch.Generator().manual_seed(seed + 1))
+    k = int(head.shape[0] * TARGET_FRACTION)
+    return sorted(torch.topk(head @ u, k).indices.tolist())
