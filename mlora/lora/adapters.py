@@ -134,7 +134,7 @@ class AdapterHost:
         tp, tp_rank = self.mesh.tp, self.mesh.tp_rank
         with CheckpointReader(path) as reader:
             modules = peft_modules(reader.entries, self.spec.num_layers, path)
-            check_peft_shapes(reader, modules, self._all_sites(), cfg.rank, path)
+            check_peft_shapes(reader, modules, model_sites(self.spec, self.mesh.tp), cfg.rank, path)
 
             def factors(site: LoraSite, sub: str):
                 a_kind, b_kind = FACTOR_KINDS[site.parallel]
@@ -142,10 +142,6 @@ class AdapterHost:
                         read_shard(reader, peft_tensor_name(site.layer, sub, "B"), b_kind, tp, tp_rank))
 
             self._install(name, cfg, modules, trainable, factors)
-
-    def _all_sites(self) -> dict[tuple[int, str], LoraSite]:
-        """Sites of every (layer, projection) of the whole model, computed from the spec."""
-        return model_sites(self.spec, self.mesh.tp)
 
     def delete_adapter(self, name: str) -> None:
         self._require(name)
@@ -227,7 +223,7 @@ class AdapterHost:
             site, branch = linear.lora_site, linear.lora[name]
             a_kind, b_kind = FACTOR_KINDS[site.parallel]
             for k, sub in enumerate(branch.subs):
-                a = branch.lora_A.grad[k * branch.rank:(k + 1) * branch.rank] if grads else branch.a_of(k)
+                a = branch.a_of(k, grad=grads)
                 b = branch.lora_B[k].grad if grads else branch.lora_B[k]
                 out[peft_tensor_name(site.layer, sub, "A")] = self._gather_tp(a, a_kind)
                 out[peft_tensor_name(site.layer, sub, "B")] = self._gather_tp(b, b_kind)
@@ -263,11 +259,7 @@ class AdapterHost:
             if name not in linear.lora:
                 continue
             branch = linear.lora[name]
-            if site.parallel == "column":
-                delta = stacked_b(branch, site) @ branch.lora_A
-            else:
-                delta = (branch.lora_B[0] * branch.scaling) @ branch.lora_A
-            weight += delta.detach().to(weight.dtype)
+            weight += (stacked_b(branch, site) @ branch.lora_A).detach().to(weight.dtype)
         return weight
 
     def _gather_tp(self, local: torch.Tensor, kind: str) -> torch.Tensor:

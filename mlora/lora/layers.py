@@ -92,17 +92,24 @@ class LoraBranch(torch.nn.Module):
         for p in ([self.lora_A] if parallel == "column" else list(self.lora_B)):
             mark_tp_replicated(p)
 
-    def a_of(self, k: int) -> torch.Tensor:
-        return self.lora_A[k * self.rank:(k + 1) * self.rank]
+    def a_of(self, k: int, grad: bool = False) -> torch.Tensor:
+        """Projection ``k``'s A (or its gradient): rows ``k·r:(k+1)·r`` of the stacked A."""
+        a = self.lora_A.grad if grad else self.lora_A
+        return a[k * self.rank:(k + 1) * self.rank]
 
 
 def stacked_b(branch: LoraBranch, site: LoraSite) -> torch.Tensor:
-    """``s·B`` of every projection of a fused layer as one ``[out_local, n·r]`` matrix.
+    """``s·B`` in the layer's output layout, so that ``(x Aᵀ) @ stacked_bᵀ`` is the LoRA delta and
+    ``stacked_b @ A`` the weight delta.
 
-    Block-structured: the rows of projection k (placed as in the fused output) hold ``s·B_k`` in
-    columns ``k·r:(k+1)·r`` and zeros elsewhere, so one GEMM ``h @ Bᵀ`` writes every projection's
-    delta straight into the fused layout. Built per call from the canonical factors (small).
+    A row-parallel layer has one projection: ``s·B``. A fused column-parallel layer gets one
+    block-structured ``[out_local, n·r]`` matrix: the rows of projection k (placed as in the
+    fused output) hold ``s·B_k`` in columns ``k·r:(k+1)·r`` and zeros elsewhere, so one GEMM
+    writes every projection's delta straight into the fused layout. Built per call from the
+    canonical factors (small).
     """
+    if site.parallel == "row":
+        return branch.lora_B[0] * branch.scaling
     r, n = branch.rank, len(branch.subs)
     pieces = []
     for sub, (_, size) in zip(site.subs, site.placement):
@@ -187,7 +194,7 @@ class LoraRowParallelLinear(_LoraHost, tensor_parallel.RowParallelLinear):
             # input_ is this rank's slice of the features: dropout draws from the TP-rank stream
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 x = branch.dropout(input_)
-            deltas.append(F.linear(F.linear(x, branch.lora_A), branch.lora_B[0] * branch.scaling))
+            deltas.append(F.linear(F.linear(x, branch.lora_A), stacked_b(branch, self.lora_site)))
         out = _base_plus(input_, self.weight, None, deltas)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(out, group=self.tp_group)

@@ -88,11 +88,11 @@ class ActorCriticEngine:
         return slice(start + self.mesh.dp_rank * per, start + (self.mesh.dp_rank + 1) * per)
 
     def _micro_batches(self, batch: RolloutBatch, rows: slice, size: int, extra: dict) -> list[dict]:
-        out = []
+        out, action_mask = [], batch.action_mask
         for s in range(rows.start, rows.stop, size):
             r = slice(s, s + size)
             mb = {"input_ids": batch.input_ids[r], "attention_mask": batch.attention_mask[r],
-                  "action_mask": batch.action_mask[r]}
+                  "action_mask": action_mask[r]}
             mb.update({k: v[r] for k, v in extra.items()})
             out.append({k: v.to(self.mesh.device) for k, v in mb.items()})
         return out

@@ -8,6 +8,26 @@ from pathlib import Path
 import torch.distributed as dist
 
 
+def parse_layouts(spec: str) -> list[tuple[int, int, bool]]:
+    """``"tp,pp[,sp];..."`` -> ``[(tp, pp, sp), ...]``; a third field ``sp`` turns on sequence parallel."""
+    out = []
+    for layout in spec.split(";"):
+        fields = layout.split(",")
+        out.append((int(fields[0]), int(fields[1]), fields[2:] == ["sp"]))
+    return out
+
+
+def masked_sum_loss(model, mask, scale: float = 1.0):
+    """``loss_fn`` for ``forward_backward``: scale · Σ of this TP rank's real-vocabulary logits at
+    unmasked positions (summed over TP ranks, that is the summed-logits loss of the whole model)."""
+    lo, hi = model.vocab_shard_range()
+
+    def loss_fn(logits, mb):
+        return (logits[..., : hi - lo] * mask.to(logits.device, logits.dtype)[..., None]).sum() * scale, {}
+
+    return loss_fn
+
+
 def merged_from_all_ranks(mine: dict) -> dict:
     """The union of every rank's dict (e.g. each pipeline stage's adapter tensors)."""
     parts: list = [None] * dist.get_world_size()

@@ -14,16 +14,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from common import masked_sum_loss
 
 import mlora
 from mlora.parallel import reset_parallel
 
 MODELS = ("llama", "qwen2")
-
-
-def masked_sum_loss(model, mask):
-    lo, hi = model.vocab_shard_range()
-    return lambda logits, mb: ((logits[..., : hi - lo] * mask[..., None]).sum() * 1e-3, {})
 
 
 def save_logits(model, ids, mask, path: Path) -> None:
@@ -69,7 +65,8 @@ def main() -> None:
             model.add_adapter("qv", mlora.LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj"], seed=3))
             opt = torch.optim.AdamW(model.trainable_parameters(), lr=1e-2)
             with model.use_adapters("policy", "qv"):
-                model.forward_backward([{"input_ids": ids, "attention_mask": mask}], masked_sum_loss(model, mask))
+                model.forward_backward([{"input_ids": ids, "attention_mask": mask}],
+                                       masked_sum_loss(model, mask, scale=1e-3))
             model.reduce_tp_replicated_grads()
             opt.step()
             save_logits(model, ids, mask, w / "logits_mesh4.pt")

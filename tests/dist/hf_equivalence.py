@@ -11,7 +11,7 @@ import glob
 from pathlib import Path
 
 import torch
-from common import write_records_and_exit
+from common import parse_layouts, write_records_and_exit
 
 import mlora
 from mlora.parallel import reset_parallel
@@ -49,9 +49,7 @@ def main() -> None:
     ap.add_argument("--roundtrip", type=Path, default=None)
     args = ap.parse_args()
     records = []
-    for layout in args.layouts.split(";"):
-        fields = layout.split(",")
-        tp, pp, sp = int(fields[0]), int(fields[1]), fields[2:] == ["sp"]
+    for tp, pp, sp in parse_layouts(args.layouts):
         mesh = mlora.init_parallel(tp=tp, pp=pp, sp=sp)
         for name in MODELS:
             model_dir = args.models_dir / name

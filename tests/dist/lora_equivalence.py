@@ -8,22 +8,13 @@ import argparse
 from pathlib import Path
 
 import torch
-from common import merged_from_all_ranks, write_records_and_exit
+from common import masked_sum_loss, merged_from_all_ranks, parse_layouts, write_records_and_exit
 
 import mlora
 from mlora.parallel import reset_parallel
 from mlora.parallel.accounting import count_collectives, summarize
 
 MODELS = ("llama", "qwen2")
-
-
-def masked_sum_loss(model, mask):
-    lo, hi = model.vocab_shard_range()
-
-    def loss_fn(logits, mb):
-        return (logits[..., : hi - lo] * mask[..., None].to(logits.dtype)).sum(), {}
-
-    return loss_fn
 
 
 def main() -> None:
@@ -34,9 +25,7 @@ def main() -> None:
     ap.add_argument("layouts")
     args = ap.parse_args()
     records = []
-    for layout in args.layouts.split(";"):
-        fields = layout.split(",")
-        tp, pp, sp = int(fields[0]), int(fields[1]), fields[2:] == ["sp"]
+    for tp, pp, sp in parse_layouts(args.layouts):
         mesh = mlora.init_parallel(tp=tp, pp=pp, sp=sp)
         tag = dict(tp=tp, pp=pp, sp=sp)
         for name in MODELS:

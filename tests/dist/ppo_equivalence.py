@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import merged_from_all_ranks
+from common import merged_from_all_ranks, parse_layouts
 
 import mlora
 from mlora.parallel import reset_parallel
@@ -50,8 +50,7 @@ def main() -> None:
     ap.add_argument("layouts")
     ap.add_argument("estimators")
     args = ap.parse_args()
-    for layout in args.layouts.split(";"):
-        tp, pp = (int(x) for x in layout.split(","))
+    for tp, pp, _ in parse_layouts(args.layouts):
         mesh = mlora.init_parallel(tp=tp, pp=pp)
         for estimator in args.estimators.split(","):
             model = mlora.from_pretrained(args.model_dir, mesh)
