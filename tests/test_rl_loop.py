@@ -8,22 +8,28 @@ import json
 import os
 import subprocess
 import sys
+import time
+import uuid
+from pathlib import Path
 
 import pytest
 from conftest import _free_port
 
 STEPS = 3
+DEMO_STEPS = 30  # configs/cpu_demo.yaml
+RISE = 0.25  # mean reward of the last 5 demo steps minus the first 5 (seen: 0.08 -> 0.82)
 AGREE = 1e-3  # mean |vLLM log-prob - trainer log-prob| of sampled tokens, float32
 SAME = 1e-4
 
 
-def _train(tmp_path, nproc: int, tp: int, pp: int, name: str, extra: list[str] = ()) -> list[dict]:
+def _train(tmp_path, nproc: int, tp: int, pp: int, name: str, steps: int | None = STEPS, extra=()) -> list[dict]:
     run_dir = tmp_path / name
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}",
-           "-m", "mlora.train", "--config-name", "cpu_demo", f"trainer.total_steps={STEPS}",
-           f"trainer.placement.tp={tp}", f"trainer.placement.pp={pp}", f"trainer.run_dir={run_dir}",
-           f"demo.dir={tmp_path / 'assets'}", f"trainer.run_name={name}", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"})
+           "-m", "mlora.train", "--config-name", "cpu_demo", f"trainer.placement.tp={tp}", f"trainer.placement.pp={pp}",
+           f"trainer.run_dir={run_dir}", f"demo.dir={tmp_path / 'assets'}", f"trainer.run_name={name}", *extra]
+    if steps is not None:
+        cmd.append(f"trainer.total_steps={steps}")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode != 0:
         pytest.fail(f"mlora-train failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -31,14 +37,23 @@ def _train(tmp_path, nproc: int, tp: int, pp: int, name: str, extra: list[str] =
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """The README demo as it is (PPO with critic, TP2xPP2, DEMO_STEPS steps) and its first steps at TP1."""
     tmp = tmp_path_factory.mktemp("rl")
-    return tmp, {"tp1": _train(tmp, 1, 1, 1, "tp1"), "tp2pp2": _train(tmp, 4, 2, 2, "tp2pp2")}
+    return tmp, {"tp1": _train(tmp, 1, 1, 1, "tp1"), "tp2pp2": _train(tmp, 4, 2, 2, "tp2pp2", steps=None)}
+
+
+def test_reward_rises(runs):
+    _, r = runs
+    rewards = [m["reward/mean"] for m in r["tp2pp2"]]
+    assert len(rewards) == DEMO_STEPS
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last >= first + RISE, (first, last, rewards)
 
 
 def test_every_step_logged_and_engines_use_latest_adapter(runs):
     _, r = runs
     for rows in r.values():
-        assert [m["step"] for m in rows] == list(range(1, STEPS + 1))
+        assert [m["step"] for m in rows] == list(range(1, len(rows) + 1))
         for m in rows:
             assert m["rollout/logprob_abs_diff"] <= AGREE, m
             assert m["timing/adapter_sync_s"] >= 0 and "actor/pg_loss" in m and "critic/value_loss" in m
@@ -53,25 +68,94 @@ def test_tp1_and_tp2pp2_agree(runs):
 
 
 def test_outputs_plot_and_peft_adapter(runs):
+    """The exported adapter loads in PEFT and carries what was learned: more next-token
+    probability on the target tokens than the base gives them."""
     tmp, _ = runs
+    import pyarrow.parquet as pq
+    import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    run = tmp / "tp2pp2"
+    run, model_dir = tmp / "tp2pp2", tmp / "assets" / "tiny-llama"
     assert (run / "metrics.png").stat().st_size > 0
-    base = AutoModelForCausalLM.from_pretrained(str(tmp / "assets" / "tiny-llama"))
-    PeftModel.from_pretrained(base, str(run / "final_adapter"))
-    assert (run / "checkpoints" / f"global_step_{STEPS}" / "adapters" / "critic" / "adapter_model.safetensors").exists()
+    assert (run / "checkpoints" / f"global_step_{DEMO_STEPS}" / "adapters" / "critic" / "adapter_model.safetensors").exists()
+    rows = pq.read_table(tmp / "assets" / "train.parquet").to_pylist()[:8]
+    targets = torch.tensor(json.loads(rows[0]["reward_spec"])["targets"] if isinstance(rows[0]["reward_spec"], str)
+                           else rows[0]["reward_spec"]["targets"])
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+
+    def target_mass(model) -> float:
+        with torch.no_grad():
+            probs = [torch.softmax(model(**tok(r["prompt"], return_tensors="pt")).logits[0, -1], -1)[targets].sum()
+                     for r in rows]
+        return float(torch.stack(probs).mean())
+
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    before = target_mass(base)
+    after = target_mass(PeftModel.from_pretrained(base, str(run / "final_adapter")))
+    assert after >= before + RISE, (before, after)
+
+
+def _tagged_processes(tag: str) -> list[int]:
+    """Live processes whose environment carries ``tag`` (children inherit it, Ray's too)."""
+    found = []
+    for env in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if tag.encode() in env.read_bytes():
+                found.append(int(env.parent.name))
+        except OSError:
+            pass
+    return found
+
+
+def _no_orphans(tag: str, within: float = 30.0) -> None:
+    deadline = time.monotonic() + within
+    while (left := _tagged_processes(tag)) and time.monotonic() < deadline:
+        time.sleep(1.0)
+    assert not left, f"processes left behind: {left}"
+
+
+def _mlora_train(tmp_path, *overrides) -> subprocess.CompletedProcess:
+    """One-rank mlora-train on the demo config; returns after checking no process outlived it."""
+    tag = f"MLORA_TEST_TAG={uuid.uuid4().hex}"
+    cmd = [sys.executable, "-m", "mlora.train", "--config-name", "cpu_demo", "trainer.total_steps=1",
+           "trainer.placement.tp=1", "trainer.placement.pp=1", f"demo.dir={tmp_path / 'assets'}",
+           f"trainer.run_dir={tmp_path / 'run'}", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", tag.split("=")[0]: tag.split("=")[1]}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    _no_orphans(tag)
+    return proc
 
 
 def test_bad_input(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     def fails(*overrides) -> str:
-        cmd = [sys.executable, "-m", "mlora.train", "--config-name", "cpu_demo", "trainer.total_steps=1",
-               "trainer.placement.tp=1", "trainer.placement.pp=1", f"demo.dir={tmp_path / 'assets'}",
-               f"trainer.run_dir={tmp_path / 'run'}", *overrides]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        assert proc.returncode != 0
+        proc = _mlora_train(tmp_path, *overrides)
+        assert proc.returncode != 0, proc.stdout[-2000:]
         return proc.stderr
 
     assert "unknown env_class 'nope'" in fails("environment.env_class=nope")
     assert "does not exist" in fails(f"data.train_data=[{tmp_path / 'missing.parquet'}]")
+    pq.write_table(pa.Table.from_pylist([{"question": "1+1?", "answer": "#### 2"}]), tmp_path / "raw.parquet")
+    err = fails(f"data.train_data=[{tmp_path / 'raw.parquet'}]")
+    assert "lacks columns ['prompt', 'reward_spec']" in err and "found ['question', 'answer']" in err
+    err = fails("+generator.engine_init_kwargs.no_such_vllm_argument=1")
+    assert "vLLM engine for" in err and "failed to start" in err and "no_such_vllm_argument" in err
+    # an error after the engine started: it is released too (checked inside _mlora_train)
+    assert "not divisible by micro_train_batch_size" in fails("trainer.micro_train_batch_size_per_gpu=3")
+
+
+def test_ray_engines(tmp_path, runs):
+    """generator.run_engines_locally=false: two vLLM engines as Ray actors (a local Ray), the same
+    first step as the local engine, and nothing left running after exit."""
+    pytest.importorskip("ray")
+    _, r = runs
+    proc = _mlora_train(tmp_path, "generator.run_engines_locally=false", "generator.num_inference_engines=2",
+                        "trainer.run_name=ray", "trainer.total_steps=2")
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(m["rollout/logprob_abs_diff"] <= AGREE for m in rows)
+    for k in ("reward/mean", "actor/pg_loss", "critic/value_loss"):
+        assert abs(rows[0][k] - r["tp1"][0][k]) <= SAME * max(1.0, abs(rows[0][k])), k

@@ -25,7 +25,7 @@ def _mlora_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor
 
 @pytest.fixture(scope="module")
 def engine(tiny_models):
-    eng = LocalVLLMEngine(tiny_models / "llama", max_lora_rank=8)
+    eng = LocalVLLMEngine(tiny_models / "llama", max_lora_rank=8, kv_cache_memory_bytes=64 << 20)
     yield eng
     eng.close()
 

