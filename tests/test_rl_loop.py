@@ -171,3 +171,19 @@ def test_engine_tensor_parallel(tmp_path, runs):
     assert len(rows) == 2 and all(m["rollout/logprob_abs_diff"] <= AGREE for m in rows)
     # sharded sums may round differently and flip a rare sample: allow 2 of the 128 response tokens
     assert abs(rows[0]["reward/mean"] - r["tp1"][0]["reward/mean"]) <= 2 / 128
+
+
+def test_frozen_adapter_under_policy(tmp_path, runs):
+    """trainer.policy.model.frozen_adapter_path: the demo's trained adapter, frozen, under a new
+    policy. The engine serves the base with it merged + the new policy, the trainer stacks the
+    two: their log-probs agree, and the reward starts where the demo ended."""
+    tmp, r = runs
+    proc = _mlora_train(tmp_path, f"trainer.policy.model.frozen_adapter_path={tmp / 'tp2pp2' / 'final_adapter'}",
+                        "trainer.total_steps=2")
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["rollout/logprob_abs_diff"] <= AGREE for m in rows)
+    assert rows[0]["kl/mean"] == 0.0  # the reference includes the frozen adapter
+    demo_end = sum(m["reward/mean"] for m in r["tp2pp2"][-5:]) / 5
+    assert rows[0]["reward/mean"] >= demo_end - RISE, (rows[0]["reward/mean"], demo_end)
+    assert (tmp_path / "run" / "engine_base" / "mlora_merge.json").is_file()

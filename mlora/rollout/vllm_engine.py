@@ -11,6 +11,7 @@ after an error.
 from __future__ import annotations
 
 import atexit
+import functools
 import multiprocessing as mp
 import os
 import time
@@ -60,6 +61,28 @@ class VLLMServer:
         from vllm.lora.request import LoRARequest
 
         self.lora = LoRARequest(_ADAPTER_NAME, _ADAPTER_ID, str(adapter_dir), load_inplace=True)
+
+    def set_adapter_files(self, files: dict[str, bytes]) -> None:
+        """Serve an adapter shipped as file contents (Ray, memory mode: the trainer's shared memory
+        is not this node's): they go to this node's shared memory, then the hot swap."""
+        import shutil
+        import tempfile
+
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        new = Path(tempfile.mkdtemp(prefix="mlora-adapter-", dir=shm))
+        for name, data in files.items():
+            (new / name).write_bytes(data)
+        self.set_adapter(new)
+        old, self._shipped = getattr(self, "_shipped", None), new
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def shutdown(self) -> None:
+        """Remove shipped adapter files (a Ray actor is killed without running destructors)."""
+        import shutil
+
+        if getattr(self, "_shipped", None) is not None:
+            shutil.rmtree(self._shipped, ignore_errors=True)
 
     def generate(self, prompts: list[list[int]], s: SamplingConfig, indices: list[int] | None = None
                  ) -> list[Generation]:
@@ -210,17 +233,22 @@ class RayVLLMEngine(_EngineCalls):
     bundles (one GPU each on CUDA clusters, one CPU each otherwise).
 
     With TP > 1 the actor itself holds no GPU and vLLM's Ray executor places its workers in the
-    group's bundles. Call ``ray.init`` (or let :func:`build_engines` do it) first.
+    group's bundles. The model path must be readable on the actor's node (a shared filesystem).
+    Adapters: ``ship_adapter=False`` passes the directory (``lora_sync_path`` on a shared
+    filesystem); ``True`` sends the file contents through Ray into the actor node's shared memory
+    (the memory mode: nothing on persistent disk, any node). Call ``ray.init`` (or let
+    :func:`build_engines` do it) first.
     """
 
     def __init__(self, model: str | os.PathLike, max_lora_rank: int = 16, dtype: str = "float32", seed: int = 0,
                  tensor_parallel_size: int = 1, use_gpu: bool | None = None, start_timeout: float = 600.0,
-                 **engine_init_kwargs) -> None:
+                 ship_adapter: bool = False, **engine_init_kwargs) -> None:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         _check_model_dir(model)
+        self._ship = ship_adapter
         if use_gpu is None:
             use_gpu = ray.cluster_resources().get("GPU", 0) > 0
         tp = tensor_parallel_size
@@ -249,6 +277,9 @@ class RayVLLMEngine(_EngineCalls):
     def submit(self, method: str, *args):
         if self._actor is None:
             raise RuntimeError("the vLLM engine actor was released")
+        if method == "set_adapter" and self._ship:
+            files = {f.name: f.read_bytes() for f in Path(args[0]).iterdir() if f.is_file()}
+            return self._actor.set_adapter_files.remote(files)
         return getattr(self._actor, method).remote(*args)
 
     def result(self, handle):
@@ -267,6 +298,10 @@ class RayVLLMEngine(_EngineCalls):
         if not ray.is_initialized():
             return
         if actor is not None:
+            try:
+                ray.get(actor.shutdown.remote(), timeout=30)
+            except Exception:
+                pass  # the actor is gone already; nothing of it to clean up
             ray.kill(actor)
         if pg is not None:
             self._remove_pg(pg)
@@ -314,8 +349,9 @@ class EngineGroup:
 
 
 def build_engines(model: str | os.PathLike, num_engines: int = 1, tensor_parallel_size: int = 1,
-                  run_locally: bool = True, **kwargs) -> EngineGroup:
-    """``num_engines`` engines: child processes here (``run_locally``) or Ray actors.
+                  run_locally: bool = True, ship_adapter: bool = False, **kwargs) -> EngineGroup:
+    """``num_engines`` engines: child processes here (``run_locally``) or Ray actors (which get the
+    adapter's file contents when ``ship_adapter``, see :class:`RayVLLMEngine`).
 
     For Ray, connects to the cluster in ``RAY_ADDRESS`` or starts a local one, and shuts the
     connection down when the group closes. Engines already started are released if a later one
@@ -334,7 +370,7 @@ def build_engines(model: str | os.PathLike, num_engines: int = 1, tensor_paralle
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
             on_close = ray.shutdown
-        make = RayVLLMEngine
+        make = functools.partial(RayVLLMEngine, ship_adapter=ship_adapter)
     engines: list = []
     try:
         for _ in range(num_engines):

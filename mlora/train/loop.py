@@ -25,6 +25,8 @@ from mlora.train.batch import RolloutBatch
 from mlora.train.config import PPOConfig
 from mlora.train.engine import ActorCriticEngine
 
+FROZEN = "frozen"  # the name of trainer.policy.model.frozen_adapter_path's adapter
+
 
 def build_batch(prompt_ids: list[list[int]], gens: list[Generation], rewards: list[float], pad_id: int
                 ) -> RolloutBatch:
@@ -132,7 +134,11 @@ def run(cfg) -> dict:
                          "trainer.critic.model.path to trainer.policy.model.path (one shared base)")
     model = mlora.from_pretrained(t.policy.model.path, mesh, dtype=getattr(torch, t.dtype))
     tokenizer = AutoTokenizer.from_pretrained(str(t.policy.model.path))
-    engine = ActorCriticEngine(model, ppo_config(cfg), policy_lora=lora_config(t.policy.model.lora, t.seed),
+    frozen = t.policy.model.get("frozen_adapter_path")
+    if frozen:  # e.g. an SFT adapter: under policy, critic and reference alike
+        model.load_adapter(FROZEN, frozen, trainable=False)
+    engine = ActorCriticEngine(model, ppo_config(cfg), reference_adapters=(FROZEN,) if frozen else (),
+                               policy_lora=lora_config(t.policy.model.lora, t.seed),
                                critic_lora=lora_config(t.critic.model.lora, t.seed + 1))
     run_dir = Path(t.run_dir)
     sampling = SamplingConfig(temperature=cfg.generator.sampling_params.temperature,
@@ -153,8 +159,14 @@ def run(cfg) -> dict:
             g = cfg.generator
             if g.backend != "vllm":
                 raise ValueError(f"unknown generator.backend {g.backend!r}; valid: vllm")
-            generator = build_engines(t.policy.model.path, g.num_inference_engines,
+            engine_base = t.policy.model.path
+            if frozen:  # the engines load the base with the frozen adapter merged, once
+                from mlora.export.merge import merge_adapter
+
+                engine_base = merge_adapter(engine_base, frozen, run_dir / "engine_base", progress=False)
+            generator = build_engines(engine_base, g.num_inference_engines,
                                       g.inference_engine_tensor_parallel_size, g.run_engines_locally,
+                                      ship_adapter=g.weight_sync == "memory",
                                       max_lora_rank=t.policy.model.lora.rank, dtype=t.dtype, seed=t.seed,
                                       kv_cache_memory_bytes=g.kv_cache_memory_bytes,
                                       **dict(g.get("engine_init_kwargs") or {}))
@@ -207,7 +219,8 @@ def run(cfg) -> dict:
 
             png = plot_metrics(run_dir / "metrics.jsonl", run_dir / "metrics.png")
             print(f"\nmetrics: {run_dir / 'metrics.jsonl'}\nplot: {png}\nfinal adapter (PEFT): {final}\n"
-                  f"serve it with vLLM:\n  vllm serve {t.policy.model.path} --enable-lora "
+                  + (f"(it applies on top of {frozen}, merged into the base in {engine_base})\n" if frozen else "")
+                  + f"serve it with vLLM:\n  vllm serve {engine_base} --enable-lora "
                   f"--max-lora-rank {t.policy.model.lora.rank} --lora-modules policy={final.resolve()}")
     finally:
         if bar is not None:
