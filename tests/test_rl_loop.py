@@ -17,16 +17,16 @@ from conftest import _free_port
 
 STEPS = 3
 DEMO_STEPS = 30  # configs/cpu_demo.yaml
-RISE = 0.25  # mean reward of the last 5 demo steps minus the first 5 (seen: 0.08 -> 0.82)
+RISE = 0.25  # mean reward of the last 5 demo steps minus the first 5 (seen: 0.10 -> 0.82)
 AGREE = 1e-3  # mean |vLLM log-prob - trainer log-prob| of sampled tokens, float32
 SAME = 1e-4
 
 
-def _train(tmp_path, nproc: int, tp: int, pp: int, name: str, steps: int | None = STEPS, extra=()) -> list[dict]:
+def _train(tmp_path, nproc: int, tp: int, pp: int, name: str, steps: int | None = STEPS) -> list[dict]:
     run_dir = tmp_path / name
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}",
            "-m", "mlora.train", "--config-name", "cpu_demo", f"trainer.placement.tp={tp}", f"trainer.placement.pp={pp}",
-           f"trainer.run_dir={run_dir}", f"demo.dir={tmp_path / 'assets'}", f"trainer.run_name={name}", *extra]
+           f"trainer.run_dir={run_dir}", f"demo.dir={tmp_path / 'assets'}", f"trainer.run_name={name}"]
     if steps is not None:
         cmd.append(f"trainer.total_steps={steps}")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -83,8 +83,9 @@ class MLoraModel(AdapterHost, torch.nn.Module):
 
         Weight ~ N(0, init_std²) from ``seed`` alone (so every mesh builds the same head), bias 0.
         The default 0 starts every value at 0: a random head's values (order 1 per token) would
-        swamp small rewards in the whitened advantages until the critic caught up. Every TP rank holds it whole and computes its full gradient from the same
-        hidden states: the gradient is summed over DP only and counted once in the grad norm.
+        swamp small rewards in the whitened advantages until the critic caught up. Every TP rank
+        holds the head whole and computes its full gradient from the same hidden states: the
+        gradient is summed over DP only and counted once in the grad norm.
         """
         if name in self.heads:
             raise ValueError(f"a head named {name!r} already exists")

@@ -128,6 +128,8 @@ def run(cfg) -> dict:
     mesh = mlora.init_parallel(tp=t.placement.tp, pp=t.placement.pp, sp=t.placement.sp, seed=t.seed)
     dist.barrier()
     env = make_env(cfg.environment.env_class)
+    if cfg.generator.backend != "vllm":
+        raise ValueError(f"unknown generator.backend {cfg.generator.backend!r}; valid: vllm")
     rows = [r for path in cfg.data.train_data for r in load_prompts(path)]
     if str(t.critic.model.path) != str(t.policy.model.path) and t.algorithm.advantage_estimator == "gae":
         raise ValueError("a critic on another base than the policy is not supported yet: set "
@@ -157,8 +159,6 @@ def run(cfg) -> dict:
             run_dir.mkdir(parents=True, exist_ok=True)
             logger = _Logger(cfg, run_dir)
             g = cfg.generator
-            if g.backend != "vllm":
-                raise ValueError(f"unknown generator.backend {g.backend!r}; valid: vllm")
             engine_base = t.policy.model.path
             if frozen:  # the engines load the base with the frozen adapter merged, once
                 from mlora.export.merge import merge_adapter
