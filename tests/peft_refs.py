@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from mlora.testing import right_padded_batch
+
 ALL_SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -27,13 +29,7 @@ def random_peft_adapter(base_dir: Path, out_dir: Path, r: int, alpha: float, see
 
 
 def padded_batch(vocab: int, seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (3, 19), generator=g)
-    mask = torch.ones_like(ids)
-    for row, length in enumerate((19, 13, 6)):
-        mask[row, length:] = 0
-        ids[row, length:] = 0
-    return ids, mask
+    return right_padded_batch(vocab, (19, 13, 6), seed)
 
 
 def build_refs(base_dir: Path, out: Path) -> Path:

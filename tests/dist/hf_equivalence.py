@@ -15,19 +15,14 @@ from common import parse_layouts, write_records_and_exit
 
 import mlora
 from mlora.parallel import reset_parallel
+from mlora.testing import right_padded_batch
 
 MODELS = ("llama", "qwen2", "mistral")
 
 
 def batch(dp_rank: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A right-padded batch (lengths 19, 13, 5; odd, so SP must pad), different on each DP rank."""
-    g = torch.Generator().manual_seed(100 + dp_rank)
-    ids = torch.randint(0, vocab, (3, 19), generator=g)
-    mask = torch.ones_like(ids)
-    for row, length in enumerate((19, 13, 5)):
-        mask[row, length:] = 0
-        ids[row, length:] = 0
-    return ids, mask
+    return right_padded_batch(vocab, (19, 13, 5), seed=100 + dp_rank)
 
 
 _hf_cache: dict[str, torch.Tensor] = {}
