@@ -40,6 +40,23 @@ def peft_refs_dir(tiny_models, tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def _tiny_llama_tp1(tiny_models):
+    import mlora
+
+    return mlora.from_pretrained(tiny_models / "llama", mlora.init_parallel(tp=1, pp=1))
+
+
+@pytest.fixture
+def model(_tiny_llama_tp1):
+    """The tiny Llama on one rank (one per test module); its adapters are removed and eval mode is
+    restored after each test."""
+    yield _tiny_llama_tp1
+    for name in list(_tiny_llama_tp1.adapters):
+        _tiny_llama_tp1.delete_adapter(name)
+    _tiny_llama_tp1.eval()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

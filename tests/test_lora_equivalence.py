@@ -1,4 +1,5 @@
-"""LoRA on parallel linears == HF+PEFT: logits, gradients, stacking, rank 3, zero extra collectives.
+"""LoRA on parallel linears == HF+PEFT: logits, gradients, stacking, rank 3, zero extra collectives;
+add_adapter's init and LoRA dropout do not depend on the mesh.
 
 Three grouped torchrun launches cover (TP, PP) = (1,1), (2,1), (2,1)+SP, (1,2), (2,2), (2,2)+SP
 for tiny Llama and Qwen2 with a random non-zero PEFT adapter (r 8, alpha 16, all seven projections).
@@ -7,10 +8,12 @@ for tiny Llama and Qwen2 with a random non-zero PEFT adapter (r 8, alpha 16, all
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import run_records
 
 LOGITS_TOL = 1e-4  # float32 absolute, issue 3
 GRAD_REL_TOL = 1e-5  # ||g - g_peft|| / ||g_peft|| per factor
+DROPOUT_TOL = 1e-5  # float32, dropout 0.3 in train mode vs TP1: relative loss, ||g - g_tp1|| / ||g_tp1|| per factor
 MODELS = {"llama", "qwen2"}
 LAUNCHES = {1: "1,1", 2: "2,1;2,1,sp;1,2", 4: "2,2;2,2,sp"}
 EXPECTED = {1: {(1, 1, False)}, 2: {(2, 1, False), (2, 1, True), (1, 2, False)}, 4: {(2, 2, False), (2, 2, True)}}
@@ -63,6 +66,43 @@ def test_lora_adds_no_collectives(records, nproc):
     for r in recs:
         assert r["base"], r  # the base alone does communicate at these layouts
         assert r["lora"] == r["base"], r
+        assert r["dropout"] == r["base"], r  # per-projection dropout masks add no collective either
     sp = [r for r in recs if r["sp"]]
     if sp:
         assert all("reduce_scatter_tensor" in r["lora"] and "all_reduce" not in r["lora"] for r in sp)
+
+
+def _by_layout(records, check: str, model: str) -> dict:
+    recs = [r for rs in records.values() for r in rs if r["check"] == check and r["model"] == model]
+    return {(r["tp"], r["pp"], r["sp"]): r for r in recs}
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_fresh_adapter_init_is_mesh_independent(records, model):
+    # add_adapter(init_method="gaussian") gathered to PEFT layout: bit-identical on every mesh
+    recs = _by_layout(records, "fresh_init", model)
+    assert set(recs) == set().union(*EXPECTED.values())
+    ref = torch.load(recs[(1, 1, False)]["file"])
+    assert len(ref) == 2 * 7 * 4 and all(t.shape[0] == 3 or t.shape[1] == 3 for t in ref.values())
+    for layout, r in recs.items():
+        got = torch.load(r["file"])
+        assert set(got) == set(ref), layout
+        assert all(torch.equal(got[k], ref[k]) for k in ref), layout
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_dropout_is_mesh_independent(records, model, peft_refs_dir):
+    recs = _by_layout(records, "dropout", model)
+    assert set(recs) == set().union(*EXPECTED.values())
+    assert all(r["calls"] == [2] for r in recs.values())  # two micro-batches: two mask draws per branch
+    ref = torch.load(recs[(1, 1, False)]["file"])
+    # dropout really acted: without it the two identical micro-batches give twice the PEFT gradient
+    no_dropout = torch.load(peft_refs_dir / model / "refs.pt")["policy_grads"]
+    assert set(ref["grads"]) == set(no_dropout)
+    assert all(((ref["grads"][k] - 2 * g).norm() / (2 * g).norm()).item() > 1e-2 for k, g in no_dropout.items())
+    for layout, r in recs.items():
+        got = torch.load(r["file"])
+        assert abs(got["loss"] - ref["loss"]) <= DROPOUT_TOL * abs(ref["loss"]), (layout, got["loss"], ref["loss"])
+        assert set(got["grads"]) == set(ref["grads"]), layout
+        rel = {k: ((got["grads"][k] - g).norm() / g.norm()).item() for k, g in ref["grads"].items()}
+        assert max(rel.values()) < DROPOUT_TOL, (layout, max(rel, key=rel.get), max(rel.values()))

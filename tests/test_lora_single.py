@@ -15,20 +15,6 @@ from mlora.models.checkpoint_reader import CheckpointError
 L = 4
 
 
-@pytest.fixture(scope="module")
-def model(tiny_models):
-    mesh = mlora.init_parallel(tp=1, pp=1)
-    return mlora.from_pretrained(tiny_models / "llama", mesh)
-
-
-@pytest.fixture(autouse=True)
-def _clean(model):
-    yield
-    for name in list(model.adapters):
-        model.delete_adapter(name)
-    model.eval()
-
-
 def ids():
     return torch.randint(0, 1001, (2, 9), generator=torch.Generator().manual_seed(0))
 

@@ -49,7 +49,8 @@ def peft_adapter_config(config: LoraConfig, modules: set[tuple[int, str]], num_l
         "exclude_modules": None,
         "fan_in_fan_out": False,
         "inference_mode": True,
-        "init_lora_weights": True,
+        # what PEFT records for its own inits; Megatron-Bridge's have no PEFT name (the weights are stored)
+        "init_lora_weights": "gaussian" if config.init_method == "gaussian" else True,
         "layer_replication": None,
         "layers_pattern": None,
         "layers_to_transform": None,

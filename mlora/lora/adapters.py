@@ -27,8 +27,8 @@ from mlora.export.peft_files import (
     read_peft_config,
     write_peft_adapter,
 )
-from mlora.lora.config import LoraConfig
-from mlora.lora.layers import LORA_LINEARS, LoraBranch, LoraSite, has_tp_partial_grad, stacked_b
+from mlora.lora.config import INIT_METHODS, LoraConfig, derive_seed
+from mlora.lora.layers import LORA_LINEARS, DropoutKey, LoraBranch, LoraSite, has_tp_partial_grad, stacked_b
 from mlora.lora.sites import FACTOR_KINDS, factor_shapes, model_sites
 from mlora.lora.targets import resolve_targets
 from mlora.models.checkpoint_reader import CheckpointReader
@@ -55,15 +55,29 @@ def attach_lora_sites(gpt: torch.nn.Module, spec, tp: int) -> None:
         layer.mlp.linear_fc2.lora_site = sites[(i, "down_proj")]
 
 
-def _init_factors(cfg: LoraConfig, site: LoraSite, sub: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """PEFT's default init (A ~ kaiming-uniform(a=√5) = U(±1/√in), B = 0), seeded per module so that
-    every mesh builds the same adapter."""
+def _draw_a(method: str, shape: tuple[int, int], g: torch.Generator) -> torch.Tensor:
+    """The full ``[rank, in]`` A for ``LoraConfig.init_method`` (float64; see LoraConfig)."""
+    rank, fan_in = shape
+    if method == "kaiming":  # kaiming_uniform_(a=√5): gain √(1/3) · √(3/in) = 1/√in
+        return (torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1) / fan_in ** 0.5
+    if method == "zero":
+        return torch.zeros(shape, dtype=torch.float64)
+    std = {"gaussian": 1.0 / rank, "xavier": (2.0 / (fan_in + rank)) ** 0.5, "normal": 0.2}.get(method)
+    if std is None:
+        raise ValueError(f"LoRA init_method={method!r} is invalid; valid: {', '.join(INIT_METHODS)}")
+    return torch.randn(shape, generator=g, dtype=torch.float64) * std
+
+
+def _init_factors(cfg: LoraConfig, name: str, site: LoraSite, sub: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full (unsharded) A drawn with ``cfg.init_method`` and B = 0.
+
+    The stream is keyed by (seed, adapter name, layer, HF projection) through a stable hash, so
+    q_proj and gate_proj (same input width) or two adapters built from one config never share an
+    A, and every mesh draws the same full matrix before sharding it.
+    """
     a_shape, b_shape = factor_shapes(site, sub, cfg.rank)
-    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + site.layer * 101 + site.subs.index(sub)
-                                      + 7 * ("column", "row").index(site.parallel))
-    bound = 1.0 / site.in_full ** 0.5
-    a = (torch.rand(a_shape, generator=g, dtype=torch.float64) * 2 - 1) * bound
-    return a, torch.zeros(b_shape, dtype=torch.float64)
+    g = torch.Generator().manual_seed(derive_seed(cfg.seed, name, site.layer, sub, "init_A"))
+    return _draw_a(cfg.init_method, a_shape, g), torch.zeros(b_shape, dtype=torch.float64)
 
 
 class AdapterHost:
@@ -99,11 +113,18 @@ class AdapterHost:
             branch = LoraBranch(subs, cfg.rank, cfg.scaling, cfg.dropout,
                                 torch.cat(a_parts).to(device=device, dtype=self.dtype),
                                 [b.to(device=device, dtype=self.dtype) for b in b_parts], trainable,
-                                parallel=site.parallel)
+                                parallel=site.parallel, dropout_key=self._dropout_key(name, cfg, site))
             branch.train(self.training)
             linear.lora[name] = branch
         self.adapters[name] = AdapterInfo(cfg, trainable, frozenset(modules))
         self._apply_active()
+
+    def _dropout_key(self, name: str, cfg: LoraConfig, site: LoraSite) -> DropoutKey:
+        """Mesh-independent dropout masks: keyed by the module, not the rank; a row-parallel rank
+        applies its TP slice of the full-input mask."""
+        offset = self.mesh.tp_rank * site.in_local if site.parallel == "row" else 0
+        return DropoutKey(seed=cfg.seed, adapter=name, layer=site.layer, stream=self.mesh.dp_rank,
+                          in_full=site.in_full, in_offset=offset)
 
     def add_adapter(self, name: str, config: LoraConfig, trainable: bool = True) -> None:
         """Add a freshly initialised adapter (B = 0, so the model's output is unchanged)."""
@@ -112,7 +133,7 @@ class AdapterHost:
         tp, tp_rank = self.mesh.tp, self.mesh.tp_rank
 
         def factors(site: LoraSite, sub: str):
-            a, b = _init_factors(config, site, sub)
+            a, b = _init_factors(config, name, site, sub)
             a_kind, b_kind = FACTOR_KINDS[site.parallel]
             return shard(a, a_kind, tp, tp_rank), shard(b, b_kind, tp, tp_rank)
 

@@ -13,6 +13,13 @@ Fused layers hold one adapter per HF projection (q, k, v; gate, up): their A fac
 stacked into one GEMM and their B factors into one block-structured GEMM that writes the fused
 output layout directly. The frozen base GEMM then accumulates into the LoRA delta (addmm with
 beta 1), and no weight gradient is ever computed for it.
+
+LoRA dropout follows PEFT: each projection has its own mask on its own copy of the input, so with
+dropout active (training mode, p > 0) a fused layer does one A GEMM per projection; otherwise the
+stacked GEMM. Masks do not depend on the TP/PP layout: each is drawn for the full, unsharded
+input from a generator keyed by (seed, adapter, layer, projection, DP rank, forward call), so the
+column-parallel ranks (replicated input) draw the same mask and a row-parallel rank keeps its
+slice of the full-input mask. See :class:`DropoutKey`.
 """
 
 from __future__ import annotations
@@ -29,6 +36,12 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+
+from mlora.lora.config import derive_seed
+
+# Elements of a full-width dropout mask drawn per generator (64 MiB of float32 scratch). A function
+# of the full input width only, so every mesh splits the draws into the same chunks.
+MASK_CHUNK = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -76,17 +89,64 @@ def has_tp_partial_grad(param: torch.Tensor) -> bool:
     return getattr(param, TP_PARTIAL_GRAD, False)
 
 
+@dataclass(frozen=True)
+class DropoutKey:
+    """Where a branch's dropout masks come from and which part of them this rank applies.
+
+    The mask of projection ``sub`` at forward call ``call`` is drawn over the full input width
+    ``in_full`` in row chunks of ``MASK_CHUNK // in_full`` tokens, chunk ``c`` from a generator
+    seeded by ``derive_seed(seed, adapter, layer, sub, "dropout", stream, call, c)``; this rank
+    applies features ``[in_offset, in_offset + local width)`` of it (the whole mask on a
+    column-parallel layer, whose input is replicated over TP; its TP slice on a row-parallel one).
+    ``stream`` is the DP rank: replicas that see different data must not share masks. DP ranks
+    therefore draw different masks than a DP=1 run would for the same samples; only TP and PP
+    leave the masks unchanged.
+    """
+
+    seed: int = 0
+    adapter: str = ""
+    layer: int = 0
+    stream: int = 0
+    in_full: int = 0
+    in_offset: int = 0
+
+
+def dropout_mask(key: DropoutKey, sub: str, call: int, p: float, x: torch.Tensor) -> torch.Tensor:
+    """The multiplier ``keep / (1 - p)`` (dtype and shape of ``x``) for projection ``sub``."""
+    width = x.shape[-1]
+    if key.in_offset + width > key.in_full:
+        raise ValueError(f"LoRA dropout: input features [{key.in_offset}, {key.in_offset + width}) do not fit "
+                         f"in the full input width {key.in_full}")
+    rows = x.numel() // width
+    chunk = max(1, MASK_CHUNK // key.in_full)
+    keep = torch.empty(rows, width, dtype=torch.bool, device=x.device)
+    for c, start in enumerate(range(0, rows, chunk)):
+        n = min(chunk, rows - start)
+        g = torch.Generator(device=x.device).manual_seed(
+            derive_seed(key.seed, key.adapter, key.layer, sub, "dropout", key.stream, call, c))
+        full = torch.rand(n, key.in_full, generator=g, device=x.device)
+        keep[start:start + n] = full[:, key.in_offset:key.in_offset + width] >= p
+    return (keep.to(x.dtype) * (1.0 / (1.0 - p))).view(x.shape)
+
+
 class LoraBranch(torch.nn.Module):
     """One adapter on one parallel linear: stacked A ``[n·r, in_local]`` and one B per projection.
 
     Column-parallel sites replicate A, row-parallel sites replicate B (marked TP-replicated).
+    ``dropout_key`` keys the dropout masks and places this rank's input in the full input
+    (default: seed 0, no adapter name, layer 0, the input whole).
     """
 
     def __init__(self, subs: tuple[str, ...], rank: int, scaling: float, dropout: float,
-                 lora_a: torch.Tensor, lora_b: list[torch.Tensor], trainable: bool, parallel: str = "column") -> None:
+                 lora_a: torch.Tensor, lora_b: list[torch.Tensor], trainable: bool, parallel: str = "column",
+                 dropout_key: DropoutKey | None = None) -> None:
         super().__init__()
         self.subs, self.rank, self.scaling = subs, rank, scaling
-        self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
+        self.dropout_p = float(dropout)
+        self.dropout_key = dropout_key or DropoutKey(in_full=lora_a.shape[1])
+        # Forward calls that drew masks. It advances once per forward in training mode with p > 0, so
+        # an activation recompute of a forward must replay the call index it ran with.
+        self.dropout_calls = 0
         self.lora_A = torch.nn.Parameter(lora_a, requires_grad=trainable)
         self.lora_B = torch.nn.ParameterList([torch.nn.Parameter(b, requires_grad=trainable) for b in lora_b])
         for p in ([self.lora_A] if parallel == "column" else list(self.lora_B)):
@@ -96,6 +156,27 @@ class LoraBranch(torch.nn.Module):
         """Projection ``k``'s A (or its gradient): rows ``k·r:(k+1)·r`` of the stacked A."""
         a = self.lora_A.grad if grad else self.lora_A
         return a[k * self.rank:(k + 1) * self.rank]
+
+    @property
+    def dropout_active(self) -> bool:
+        """Whether dropout applies now (training mode and p > 0)."""
+        return self.training and self.dropout_p > 0
+
+    def dropout_masks(self, x: torch.Tensor, call: int) -> list[torch.Tensor]:
+        """Each projection's dropout multiplier for input ``x`` at forward call ``call``."""
+        return [dropout_mask(self.dropout_key, sub, call, self.dropout_p, x) for sub in self.subs]
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """``x Aₖᵀ`` of every projection, concatenated ``[..., n·r]``.
+
+        Without dropout one stacked GEMM; with it each projection reads its own masked input
+        (PEFT's per-module ``lora_dropout``), one GEMM each.
+        """
+        if not self.dropout_active:
+            return F.linear(x, self.lora_A)
+        call, self.dropout_calls = self.dropout_calls, self.dropout_calls + 1
+        masks = self.dropout_masks(x, call)
+        return torch.cat([F.linear(x * m, self.a_of(k)) for k, m in enumerate(masks)], dim=-1)
 
 
 def stacked_b(branch: LoraBranch, site: LoraSite) -> torch.Tensor:
@@ -123,8 +204,8 @@ def stacked_b(branch: LoraBranch, site: LoraSite) -> torch.Tensor:
 
 
 def _column_delta(branch: LoraBranch, x: torch.Tensor, site: LoraSite) -> torch.Tensor:
-    """The branch's contribution to a column-parallel output: one A GEMM, one B GEMM."""
-    return F.linear(F.linear(branch.dropout(x), branch.lora_A), stacked_b(branch, site))
+    """The branch's contribution to a column-parallel output: the A GEMM(s), one B GEMM."""
+    return F.linear(branch.hidden(x), stacked_b(branch, site))
 
 
 def _base_plus(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -189,12 +270,8 @@ class LoraRowParallelLinear(_LoraHost, tensor_parallel.RowParallelLinear):
         self._init_lora()
 
     def forward(self, input_: torch.Tensor):
-        deltas = []
-        for branch in self._branches():
-            # input_ is this rank's slice of the features: dropout draws from the TP-rank stream
-            with tensor_parallel.get_cuda_rng_tracker().fork():
-                x = branch.dropout(input_)
-            deltas.append(F.linear(F.linear(x, branch.lora_A), stacked_b(branch, self.lora_site)))
+        # input_ is this rank's slice of the features; dropout applies this slice of the full mask
+        deltas = [F.linear(branch.hidden(input_), stacked_b(branch, self.lora_site)) for branch in self._branches()]
         out = _base_plus(input_, self.weight, None, deltas)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(out, group=self.tp_group)

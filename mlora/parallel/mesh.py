@@ -119,8 +119,8 @@ def init_parallel(tp: int = 1, pp: int = 1, sp: bool = False, seed: int = 1234,
     else:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                      create_gloo_process_groups=use_cuda)
-        # Same default stream on every rank (dropout on TP-replicated inputs must agree across
-        # TP ranks); megatron's tracker adds the per-TP-rank stream for TP-sharded inputs.
+        # Same default stream on every rank, and megatron's per-TP-rank tracker for its own layers.
+        # (LoRA dropout draws from its own keyed generators: mlora.lora.layers.dropout_mask.)
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 

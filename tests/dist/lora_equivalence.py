@@ -1,13 +1,18 @@
 """torchrun worker: LoRA on parallel linears vs HF+PEFT (logits, gradients, stacking, rank 3,
-collectives). Usage: torchrun ... lora_equivalence.py MODELS_DIR REFS_DIR OUT_JSON LAYOUTS
+collectives), and mesh independence of add_adapter's init and of LoRA dropout (tensors written
+next to OUT_JSON, compared across launches by the test).
+Usage: torchrun ... lora_equivalence.py MODELS_DIR REFS_DIR OUT_JSON LAYOUTS
 REFS_DIR/<model>/ holds the adapters and refs.pt from tests/peft_refs.py."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from common import masked_sum_loss, merged_from_all_ranks, parse_layouts, write_records_and_exit
 
 import mlora
@@ -15,6 +20,67 @@ from mlora.parallel import reset_parallel
 from mlora.parallel.accounting import count_collectives, summarize
 
 MODELS = ("llama", "qwen2")
+DROPOUT = 0.3
+
+
+def layout_file(out: Path, check: str, name: str, tp: int, pp: int, sp: bool) -> Path:
+    return out.parent / f"{check}_{name}_tp{tp}_pp{pp}{'_sp' if sp else ''}.pt"
+
+
+def fresh_init(model, out: Path, name: str, tag: dict) -> dict:
+    """add_adapter with a non-default init, gathered in PEFT layout: must not depend on the mesh."""
+    model.add_adapter("fresh", mlora.LoraConfig(rank=3, alpha=6, seed=7, init_method="gaussian"))
+    tensors = merged_from_all_ranks(model.adapter_tensors("fresh"))
+    model.delete_adapter("fresh")
+    path = layout_file(out, "fresh_init", name, **tag)
+    if model.mesh.rank == 0:
+        torch.save(tensors, path)
+    return dict(check="fresh_init", model=name, **tag, file=str(path))
+
+
+def dropout_adapter(refs_dir: Path, out: Path, name: str) -> Path:
+    """The PEFT ``policy`` adapter with lora_dropout = DROPOUT (written once by rank 0)."""
+    path = out.parent / f"policy_dropout_{name}"
+    if dist.get_rank() == 0 and not path.exists():
+        shutil.copytree(refs_dir / name / "policy", path)
+        cfg = json.loads((path / "adapter_config.json").read_text())
+        cfg["lora_dropout"] = DROPOUT
+        (path / "adapter_config.json").write_text(json.dumps(cfg))
+    dist.barrier()
+    return path
+
+
+def dropout_step(model, mb: dict, mask, out: Path, name: str, tag: dict) -> dict:
+    """Train-mode forward+backward of two micro-batches (two forward calls: two mask draws) with
+    dropout on: the summed loss and the PEFT-layout gradients must not depend on TP/PP."""
+    losses = []
+    summed = masked_sum_loss(model, mask)
+
+    def loss_fn(logits, micro_batch):
+        loss, _ = summed(logits, micro_batch)
+        losses.append(loss.detach())
+        return loss, {}
+
+    model.train()
+    with model.use_adapters("drop"):
+        model.forward_backward([mb, mb], loss_fn)
+    model.eval()
+    model.reduce_tp_replicated_grads()
+    grads = merged_from_all_ranks(model.adapter_tensors("drop", grads=True))
+    mesh = model.mesh
+    loss = None
+    if mesh.is_last_stage:
+        total = torch.stack(losses).sum()
+        dist.all_reduce(total, group=mesh.tp_group)  # each TP rank summed its vocab shard
+        loss = total.item()
+    loss = merged_from_all_ranks({"loss": loss} if loss is not None and mesh.tp_rank == 0 else {})["loss"]
+    for p in model.trainable_parameters():
+        p.grad = None
+    path = layout_file(out, "dropout", name, **tag)
+    if mesh.rank == 0:
+        torch.save({"loss": loss, "grads": grads}, path)
+    return dict(check="dropout", model=name, **tag, file=str(path), calls=sorted(
+        {m.lora["drop"].dropout_calls for m in model._lora_linears() if "drop" in m.lora}))
 
 
 def main() -> None:
@@ -68,16 +134,22 @@ def main() -> None:
             with model.use_adapters("r3"):
                 compare("r3_logits", model.logits(ids, mask), refs["r3_logits"])
 
+            records.append(fresh_init(model, args.out, name, tag))
+            model.load_adapter("drop", dropout_adapter(args.refs_dir, args.out, name), trainable=True)
+            records.append(dropout_step(model, mb, mask, args.out, name, tag))
+
             # collectives of one forward+backward: base alone vs adapters active
             if tp > 1 or pp > 1:
                 norms = [p for n, p in model.named_parameters() if n.endswith("layernorm.weight")]
                 for p in norms:  # give the base alone a backward pass through every layer
                     p.requires_grad_(True)
                 summaries = {}
-                for label, active in (("base", ()), ("lora", ("sft", "policy"))):
+                for label, active in (("base", ()), ("lora", ("sft", "policy")), ("dropout", ("drop",))):
+                    model.train(label == "dropout")  # dropout on: per-projection masks, still no collective
                     with model.use_adapters(*active), count_collectives() as calls:
                         model.forward_backward([mb], masked_sum_loss(model, mask))
                     summaries[label] = {k: list(v) for k, v in summarize(calls).items()}
+                model.eval()
                 for p in norms:
                     p.requires_grad_(False)
                     p.grad = None
