@@ -18,6 +18,19 @@ def test_config_errors():
         PPOConfig(loss_agg_mode="mean")
     with pytest.raises(ValueError, match="unknown KL estimator 'k7'"):
         PPOConfig(kl_estimator="k7")
+    with pytest.raises(ValueError, match="'seq-mean-token-sum-norm' divides by max_seq_len: set max_seq_len"):
+        PPOConfig(loss_agg_mode="seq-mean-token-sum-norm")
+    PPOConfig(loss_agg_mode="seq-mean-token-sum-norm", max_seq_len=1024)
+    with pytest.raises(ValueError, match="temperature=0 must be > 0"):
+        PPOConfig(temperature=0)
+    with pytest.raises(ValueError, match=r"top_p=1.5 must be in \(0, 1\]"):
+        PPOConfig(top_p=1.5)
+    with pytest.raises(ValueError, match="top_k=-2 must be >= 1, or -1 / 0 for off"):
+        PPOConfig(top_k=-2)
+    with pytest.raises(ValueError, match=r"min_p=2 must be in \[0, 1\]"):
+        PPOConfig(min_p=2)
+    with pytest.raises(ValueError, match="unknown lr_schedule 'step'; valid: constant, constant_with_warmup, cosine"):
+        PPOConfig(lr_schedule="step")
 
 
 def test_zero_length_response():

@@ -1,6 +1,8 @@
 """One PPO update (actor + critic, 2 mini-batches of 2 micro-batches) and one GRPO update at
 (TP, PP, DP) = (2,2,1) and (1,2,2) equal (1,1,1): losses, grad norms, updated adapters (PEFT layout)
-and value head, within 1e-5. Two torchrun launches (1 and 4 ranks)."""
+and value head, within 1e-5; at sampling temperature 0.8 with top-k/top-p, so the tempered log-probs
+and the truncated ones of the rollout gap metric are compared across layouts too. Two torchrun
+launches (1 and 4 ranks)."""
 
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ def test_update_matches_single_process(results, estimator, layout):
         assert set(ref[name]) == set(got[name]), name
         for k in ref[name]:
             assert (ref[name][k] - got[name][k]).abs().max().item() <= TOL, (name, k)
+    for k in ("rollout/logprob_abs_diff", "rollout/logprob_abs_diff_max", "kl/mean"):
+        assert abs(ref["metrics"][k] - got["metrics"][k]) <= TOL * max(1.0, abs(ref["metrics"][k])), k
     # the update did something
     assert ref["metrics"]["actor/per_minibatch"][0]["grad_norm"] > 0
     if estimator == "grpo":

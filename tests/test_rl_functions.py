@@ -20,7 +20,11 @@ from mlora.rl import (
     value_loss,
 )
 from mlora.rl.kl import apply_kl_in_reward
-from mlora.rl.vocab_parallel import vocab_parallel_logprobs
+from mlora.rl.vocab_parallel import (
+    vocab_parallel_logprobs,
+    vocab_parallel_sampling_logprobs,
+    vocab_parallel_truncation_logmass,
+)
 
 T = torch.tensor
 
@@ -98,6 +102,21 @@ def test_agg_modes_by_hand():
         agg_loss(loss, mask, "sum")
 
 
+def test_seq_mean_token_sum_norm_by_hand():
+    # Dr. GRPO: per-sequence token sums over the constant max_seq_len, mean over sequences
+    loss = T([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = T([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    assert agg_loss(loss, mask, "seq-mean-token-sum-norm", max_seq_len=8).item() == pytest.approx((6 / 8 + 4 / 8) / 2)
+    # a micro-batch of the first row, normalised by the mini-batch's 2 sequences
+    assert agg_loss(loss[:1], mask[:1], "seq-mean-token-sum-norm", normalizer=2, max_seq_len=8).item() == \
+        pytest.approx(6 / 8 / 2)
+    pg, _ = policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), -loss, mask, agg_mode="seq-mean-token-sum-norm",
+                        max_seq_len=8)  # ratio 1: per-token loss = -A = loss
+    assert pg.item() == pytest.approx((6 / 8 + 4 / 8) / 2)
+    with pytest.raises(ValueError, match="'seq-mean-token-sum-norm' needs max_seq_len >= 1, got None"):
+        agg_loss(loss, mask, "seq-mean-token-sum-norm")
+
+
 def test_policy_loss_clip_and_dual_clip_by_hand():
     old = T([[0.0, 0.0, 0.0]])
     lp = T([[math.log(1.5), math.log(0.5), math.log(4.0)]])
@@ -135,3 +154,51 @@ def test_entropy_and_vocab_parallel_single_shard():
     g_ref = torch.autograd.grad((ref.gather(-1, target[..., None])[..., 0] * w).sum()
                                 + entropy_from_logits(logits[..., :11]).sum(), logits)[0]
     torch.testing.assert_close(g, g_ref)
+
+
+def test_tempered_logprobs_entropy_and_grads():
+    # log p = log_softmax(z / T), H of softmax(z / T), gradients through the division (float64, 1e-12)
+    logits = torch.randn(2, 4, 13, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 11, (2, 4))
+    lp, ent = vocab_parallel_logprobs(logits, target, 0, 11, group=None, with_entropy=True, temperature=0.7)
+    ref_lp = torch.log_softmax(logits[..., :11] / 0.7, -1).gather(-1, target[..., None])[..., 0]
+    ref_ent = entropy_from_logits(logits[..., :11] / 0.7)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-12, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-12, rtol=0)
+    w = torch.randn(2, 4, dtype=torch.float64)
+    g = torch.autograd.grad((lp * w).sum() + ent.sum(), logits)[0]
+    g_ref = torch.autograd.grad((ref_lp * w).sum() + ref_ent.sum(), logits)[0]
+    torch.testing.assert_close(g, g_ref, atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match="temperature=0 must be > 0"):
+        vocab_parallel_logprobs(logits, target, 0, 11, temperature=0)
+
+
+def test_sampling_logprobs_by_hand():
+    # p = (0.5, 0.3, 0.15, 0.05); one padding column (never kept, no mass); tolerance 1e-6 (float32)
+    z = torch.log(T([[0.5, 0.3, 0.15, 0.05]]))
+    z = torch.cat([z, T([[50.0]])], -1)
+    y = torch.tensor([0])
+
+    def sampled(**kw):
+        return vocab_parallel_sampling_logprobs(z, y, 0, 4, **kw).item()
+
+    assert sampled() == pytest.approx(math.log(0.5), abs=1e-6)
+    # top-p 0.7: mass above 0.3 is 0.5 < 0.7 (kept), above 0.15 is 0.8 (cut): M = 0.8
+    assert sampled(top_p=0.7) == pytest.approx(math.log(0.5 / 0.8), abs=1e-6)
+    # top-p 0.4: only the most likely token (the one always kept)
+    assert sampled(top_p=0.4) == pytest.approx(0.0, abs=1e-6)
+    # top-k 3, then top-p 0.9 of (0.5, 0.3, 0.15) / 0.95: mass above the third is 0.842 < 0.9: M = 0.95
+    assert sampled(top_k=3, top_p=0.9) == pytest.approx(math.log(0.5 / 0.95), abs=1e-6)
+    # min-p 0.2: keep p >= 0.1
+    assert sampled(min_p=0.2) == pytest.approx(math.log(0.5 / 0.95), abs=1e-6)
+    # T = 0.5: p ∝ p², (0.25, 0.09, 0.0225, 0.0025) / 0.365; top-p 0.9: mass above 0.09 is 0.685 (kept),
+    # above 0.0225 is 0.932 (cut): M = 0.34 / 0.365
+    assert sampled(temperature=0.5) == pytest.approx(math.log(0.25 / 0.365), abs=1e-6)
+    assert sampled(temperature=0.5, top_p=0.9) == pytest.approx(math.log(0.25 / 0.34), abs=1e-6)
+    lm = vocab_parallel_truncation_logmass(z, 4, temperature=0.5, top_p=0.9)
+    assert lm.item() == pytest.approx(math.log(0.34 / 0.365), abs=1e-6)
+    # a token the filters drop keeps a finite value: log p_T(y) - log M
+    assert vocab_parallel_sampling_logprobs(z, torch.tensor([3]), 0, 4, top_p=0.7).item() == \
+        pytest.approx(math.log(0.05 / 0.8), abs=1e-6)
+    with pytest.raises(ValueError, match="top_p=0 must be in"):
+        vocab_parallel_truncation_logmass(z, 4, top_p=0)

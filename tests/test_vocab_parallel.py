@@ -1,4 +1,6 @@
-"""Vocab-parallel log-probs and entropy at TP 2 == full vocabulary within 1e-5, without gathering it."""
+"""Vocab-parallel log-probs and entropy at TP 2 == full vocabulary within 1e-5, without gathering it; also
+at a sampling temperature, and the log-probs of vLLM's min-p / top-k / top-p distribution vs vLLM's rule
+(sort, cumsum, mask) on the whole vocabulary."""
 
 from __future__ import annotations
 
@@ -17,3 +19,12 @@ def test_vocab_parallel_logprobs_entropy(tmp_path):
         assert not any("gather" in op for op in ops), ops  # no all-gather of the vocabulary
         assert set(ops) == {"all_reduce"} and ops["all_reduce"][0] == 2  # max, then the stacked sums
         assert ops["all_reduce"][1] < r["vocab_bytes"] / 50  # a few scalars per token, not the vocabulary
+        assert len(r["sampling"]) == 5
+        for s in r["sampling"]:
+            assert s["lp"] < TOL and s["ent"] < TOL and s["grad"] < TOL and s["sampled"] < TOL, s
+            assert s["untempered_gap"] > 0.05, s  # the untempered log-prob is not what was sampled
+            assert s["kept_mass"] < 0.999, s  # the filters did cut something
+            ops = s["collectives"]
+            assert set(ops) == {"all_reduce"}, ops  # per-token scalars only: no gather of the vocabulary
+            # bisection: <= 2 x 32 steps + max, sums, kept masses; each a few scalars per token
+            assert ops["all_reduce"][0] <= 72 and ops["all_reduce"][1] / ops["all_reduce"][0] < r["vocab_bytes"] / 50

@@ -6,16 +6,19 @@ import torch
 
 from mlora.rl.masked import masked_mean
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
-             normalizer: float | None = None) -> torch.Tensor:
+             normalizer: float | None = None, max_seq_len: int | None = None) -> torch.Tensor:
     """Reduce a ``[batch, response_len]`` per-token loss to a scalar.
 
     - ``token-mean``: ``Σ_{b,t} ℓ·m / Σ m`` (every token weighs the same)
     - ``seq-mean-token-sum``: ``mean_b Σ_t ℓ·m`` (sum per sequence, mean over sequences)
     - ``seq-mean-token-mean``: ``mean_b (Σ_t ℓ·m / Σ_t m)``
+    - ``seq-mean-token-sum-norm``: ``mean_b (Σ_t ℓ·m / L)`` with the constant ``L = max_seq_len``
+      (Dr. GRPO; SkyRL's ``seq_mean_token_sum_norm``): no per-sequence length bias, and the
+      scale does not change with the batch's lengths.
 
     ``normalizer`` replaces the denominator (token count or sequence count) so that a loss split
     into micro-batches sums to the mini-batch loss: pass the mini-batch's count.
@@ -29,6 +32,10 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean
         per_seq = (loss_mat * mask).sum(-1)
     elif mode == "seq-mean-token-mean":
         per_seq = (loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    elif mode == "seq-mean-token-sum-norm":
+        if max_seq_len is None or max_seq_len < 1:
+            raise ValueError(f"loss aggregation 'seq-mean-token-sum-norm' needs max_seq_len >= 1, got {max_seq_len}")
+        per_seq = (loss_mat * mask).sum(-1) / max_seq_len
     else:
         raise ValueError(f"unknown loss aggregation mode {mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
     denom = has_tokens.sum().clamp(min=1) if normalizer is None else max(float(normalizer), 1.0)
@@ -37,7 +44,7 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean
 
 def policy_loss(logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
-                agg_mode: str = "token-mean", normalizer: float | None = None
+                agg_mode: str = "token-mean", normalizer: float | None = None, max_seq_len: int | None = None
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with separate low/high clip (DAPO's clip-higher) and optional dual clip.
 
@@ -60,19 +67,19 @@ def policy_loss(logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: to
         loss = torch.where(advantages < 0, capped, loss)
         metrics["dual_clipfrac"] = masked_mean(((advantages < 0) & (capped < torch.maximum(unclipped, clipped)))
                                                .to(loss.dtype), mask.to(loss.dtype)).detach()
-    return agg_loss(loss, mask, agg_mode, normalizer), metrics
+    return agg_loss(loss, mask, agg_mode, normalizer, max_seq_len), metrics
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               clip_range: float = 0.2, agg_mode: str = "token-mean", normalizer: float | None = None
-               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               clip_range: float = 0.2, agg_mode: str = "token-mean", normalizer: float | None = None,
+               max_seq_len: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss: ``½·max((V - R)², (V_old + clip(V - V_old, ±ε) - R)²)``."""
     clipped_values = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
     unclipped = (values - returns).square()
     clipped = (clipped_values - returns).square()
     loss = 0.5 * torch.maximum(unclipped, clipped)
     metrics = {"vf_clipfrac": masked_mean((clipped > unclipped).to(loss.dtype), mask.to(loss.dtype)).detach()}
-    return agg_loss(loss, mask, agg_mode, normalizer), metrics
+    return agg_loss(loss, mask, agg_mode, normalizer, max_seq_len), metrics
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from mlora.rl.kl import KL_ESTIMATORS
 from mlora.rl.losses import LOSS_AGG_MODES
+from mlora.rollout.generator import check_truncation
+from mlora.train.optim import LR_SCHEDULES
 
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo")
 
@@ -19,6 +21,7 @@ class PPOConfig:
     n_samples_per_prompt: int = 1
     ppo_epochs: int = 1
     mini_batch_size: int = 8  # sequences per optimizer step (global, over DP)
+    critic_mini_batch_size: int | None = None  # sequences per critic optimizer step; None: mini_batch_size
     micro_train_batch_size: int = 2  # sequences per micro-batch on one DP rank
     micro_forward_batch_size: int = 4  # for the forward-only passes
     eps_clip_low: float = 0.2
@@ -26,6 +29,14 @@ class PPOConfig:
     dual_clip: float | None = None
     value_clip: float = 0.2
     loss_agg_mode: str = "token-mean"
+    max_seq_len: int | None = None  # the constant divisor of "seq-mean-token-sum-norm" (Dr. GRPO); required there
+    # The distribution the rollouts were sampled from (generator.sampling_params): every trainer
+    # log-prob and entropy (old, new, reference) is of softmax(logits / temperature). top_k, top_p and
+    # min_p enter only the log-prob compared with the engine's (rollout/logprob_abs_diff), not the loss.
+    temperature: float = 1.0
+    top_p: float = 1.0  # 1 = off
+    top_k: int = -1  # -1 or 0 = off
+    min_p: float = 0.0  # 0 = off
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_estimator: str = "k3"
@@ -35,15 +46,22 @@ class PPOConfig:
     kl_target: float = 0.1
     kl_horizon: int = 10000
     entropy_coeff: float = 0.0
+    # optimizers: the unprefixed fields are the actor's (policy), critic_* the critic's
     actor_lr: float = 1e-5
     critic_lr: float = 5e-6
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    max_grad_norm: float | None = 1.0
-    warmup_steps: int = 0
-    total_steps: int = 1000
+    weight_decay: float = 0.0  # AdamW decoupled weight decay of the actor
+    critic_weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas of the actor
+    critic_betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float | None = 1.0  # gradient clipping of the actor (None: off)
+    critic_max_grad_norm: float | None = 1.0
+    warmup_steps: int = 0  # linear warm-up steps of the actor
+    critic_warmup_steps: int = 0
+    total_steps: int = 1000  # optimizer steps of the actor over the run (warm-up + cosine schedule length)
+    critic_total_steps: int | None = None  # of the critic; None: total_steps
     min_lr_ratio: float = 0.0
-    lr_schedule: str = "cosine"  # cosine | constant
+    lr_schedule: str = "cosine"  # actor: cosine | constant | constant_with_warmup (warm-up first in all three)
+    critic_lr_schedule: str = "cosine"
 
     def __post_init__(self) -> None:
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
@@ -55,12 +73,33 @@ class PPOConfig:
             raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
         if self.kl_ctrl not in ("fixed", "adaptive"):
             raise ValueError(f"unknown kl_ctrl {self.kl_ctrl!r}; valid: fixed, adaptive")
-        if self.lr_schedule not in ("cosine", "constant"):
-            raise ValueError(f"unknown lr_schedule {self.lr_schedule!r}; valid: cosine, constant")
+        for name in ("lr_schedule", "critic_lr_schedule"):
+            if getattr(self, name) not in LR_SCHEDULES:
+                raise ValueError(f"unknown {name} {getattr(self, name)!r}; valid: {', '.join(LR_SCHEDULES)}")
         for name in ("mini_batch_size", "micro_train_batch_size", "micro_forward_batch_size", "ppo_epochs",
                      "n_samples_per_prompt"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.critic_mini_batch_size is not None and self.critic_mini_batch_size < 1:
+            raise ValueError(f"critic_mini_batch_size={self.critic_mini_batch_size} must be >= 1 "
+                             "(or None for mini_batch_size)")
+        for name in ("warmup_steps", "critic_warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.loss_agg_mode == "seq-mean-token-sum-norm" and self.max_seq_len is None:
+            raise ValueError("loss_agg_mode='seq-mean-token-sum-norm' divides by max_seq_len: set max_seq_len "
+                             "(prompt + response length, e.g. max_input_length + max_generate_length)")
+        if self.max_seq_len is not None and self.max_seq_len < 1:
+            raise ValueError(f"max_seq_len={self.max_seq_len} must be >= 1")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature={self.temperature} must be > 0 (PPO needs the log-probs of a sampling "
+                             "distribution; greedy rollouts have none)")
+        check_truncation(self.top_p, self.top_k, self.min_p)
+
+    @property
+    def critic_mini_batch(self) -> int:
+        """Sequences per critic optimizer step."""
+        return self.mini_batch_size if self.critic_mini_batch_size is None else self.critic_mini_batch_size
 
     @property
     def uses_critic(self) -> bool:

@@ -5,10 +5,17 @@ head; reference = the base with the RL adapters off. All passes run through mega
 pipeline schedule in micro-batches; each DP rank takes its slice of every mini-batch; losses
 are normalised by global counts so that the plain sum of gradients over micro-batches and DP
 ranks is the gradient of the mini-batch loss (see :mod:`mlora.train.grads`).
+
+Every log-prob and entropy (old, new, reference) is of ``softmax(logits / temperature)``, the
+distribution the rollouts were drawn from (``PPOConfig.temperature``, as verl and SkyRL do); the
+engine's own log-probs (vLLM's processed ones, after min-p / top-k / top-p) are compared with the
+same truncation reproduced vocab-parallel. Update passes run in train mode (LoRA dropout on),
+forward-only passes in eval mode.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import torch
@@ -30,7 +37,7 @@ from mlora.rl import (
 from mlora.rl.advantages import broadcast_to_tokens
 from mlora.rl.kl import apply_kl_in_reward
 from mlora.rl.masked import masked_mean, masked_sum
-from mlora.rl.vocab_parallel import vocab_parallel_logprobs
+from mlora.rl.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_truncation_logmass
 from mlora.train.batch import RolloutBatch
 from mlora.train.config import PPOConfig
 from mlora.train.grads import clip_grads, finalize_grads
@@ -51,9 +58,10 @@ class ActorCriticEngine:
             model.add_adapter(policy, policy_lora or LoraConfig())
         model.set_trainable(policy, True)
         self.actor_params = model.adapter_parameters(policy)
-        opt_args = dict(weight_decay=cfg.weight_decay, betas=cfg.betas, warmup_steps=cfg.warmup_steps,
-                        total_steps=cfg.total_steps, min_lr_ratio=cfg.min_lr_ratio, schedule=cfg.lr_schedule)
-        self.actor_opt, self.actor_sched = build_optimizer(self.actor_params, cfg.actor_lr, **opt_args)
+        self.actor_opt, self.actor_sched = build_optimizer(
+            self.actor_params, cfg.actor_lr, weight_decay=cfg.weight_decay, betas=cfg.betas,
+            warmup_steps=cfg.warmup_steps, total_steps=cfg.total_steps, min_lr_ratio=cfg.min_lr_ratio,
+            schedule=cfg.lr_schedule)
         if self.critic is not None:
             if self.critic not in model.adapters:
                 model.add_adapter(self.critic, critic_lora or LoraConfig(seed=1))
@@ -62,7 +70,11 @@ class ActorCriticEngine:
                 model.add_value_head(self.critic)
             head = model.heads[self.critic] if self.critic in model.heads else None
             self.critic_params = model.adapter_parameters(self.critic) + (list(head.parameters()) if head else [])
-            self.critic_opt, self.critic_sched = build_optimizer(self.critic_params, cfg.critic_lr, **opt_args)
+            self.critic_opt, self.critic_sched = build_optimizer(
+                self.critic_params, cfg.critic_lr, weight_decay=cfg.critic_weight_decay, betas=cfg.critic_betas,
+                warmup_steps=cfg.critic_warmup_steps, total_steps=cfg.critic_total_steps or cfg.total_steps,
+                min_lr_ratio=cfg.min_lr_ratio,
+                schedule=cfg.critic_lr_schedule)
         self.kl_ctrl = (AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_ctrl == "adaptive"
                         else FixedKLController(cfg.kl_coef))
         self.global_step = 0
@@ -70,12 +82,16 @@ class ActorCriticEngine:
     # ------------------------------------------------------------------ layout helpers
     def _check_sizes(self, batch: RolloutBatch) -> None:
         c, dp = self.cfg, self.mesh.dp
-        if batch.size % c.mini_batch_size:
-            raise ValueError(f"batch of {batch.size} sequences is not divisible by mini_batch_size={c.mini_batch_size}")
-        if c.mini_batch_size % (c.micro_train_batch_size * dp):
-            raise ValueError(f"mini_batch_size={c.mini_batch_size} is not divisible by micro_train_batch_size x DP = "
-                             f"{c.micro_train_batch_size} x {dp}; valid mini-batch sizes are multiples of "
-                             f"{c.micro_train_batch_size * dp}")
+        sizes = [("mini_batch_size", c.mini_batch_size)]
+        if self.critic is not None:
+            sizes.append(("critic_mini_batch_size", c.critic_mini_batch))
+        for name, size in sizes:
+            if batch.size % size:
+                raise ValueError(f"batch of {batch.size} sequences is not divisible by {name}={size}")
+            if size % (c.micro_train_batch_size * dp):
+                raise ValueError(f"{name}={size} is not divisible by micro_train_batch_size x DP = "
+                                 f"{c.micro_train_batch_size} x {dp}; valid mini-batch sizes are multiples of "
+                                 f"{c.micro_train_batch_size * dp}")
         if batch.size % (c.micro_forward_batch_size * dp):
             raise ValueError(f"batch of {batch.size} sequences is not divisible by micro_forward_batch_size x DP = "
                              f"{c.micro_forward_batch_size} x {dp}")
@@ -114,29 +130,71 @@ class ActorCriticEngine:
         dist.all_gather(parts, t.contiguous(), group=self.mesh.dp_group)
         return torch.cat(parts)
 
+    @contextlib.contextmanager
+    def _mode(self, training: bool):
+        """Train mode for the update passes (LoRA dropout active), eval mode for the forward-only
+        passes (deterministic old/ref log-probs and values); every module gets its own previous
+        mode back afterwards (``model.train(x)`` alone would flatten mixed modes)."""
+        previous = [(m, m.training) for m in self.model.modules()]
+        self.model.train(training)
+        try:
+            yield
+        finally:
+            for m, mode in previous:
+                m.training = mode
+
     # ------------------------------------------------------------------ forward-only passes
     def _token_logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: bool):
+        """Log-probs (and entropy) of the next tokens under ``softmax(logits / temperature)``, the
+        distribution the rollouts were sampled from before truncation; vocab-parallel."""
         lo, hi = self.model.vocab_shard_range()
         return vocab_parallel_logprobs(logits[:, :-1], input_ids[:, 1:].to(logits.device), lo, hi - lo,
-                                       self.mesh.tp_group if self.mesh.tp > 1 else None, with_entropy)
+                                       self.mesh.tp_group if self.mesh.tp > 1 else None, with_entropy,
+                                       self.cfg.temperature)
+
+    @property
+    def _sampling_truncated(self) -> bool:
+        c = self.cfg
+        return c.top_p < 1.0 or c.top_k > 0 or c.min_p > 0.0
+
+    def _old_and_sampled_logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[b, S - 1, 2]``: the tempered log-probs (PPO's old log-probs) and the log-probs under the
+        distribution vLLM sampled from (tempered, then min-p / top-k / top-p, renormalised), which
+        is what the engine reports with ``logprobs_mode="processed_logprobs"``: for the gap metric only."""
+        logprob, _ = self._token_logprobs(logits, input_ids, False)
+        sampled = logprob
+        if self._sampling_truncated:
+            c, (lo, hi) = self.cfg, self.model.vocab_shard_range()
+            sampled = logprob - vocab_parallel_truncation_logmass(
+                logits[:, :-1], hi - lo, self.mesh.tp_group if self.mesh.tp > 1 else None, c.temperature, c.top_k,
+                c.top_p, c.min_p)
+        return torch.stack([logprob, sampled], dim=-1)
 
     def _values(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.heads[self.critic](hidden)[..., 0][:, :-1].float()
 
     @torch.no_grad()
-    def _forward_pass(self, batch: RolloutBatch, adapters: tuple[str, ...], values: bool) -> torch.Tensor:
-        """Per-action log-probs (or values) of the whole batch, on every rank."""
+    def _forward_pass(self, batch: RolloutBatch, adapters: tuple[str, ...], values: bool,
+                      sampled: bool = False) -> torch.Tensor:
+        """Per-action log-probs (or values) of the whole batch, on every rank, in eval mode.
+
+        ``sampled``: ``[B, S - 1, 2]``, the log-probs and the engine-comparable ones
+        (:meth:`_old_and_sampled_logprobs`)."""
         rows = self._dp_rows(0, batch.size)
         mbs = self._micro_batches(batch, rows, self.cfg.micro_forward_batch_size, {})
         if values:
             fn = lambda hidden, mb: (torch.zeros(()), {"out": self._values(hidden)})  # noqa: E731
+        elif sampled:
+            def fn(logits, mb):
+                return torch.zeros(()), {"out": self._old_and_sampled_logprobs(logits, mb["input_ids"])}
         else:
             fn = lambda logits, mb: (torch.zeros(()), {"out": self._token_logprobs(logits, mb["input_ids"], False)[0]})  # noqa: E731
-        with self.model.use_adapters(*adapters):
+        with self.model.use_adapters(*adapters), self._mode(training=False):
             outs = self.model.forward_backward(mbs, fn, forward_only=True, hidden_states=values)
         # collectives run on the mesh's device (NCCL needs CUDA tensors); results come back to CPU
         local = torch.cat([o["out"].float() for o in outs]) if outs is not None else None
-        local = self._from_last_stage(local, (rows.stop - rows.start, batch.input_ids.shape[1] - 1))
+        shape = (rows.stop - rows.start, batch.input_ids.shape[1] - 1) + ((2,) if sampled and not values else ())
+        local = self._from_last_stage(local, shape)
         return self._dp_gather(local).cpu()
 
     # ------------------------------------------------------------------ advantages
@@ -171,19 +229,21 @@ class ActorCriticEngine:
         return float((mask.sum(-1) > 0).sum())
 
     def _update(self, batch: RolloutBatch, extra: dict, params, opt, sched, loss_fn_factory, hidden: bool,
-                adapters: tuple[str, ...]) -> list[dict]:
+                adapters: tuple[str, ...], mini_batch_size: int, max_grad_norm: float | None) -> list[dict]:
+        """Optimizer steps over mini-batches of ``mini_batch_size`` sequences, ``ppo_epochs`` times,
+        with the model in train mode (LoRA dropout active)."""
         c, results = self.cfg, []
         for _ in range(c.ppo_epochs):
-            for start in range(0, batch.size, c.mini_batch_size):
-                mini_mask = batch.action_mask[start:start + c.mini_batch_size]
-                mbs = self._micro_batches(batch, self._dp_rows(start, c.mini_batch_size), c.micro_train_batch_size,
+            for start in range(0, batch.size, mini_batch_size):
+                mini_mask = batch.action_mask[start:start + mini_batch_size]
+                mbs = self._micro_batches(batch, self._dp_rows(start, mini_batch_size), c.micro_train_batch_size,
                                           extra)
                 opt.zero_grad(set_to_none=True)
-                with self.model.use_adapters(*adapters):
+                with self.model.use_adapters(*adapters), self._mode(training=True):
                     outs = self.model.forward_backward(
                         mbs, loss_fn_factory(self._normalizer(mini_mask), float(mini_mask.sum())), hidden_states=hidden)
                 finalize_grads(params)
-                grad_norm = clip_grads(params, c.max_grad_norm)
+                grad_norm = clip_grads(params, max_grad_norm)
                 lr = sched.get_last_lr()[0]
                 opt.step()
                 sched.step()
@@ -223,9 +283,10 @@ class ActorCriticEngine:
             mask = mb["action_mask"].to(logits.device)
             logprob, entropy = self._token_logprobs(logits, mb["input_ids"], with_entropy=True)
             pg, m = policy_loss(logprob, mb["old_logprobs"], mb["advantages"], mask, c.eps_clip_low,
-                                c.eps_clip_high, c.dual_clip, c.loss_agg_mode, normalizer)
-            ent = agg_loss(entropy, mask, c.loss_agg_mode, normalizer)
-            kl = agg_loss(kl_penalty(logprob, mb["ref_logprobs"], c.kl_estimator), mask, c.loss_agg_mode, normalizer)
+                                c.eps_clip_high, c.dual_clip, c.loss_agg_mode, normalizer, c.max_seq_len)
+            ent = agg_loss(entropy, mask, c.loss_agg_mode, normalizer, c.max_seq_len)
+            kl = agg_loss(kl_penalty(logprob, mb["ref_logprobs"], c.kl_estimator), mask, c.loss_agg_mode, normalizer,
+                          c.max_seq_len)
             loss = pg - c.entropy_coeff * ent + (c.kl_loss_coef * kl if c.use_kl_loss else 0.0)
             share = mask.sum() / max(tokens, 1.0)  # token-weighted, so micro-batch sums are mini-batch means
             return loss, {"pg_loss": pg.detach(), "entropy": ent.detach(), "kl_loss": kl.detach(),
@@ -240,7 +301,7 @@ class ActorCriticEngine:
             mask = mb["action_mask"].to(hidden.device)
             values = self._values(hidden)
             vl, m = value_loss(values, mb["old_values"], mb["returns"], mask, c.value_clip, c.loss_agg_mode,
-                               normalizer)
+                               normalizer, c.max_seq_len)
             share = mask.sum() / max(tokens, 1.0)
             return vl, {"value_loss": vl.detach(), "values": (masked_sum(values, mask) / max(tokens, 1.0)).detach(),
                         "vf_clipfrac": m["vf_clipfrac"] * share}
@@ -255,7 +316,10 @@ class ActorCriticEngine:
         """
         self._check_sizes(batch)
         actor = self.reference + (self.policy,)
-        old = self._forward_pass(batch, actor, values=False)
+        with_rollout = batch.rollout_logprobs is not None
+        old = self._forward_pass(batch, actor, values=False, sampled=with_rollout)
+        if with_rollout:
+            old, sampled_logprobs = old[..., 0], old[..., 1]
         ref = self._forward_pass(batch, self.reference, values=False)
         values = self._forward_pass(batch, self.reference + (self.critic,), values=True) if self.critic else None
         adv = self.compute_advantages(batch, old, ref, values)
@@ -266,14 +330,18 @@ class ActorCriticEngine:
             "advantages/mean": float(masked_mean(adv["advantages"], mask)),
             "response_length/mean": float(mask.sum(-1).mean()),
         }
-        if batch.rollout_logprobs is not None:
-            metrics["rollout/logprob_abs_diff"] = float(masked_mean((batch.rollout_logprobs - old).abs(), mask))
+        if with_rollout:
+            # like with like: the engine reports log-probs of its processed (tempered, truncated) distribution
+            gap = torch.where(mask > 0, (batch.rollout_logprobs - sampled_logprobs).abs(), 0.0)
+            metrics["rollout/logprob_abs_diff"] = float(gap.sum() / mask.sum().clamp(min=1))
+            metrics["rollout/logprob_abs_diff_max"] = float(gap.max())
         if self.cfg.use_kl_in_reward:
             self.kl_ctrl.update(metrics["kl/mean"], batch.size)
             metrics["kl/coef"] = self.kl_ctrl.value
         actor_extra = {"old_logprobs": old, "ref_logprobs": ref, "advantages": adv["advantages"]}
         actor_steps = self._update(batch, actor_extra, self.actor_params, self.actor_opt, self.actor_sched,
-                                   self._actor_loss, hidden=False, adapters=actor)
+                                   self._actor_loss, hidden=False, adapters=actor,
+                                   mini_batch_size=self.cfg.mini_batch_size, max_grad_norm=self.cfg.max_grad_norm)
         for k in actor_steps[0]:
             metrics[f"actor/{k}"] = sum(s[k] for s in actor_steps) / len(actor_steps)
         metrics["actor/per_minibatch"] = actor_steps  # type: ignore[assignment]
@@ -281,7 +349,9 @@ class ActorCriticEngine:
             critic_extra = {"old_values": values, "returns": adv["returns"]}
             critic_steps = self._update(batch, critic_extra, self.critic_params, self.critic_opt,
                                         self.critic_sched, self._critic_loss, hidden=True,
-                                        adapters=self.reference + (self.critic,))
+                                        adapters=self.reference + (self.critic,),
+                                        mini_batch_size=self.cfg.critic_mini_batch,
+                                        max_grad_norm=self.cfg.critic_max_grad_norm)
             for k in critic_steps[0]:
                 metrics[f"critic/{k}"] = sum(s[k] for s in critic_steps) / len(critic_steps)
             metrics["critic/per_minibatch"] = critic_steps  # type: ignore[assignment]

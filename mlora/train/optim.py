@@ -1,4 +1,4 @@
-"""AdamW over trainable parameters with linear warm-up and cosine decay."""
+"""AdamW over trainable parameters with linear warm-up, then constant or cosine decay."""
 
 from __future__ import annotations
 
@@ -6,16 +6,22 @@ import math
 
 import torch
 
+# "constant_with_warmup" is SkyRL's (transformers') name for what "constant" does here: every
+# schedule starts with the linear warm-up over warmup_steps (none when it is 0).
+LR_SCHEDULES = ("constant", "constant_with_warmup", "cosine")
+
 
 def lr_lambda(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float, schedule: str) -> float:
     """Multiplier of the peak LR at optimizer step ``step`` (0-based).
 
     Warm-up: ``(step + 1) / warmup_steps``; then cosine from 1 to ``min_lr_ratio`` over the
-    remaining steps (``constant`` keeps 1).
+    remaining steps (``constant`` and ``constant_with_warmup`` keep 1).
     """
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"unknown lr schedule {schedule!r}; valid: {', '.join(LR_SCHEDULES)}")
     if warmup_steps > 0 and step < warmup_steps:
         return (step + 1) / warmup_steps
-    if schedule == "constant":
+    if schedule in ("constant", "constant_with_warmup"):
         return 1.0
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
@@ -26,6 +32,7 @@ def build_optimizer(params: list[torch.nn.Parameter], lr: float, weight_decay: f
     """``(AdamW, LambdaLR)``; AdamW is element-wise, so sharded parameters update exactly as whole ones."""
     if not params:
         raise ValueError("no trainable parameters for the optimizer")
+    lr_lambda(0, warmup_steps, total_steps, min_lr_ratio, schedule)  # a bad schedule name fails here, not later
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), foreach=False)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_lambda(s, warmup_steps, total_steps, min_lr_ratio, schedule))

@@ -35,7 +35,8 @@ def synthetic_rollouts(vocab: int) -> RolloutBatch:
     for i in range(1, b, 2):  # the two samples of a prompt share it
         ids[i, :5] = ids[i - 1, :5]
     rewards = torch.tensor([1.0, 0.0, 0.5, 1.0, 0.0, 0.0, 1.0, 0.25])
-    return RolloutBatch(ids, attn, resp, rewards)
+    rollout_logprobs = -torch.rand(b, s - 1, generator=g) * 5  # stands in for the engine's (gap metric only)
+    return RolloutBatch(ids, attn, resp, rewards, rollout_logprobs)
 
 
 def gather_adapter(model, name: str) -> dict:
@@ -55,10 +56,15 @@ def main() -> None:
         for estimator in args.estimators.split(","):
             model = mlora.from_pretrained(args.model_dir, mesh)
             model.load_adapter("policy", args.policy, trainable=True)
+            # sampled at temperature 0.8 with top-k 50, top-p 0.9: tempered log-probs everywhere, and the
+            # truncated ones (vocab-parallel bisection) in the gap metric; GRPO with Dr. GRPO's aggregation
             cfg = PPOConfig(advantage_estimator=estimator, n_samples_per_prompt=2, mini_batch_size=4,
                             micro_train_batch_size=2 // mesh.dp, micro_forward_batch_size=4 // mesh.dp,
                             actor_lr=3e-4, critic_lr=3e-4, use_kl_loss=True, kl_loss_coef=0.1,
-                            entropy_coeff=0.01, max_grad_norm=0.5, warmup_steps=1, total_steps=4)
+                            entropy_coeff=0.01, max_grad_norm=0.5, warmup_steps=1, critic_warmup_steps=2,
+                            critic_weight_decay=0.1, total_steps=4, temperature=0.8, top_k=50, top_p=0.9,
+                            loss_agg_mode="seq-mean-token-sum-norm" if estimator == "grpo" else "token-mean",
+                            max_seq_len=12)
             engine = ActorCriticEngine(model, cfg, critic_lora=mlora.LoraConfig(rank=4, alpha=8, seed=5))
             metrics = engine.step(synthetic_rollouts(model.spec.vocab_size))
             record = {"metrics": metrics, "policy": gather_adapter(model, "policy")}

@@ -1,5 +1,7 @@
 """torchrun worker (2 ranks, TP 2): vocab-parallel log-probs/entropy vs the full-vocabulary computation,
-and the collectives they use. Usage: torchrun --nproc_per_node 2 vocab_parallel.py OUT_JSON"""
+and the collectives they use; the same at a sampling temperature, and the log-probs of vLLM's
+truncated (min-p / top-k / top-p) distribution vs :func:`vllm_rule_logprobs`, vLLM's rule applied to
+the whole vocabulary. Usage: torchrun --nproc_per_node 2 vocab_parallel.py OUT_JSON"""
 
 from __future__ import annotations
 
@@ -12,9 +14,33 @@ import torch.distributed as dist
 import mlora
 from mlora.parallel.accounting import count_collectives, summarize
 from mlora.rl.losses import entropy_from_logits
-from mlora.rl.vocab_parallel import vocab_parallel_logprobs
+from mlora.rl.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_sampling_logprobs
 
 V, PADDED = 1001, 1002  # vocabulary padded to a multiple of TP, as the model does
+# (temperature, top_k, top_p, min_p): nucleus alone, top-k alone, all three, min-p alone, k = 1
+SAMPLING = [(0.7, -1, 0.9, 0.0), (1.3, 20, 1.0, 0.0), (0.7, 50, 0.8, 0.01), (1.0, -1, 1.0, 0.05),
+            (0.6, 1, 0.95, 0.0)]
+
+
+def vllm_rule_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                       min_p: float) -> torch.Tensor:
+    """Log-probs over the whole vocabulary as vLLM 0.32 samples (``logprobs_mode="processed_logprobs"``),
+    written out as its native path does it: divide by T; min-p (``p < min_p · max p`` -> -inf);
+    sort ascending; top-k (``< k-th largest`` -> -inf); softmax, cumsum, ``<= 1 - top_p`` -> -inf
+    except the last (largest); scatter back; log_softmax."""
+    u = logits.float() / temperature
+    if min_p > 0:
+        probs = u.softmax(-1)
+        u = u.masked_fill(probs < probs.amax(-1, keepdim=True) * min_p, float("-inf"))
+    ascending, index = u.sort(dim=-1)
+    if 0 < top_k < u.shape[-1]:
+        kth = ascending.gather(-1, torch.full_like(index[..., :1], u.shape[-1] - top_k))
+        ascending = ascending.masked_fill(ascending < kth, float("-inf"))
+    if top_p < 1:
+        drop = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop[..., -1] = False
+        ascending = ascending.masked_fill(drop, float("-inf"))
+    return u.scatter(-1, index, ascending).log_softmax(-1)
 
 
 def main() -> None:
@@ -39,7 +65,34 @@ def main() -> None:
     record = {"rank": mesh.rank, "lp": (lp - ref_lp).abs().max().item(), "ent": (ent - ref_ent).abs().max().item(),
               "grad": (local.grad - ref_grad).abs().max().item(),
               "collectives": {k: list(v) for k, v in summarize(calls).items()},
-              "vocab_bytes": full[..., :per].numel() * 4}
+              "vocab_bytes": full[..., :per].numel() * 4, "sampling": []}
+    for temperature, top_k, top_p, min_p in SAMPLING:
+        # tempered: in float64, so that 1e-5 measures the method and not float32 rounding of z / T
+        local = full[..., lo:lo + per].double().requires_grad_(True)
+        lp, ent = vocab_parallel_logprobs(local, target, lo, valid, mesh.tp_group, True, temperature)
+        ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+        ref_logits = full[..., :V].double().requires_grad_(True)
+        ref_lp = torch.log_softmax(ref_logits / temperature, -1).gather(-1, target[..., None])[..., 0]
+        ref_ent = entropy_from_logits(ref_logits / temperature)
+        ((ref_lp * w_lp).sum() + (ref_ent * w_ent).sum()).backward()
+        ref_grad = torch.cat([ref_logits.grad, torch.zeros(3, 7, PADDED - V)], -1)[..., lo:lo + per]
+        # truncated: float32 like vLLM; tokens drawn from vLLM's distribution (the same draw on both
+        # ranks), as the engine would sample
+        processed = vllm_rule_logprobs(full[..., :V], temperature, top_k, top_p, min_p)
+        drawn = torch.multinomial(processed.exp().reshape(-1, V), 1, generator=g).reshape(3, 7)
+        with count_collectives() as calls:
+            sampled = vocab_parallel_sampling_logprobs(full[..., lo:lo + per], drawn, lo, valid, mesh.tp_group,
+                                                       temperature, top_k, top_p, min_p)
+        ref_sampled = processed.gather(-1, drawn[..., None])[..., 0]
+        record["sampling"].append({
+            "config": [temperature, top_k, top_p, min_p], "lp": (lp - ref_lp).abs().max().item(),
+            "ent": (ent - ref_ent).abs().max().item(), "grad": (local.grad - ref_grad).abs().max().item(),
+            "sampled": (sampled - ref_sampled).abs().max().item(),
+            "untempered_gap": (torch.log_softmax(full[..., :V], -1).gather(-1, drawn[..., None])[..., 0]
+                               - ref_sampled).abs().mean().item(),
+            "kept_mass": (torch.log_softmax(full[..., :V] / temperature, -1).gather(-1, drawn[..., None])[..., 0]
+                          - ref_sampled).exp().mean().item(),  # M = p_T(y) / p_processed(y): truncation happened
+            "collectives": {k: list(v) for k, v in summarize(calls).items()}})
     parts: list = [None] * 2
     dist.all_gather_object(parts, record)
     if mesh.rank == 0:
