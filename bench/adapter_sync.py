@@ -126,7 +126,7 @@ def bench_tiny_loop(disk_dir: Path, reps: int) -> dict[str, list[float]]:
                 model.save_adapter("policy", out)
                 if mode == "disk+fsync":
                     _fsync_tree(out)
-                engine.update_adapter(out)
+                engine.update_adapter(out, "policy")
                 engine.generate([[5, 6, 7]], one_token)
                 if rep:
                     times[mode].append(time.perf_counter() - t0)

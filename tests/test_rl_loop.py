@@ -25,14 +25,21 @@ SAME = 1e-4
 def _train(tmp_path, nproc: int, tp: int, pp: int, name: str, steps: int | None = STEPS) -> list[dict]:
     run_dir = tmp_path / name
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}",
-           "-m", "mlora.train", "--config-name", "cpu_demo", f"trainer.placement.tp={tp}", f"trainer.placement.pp={pp}",
+           "-m", "mlora.train", "--config-name", "cpu_demo", f"trainer.policy.megatron_config.tensor_model_parallel_size={tp}",
+           f"trainer.policy.megatron_config.pipeline_model_parallel_size={pp}",
            f"trainer.run_dir={run_dir}", f"demo.dir={tmp_path / 'assets'}", f"trainer.run_name={name}"]
     if steps is not None:
         cmd.append(f"trainer.total_steps={steps}")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode != 0:
         pytest.fail(f"mlora-train failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return _steps(run_dir)
+
+
+def _steps(run_dir: Path) -> list[dict]:
+    """The training steps of metrics.jsonl (step 0 holds the evaluation before training)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["step"] > 0]
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +65,18 @@ def test_every_step_logged_and_engines_use_latest_adapter(runs):
             assert m["rollout/logprob_abs_diff"] <= AGREE, m
             assert m["timing/adapter_sync_s"] >= 0 and "actor/pg_loss" in m and "critic/value_loss" in m
         assert rows[-1]["kl/mean"] > 0  # the policy moved away from the reference, and vLLM followed it
+
+
+def test_demo_evaluates_held_out_prompts(runs):
+    """cpu_demo evaluates val.parquet greedily before training and every 10 steps; the trained policy
+    does better on it than the base."""
+    tmp, _ = runs
+    rows = [json.loads(line) for line in (tmp / "tp2pp2" / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r["eval/all/reward_mean"] for r in rows if "eval/all/reward_mean" in r}
+    assert sorted(evals) == [0, 10, 20, 30]
+    assert evals[30] >= evals[0] + RISE, evals
+    assert all("eval/synthetic_target_token/pass_at_1" in r for r in rows if "eval/all/reward_mean" in r)
+    assert (tmp / "tp2pp2" / "dumped_evals" / "eval_step_30.jsonl").is_file()
 
 
 def test_tp1_and_tp2pp2_agree(runs):
@@ -116,14 +135,17 @@ def _no_orphans(tag: str, within: float = 30.0) -> None:
 
 
 def _mlora_train(tmp_path, *overrides) -> subprocess.CompletedProcess:
-    """One-rank mlora-train on the demo config; returns after checking no process outlived it."""
+    """One-rank mlora-train on the demo config, run from ``tmp_path``; returns after checking that no
+    process outlived it and that Hydra left nothing in the working directory (no ``__main__.log``)."""
     tag = f"MLORA_TEST_TAG={uuid.uuid4().hex}"
     cmd = [sys.executable, "-m", "mlora.train", "--config-name", "cpu_demo", "trainer.total_steps=1",
-           "trainer.placement.tp=1", "trainer.placement.pp=1", f"demo.dir={tmp_path / 'assets'}",
+           "trainer.policy.megatron_config.tensor_model_parallel_size=1",
+           "trainer.policy.megatron_config.pipeline_model_parallel_size=1", f"demo.dir={tmp_path / 'assets'}",
            f"trainer.run_dir={tmp_path / 'run'}", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", tag.split("=")[0]: tag.split("=")[1]}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     _no_orphans(tag)
+    assert not {"__main__.log", ".hydra", "outputs"} & {p.name for p in tmp_path.iterdir()}
     return proc
 
 
@@ -143,6 +165,11 @@ def test_bad_input(tmp_path):
     assert "lacks columns ['prompt', 'reward_spec']" in err and "found ['question', 'answer']" in err
     err = fails("+generator.engine_init_kwargs.no_such_vllm_argument=1")
     assert "vLLM engine for" in err and "failed to start" in err and "no_such_vllm_argument" in err
+    assert "trainer.strategy='fsdp2': mlora is built on megatron-core" in fails("trainer.strategy=fsdp2")
+    assert "but torchrun started 1 ranks" in fails("trainer.placement.policy_num_gpus_per_node=4")
+    err = fails(f"data.val_data=[{tmp_path / 'raw.parquet'}]")
+    assert "data.val_data: " in err and "lacks columns ['prompt', 'reward_spec']" in err
+    assert "Could not override 'trainer.no_such_key'" in fails("trainer.no_such_key=1")
     # an error after the engine started: it is released too (checked inside _mlora_train)
     assert "not divisible by micro_train_batch_size" in fails("trainer.micro_train_batch_size_per_gpu=3")
 
@@ -155,7 +182,7 @@ def test_ray_engines(tmp_path, runs):
     proc = _mlora_train(tmp_path, "generator.run_engines_locally=false", "generator.num_inference_engines=2",
                         "trainer.run_name=ray", "trainer.total_steps=2")
     assert proc.returncode == 0, proc.stderr[-6000:]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = _steps(tmp_path / "run")
     assert len(rows) == 2 and all(m["rollout/logprob_abs_diff"] <= AGREE for m in rows)
     for k in ("reward/mean", "actor/pg_loss", "critic/value_loss"):
         assert abs(rows[0][k] - r["tp1"][0][k]) <= SAME * max(1.0, abs(rows[0][k])), k
@@ -169,7 +196,7 @@ def test_engine_tensor_parallel(tmp_path, runs):
     _, r = runs
     proc = _mlora_train(tmp_path, "generator.inference_engine_tensor_parallel_size=2", "trainer.total_steps=2")
     assert proc.returncode == 0, proc.stderr[-6000:]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = _steps(tmp_path / "run")
     assert len(rows) == 2 and all(m["rollout/logprob_abs_diff"] <= AGREE for m in rows)
     # sharded sums may round differently and flip a rare sample: allow 2 of the 128 response tokens
     assert abs(rows[0]["reward/mean"] - r["tp1"][0]["reward/mean"]) <= 2 / 128
@@ -181,11 +208,12 @@ def test_frozen_adapter_under_policy(tmp_path, runs):
     two: their log-probs agree, and the reward starts where the demo ended."""
     tmp, r = runs
     proc = _mlora_train(tmp_path, f"trainer.policy.model.frozen_adapter_path={tmp / 'tp2pp2' / 'final_adapter'}",
-                        "trainer.total_steps=2")
+                        "trainer.total_steps=2", "trainer.ckpt_interval=0")
     assert proc.returncode == 0, proc.stderr[-6000:]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = _steps(tmp_path / "run")
     assert all(m["rollout/logprob_abs_diff"] <= AGREE for m in rows)
     assert rows[0]["kl/mean"] == 0.0  # the reference includes the frozen adapter
     demo_end = sum(m["reward/mean"] for m in r["tp2pp2"][-5:]) / 5
     assert rows[0]["reward/mean"] >= demo_end - RISE, (rows[0]["reward/mean"], demo_end)
     assert (tmp_path / "run" / "engine_base" / "mlora_merge.json").is_file()
+    assert not (tmp_path / "run" / "checkpoints").exists()  # ckpt_interval <= 0: no checkpoints, as in SkyRL

@@ -44,7 +44,8 @@ def test_agreement_and_hot_swap(engine, tiny_models, peft_refs_dir, tmp_path):
             if sync.exists():
                 shutil.rmtree(sync)
             shutil.copytree(src, sync)
-            engine.update_adapter(sync)
+            engine.update_adapter(sync, adapter)  # served under the trainer's adapter name
+            assert engine.result(engine.submit("adapter")) == adapter
             gens = engine.generate(PROMPTS, sampling)
             assert [g.prompt_index for g in gens] == [0, 0, 1, 1]
             assert gens[0].token_ids != gens[2].token_ids  # per-prompt seeds
@@ -57,6 +58,66 @@ def test_agreement_and_hot_swap(engine, tiny_models, peft_refs_dir, tmp_path):
             assert max(d.max().item() for d in diffs) < 1e-3
     finally:
         shutil.rmtree(sync, ignore_errors=True)
+
+
+def _rollout_batch(gens, prompts):
+    """Right-padded RolloutBatch of prompt + response, the engine's log-probs on the action positions."""
+    from mlora.train.batch import RolloutBatch
+
+    seqs = [prompts[g.prompt_index] + g.token_ids for g in gens]
+    s = max(map(len, seqs))
+    ids, attn, resp = (torch.zeros(len(gens), s, dtype=torch.long) for _ in range(3))
+    rollout = torch.zeros(len(gens), s - 1)
+    for b, (g, seq) in enumerate(zip(gens, seqs)):
+        n = len(prompts[g.prompt_index])
+        ids[b, :len(seq)] = torch.tensor(seq)
+        attn[b, :len(seq)] = 1
+        resp[b, n:len(seq)] = 1
+        rollout[b, n - 1:len(seq) - 1] = torch.tensor(g.logprobs)  # position t predicts token t + 1
+    return RolloutBatch(ids, attn, resp, torch.zeros(len(gens)), rollout)
+
+
+def test_tempered_truncated_agreement(engine, tiny_models, peft_refs_dir, tmp_path):
+    """vLLM samples at temperature 0.7 with top-p 0.9 (and top-k 20 with min-p 0.05) and reports the
+    log-probs of that processed distribution; the trainer's old-logprob pass (PPOConfig with the same
+    sampling parameters) reproduces them: mean and max |gap| <= 1e-3 over sampled tokens, as the
+    engine's rollout/logprob_abs_diff(_max) metrics. The untempered log-probs (the trainer before
+    the fix) and the tempered but untruncated ones are far off."""
+    import mlora
+    from mlora.train.config import PPOConfig
+    from mlora.train.engine import ActorCriticEngine
+
+    adapter = tmp_path / "policy"
+    shutil.copytree(peft_refs_dir / "llama" / "policy", adapter)
+    engine.update_adapter(adapter, "policy")
+    mesh = mlora.init_parallel(tp=1, pp=1)
+    for temperature, top_p, top_k, min_p in [(0.7, 0.9, -1, 0.0), (0.7, 1.0, 20, 0.05)]:
+        sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                  max_generate_length=16, n_samples_per_prompt=2, seed=11)
+        gens = engine.generate(PROMPTS, sampling)
+        batch = _rollout_batch(gens, PROMPTS)
+        mask = batch.action_mask.bool()
+        model = mlora.from_pretrained(tiny_models / "llama", mesh)
+        model.load_adapter("policy", adapter, trainable=True)
+        logits = model.logits(batch.input_ids, batch.attention_mask)[:, :-1]
+        picked = batch.input_ids[:, 1:, None]
+        untempered = torch.log_softmax(logits, -1).gather(-1, picked)[..., 0]
+        tempered = torch.log_softmax(logits / temperature, -1).gather(-1, picked)[..., 0]
+        rollout = batch.rollout_logprobs
+        cfg = PPOConfig(advantage_estimator="grpo", n_samples_per_prompt=2, mini_batch_size=4,
+                        micro_train_batch_size=2, micro_forward_batch_size=4, temperature=temperature,
+                        top_p=top_p, top_k=top_k, min_p=min_p)
+        metrics = ActorCriticEngine(model, cfg).step(batch)
+        gap_old = (untempered - rollout).abs()[mask]
+        gap_tempered = (tempered - rollout).abs()[mask]
+        print(f"T={temperature} top_p={top_p} top_k={top_k} min_p={min_p}: {int(mask.sum())} tokens, "
+              f"|vLLM - trainer| mean {metrics['rollout/logprob_abs_diff']:.2e} "
+              f"max {metrics['rollout/logprob_abs_diff_max']:.2e}; untempered mean {gap_old.mean():.3f}, "
+              f"tempered untruncated mean {gap_tempered.mean():.3f}")
+        assert metrics["rollout/logprob_abs_diff"] <= AGREE
+        assert metrics["rollout/logprob_abs_diff_max"] <= AGREE
+        assert gap_old.mean().item() > 10 * AGREE  # what the trainer compared before
+        assert gap_tempered.mean().item() > 10 * AGREE  # the truncation matters too
 
 
 def test_engine_start_errors(tmp_path):

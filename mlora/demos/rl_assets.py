@@ -9,7 +9,8 @@ TARGET_FRACTION = 0.1  # the targets: this share of the vocabulary
 
 
 def build_demo_assets(directory: str | Path, n_prompts: int = 256, seed: int = 0) -> Path:
-    """``<dir>/tiny-llama`` and ``<dir>/train.parquet`` (prompt, env_class, reward_spec); idempotent."""
+    """``<dir>/tiny-llama``, ``<dir>/train.parquet`` and a held-out ``<dir>/val.parquet`` (prompt, env_class,
+    reward_spec, data_source); idempotent."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -19,13 +20,16 @@ def build_demo_assets(directory: str | Path, n_prompts: int = 256, seed: int = 0
     if not (root / "tiny-llama" / "config.json").exists():
         # a wider init than the default 0.02 gives the output layer enough range for a LoRA to move it
         build_tiny_model("llama", root / "tiny-llama", seed=seed, initializer_range=0.1)
-    if not (root / "train.parquet").exists():
+    for split, count, split_seed in (("train", n_prompts, seed), ("val", 32, seed + 1)):
+        if (root / f"{split}.parquet").exists():
+            continue
         targets = aligned_targets(root / "tiny-llama", seed)
-        rng = random.Random(seed)
+        rng = random.Random(split_seed)
         words = ["red", "blue", "cat", "dog", "sun", "moon", "tree", "rock", "fish", "bird"]
         rows = [{"prompt": " ".join(rng.choice(words) for _ in range(rng.randint(3, 8))),
-                 "env_class": "target_token", "reward_spec": {"targets": targets}} for _ in range(n_prompts)]
-        pq.write_table(pa.Table.from_pylist(rows), root / "train.parquet")
+                 "env_class": "target_token", "data_source": "synthetic_target_token",
+                 "reward_spec": {"targets": targets}} for _ in range(count)]
+        pq.write_table(pa.Table.from_pylist(rows), root / f"{split}.parquet")
     return root
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 REQUIRED_COLUMNS = ("prompt", "reward_spec")
@@ -40,3 +41,59 @@ def prompt_text(row: dict, tokenizer) -> str:
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     return "\n".join(m["content"] for m in prompt) + "\n"
+
+
+@dataclass
+class Prompt:
+    """One prompt row, its tokens (chat template applied) and the environment that scores it."""
+
+    row: dict
+    token_ids: list[int]
+    env_class: str
+
+    @property
+    def group(self) -> str:
+        """The name its evaluation metrics go under: ``data_source`` if the row has one, else the env."""
+        return str(self.row.get("data_source") or self.env_class)
+
+
+def load_prompt_set(paths: list[str], tokenizer, max_prompt_length: int, default_env: str, what: str
+                    ) -> tuple[list[Prompt], int]:
+    """Rows of every file, tokenized; prompts longer than ``max_prompt_length`` tokens are dropped (as
+    SkyRL's PromptDataset does). Returns the prompts and how many were dropped."""
+    prompts, dropped = [], 0
+    for path in paths:
+        try:
+            rows = load_prompts(path)
+        except (ValueError, FileNotFoundError) as exc:
+            raise type(exc)(f"{what}: {exc}") from None
+        for row in rows:
+            ids = tokenizer(prompt_text(row, tokenizer), add_special_tokens=True)["input_ids"]
+            if len(ids) > max_prompt_length:
+                dropped += 1
+                continue
+            prompts.append(Prompt(row, ids, str(row.get("env_class") or default_env)))
+    if paths and not prompts:
+        raise ValueError(f"{what}: all {dropped} prompts are longer than trainer.max_prompt_length="
+                         f"{max_prompt_length} tokens")
+    return prompts, dropped
+
+
+def epoch_batches(n_prompts: int, batch_size: int, seed: int, total_steps: int):
+    """``(epoch, step, indices)`` for ``total_steps`` steps: each epoch a fresh seeded shuffle of the
+    prompts, cut into whole batches (the remainder is dropped, as SkyRL's train loader does)."""
+    import torch
+
+    per_epoch = n_prompts // batch_size
+    if per_epoch < 1:
+        raise ValueError(f"the training data has {n_prompts} prompts (after filtering), fewer than "
+                         f"trainer.train_batch_size={batch_size}")
+    step, epoch = 0, 0
+    while step < total_steps:
+        order = torch.randperm(n_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        for b in range(per_epoch):
+            if step == total_steps:
+                return
+            step += 1
+            yield epoch, step, order[b * batch_size:(b + 1) * batch_size]
+        epoch += 1

@@ -19,8 +19,9 @@ import traceback
 from pathlib import Path
 
 from mlora.rollout.generator import Generation, SamplingConfig
+from mlora.rollout.serve import vllm_lora_rank
 
-_ADAPTER_NAME, _ADAPTER_ID = "policy", 1
+_ADAPTER_ID = 1  # one adapter is served at a time; a new one replaces it in place under this id
 
 
 def engine_kwargs(max_lora_rank: int, dtype: str, seed: int, tensor_parallel_size: int = 1,
@@ -28,13 +29,18 @@ def engine_kwargs(max_lora_rank: int, dtype: str, seed: int, tensor_parallel_siz
                   executor: str | None = None, **extra) -> dict:
     """``vllm.LLM`` arguments of an mlora engine; ``extra`` (``generator.engine_init_kwargs``) wins.
 
+    ``logprobs_mode="processed_logprobs"``: the returned log-prob of a sampled token is that of the
+    distribution it was drawn from (after temperature, min-p, top-k and top-p, renormalised over
+    the kept tokens), not of the raw logits (vLLM's default ``raw_logprobs``).
     ``kv_cache_memory_bytes=None`` leaves the KV cache size to vLLM (``gpu_memory_utilization`` on
     GPUs, ``VLLM_CPU_KVCACHE_SPACE`` on CPU)."""
     if tensor_parallel_size < 1:
-        raise ValueError(f"inference_engine_tensor_parallel_size={tensor_parallel_size} must be >= 1")
+        raise ValueError(f"generator.inference_engine.tensor_parallel_size={tensor_parallel_size} must be >= 1")
     kwargs = dict(dtype=dtype, enforce_eager=True, seed=seed, tensor_parallel_size=tensor_parallel_size,
                   distributed_executor_backend=executor or ("uni" if tensor_parallel_size == 1 else "mp"),
-                  max_model_len=max_model_len, enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
+                  max_model_len=max_model_len, enable_lora=True, max_lora_rank=vllm_lora_rank(max_lora_rank),
+                  max_loras=1,
+                  logprobs_mode="processed_logprobs")
     if kv_cache_memory_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
     kwargs.update(extra)
@@ -57,12 +63,16 @@ class VLLMServer:
     def ready(self) -> bool:
         return True
 
-    def set_adapter(self, adapter_dir: str | os.PathLike) -> None:
+    def set_adapter(self, adapter_dir: str | os.PathLike, name: str) -> None:
         from vllm.lora.request import LoRARequest
 
-        self.lora = LoRARequest(_ADAPTER_NAME, _ADAPTER_ID, str(adapter_dir), load_inplace=True)
+        self.lora = LoRARequest(name, _ADAPTER_ID, str(adapter_dir), load_inplace=True)
 
-    def set_adapter_files(self, files: dict[str, bytes]) -> None:
+    def adapter(self) -> str | None:
+        """The name the current adapter is served under (None before the first hand-off)."""
+        return None if self.lora is None else self.lora.lora_name
+
+    def set_adapter_files(self, files: dict[str, bytes], name: str) -> None:
         """Serve an adapter shipped as file contents (Ray, memory mode: the trainer's shared memory
         is not this node's): they go to this node's shared memory, then the hot swap."""
         import shutil
@@ -72,7 +82,7 @@ class VLLMServer:
         new = Path(tempfile.mkdtemp(prefix="mlora-adapter-", dir=shm))
         for name, data in files.items():
             (new / name).write_bytes(data)
-        self.set_adapter(new)
+        self.set_adapter(new, name)
         old, self._shipped = getattr(self, "_shipped", None), new
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
@@ -94,9 +104,10 @@ class VLLMServer:
         # engines share the batch, yet prompts do not share a stream
         indices = list(range(len(prompts))) if indices is None else indices
         params = [SamplingParams(n=s.n_samples_per_prompt, temperature=s.temperature, top_p=s.top_p,
-                                 max_tokens=s.max_generate_length, logprobs=0,
+                                 top_k=s.top_k, min_p=s.min_p, max_tokens=s.max_generate_length, logprobs=0,
                                  seed=None if s.seed is None else s.seed + i,
-                                 stop_token_ids=list(s.stop_token_ids) or None) for i in indices]
+                                 stop_token_ids=list(s.stop_token_ids) or None, stop=list(s.stop) or None)
+                  for i in indices]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                                  lora_request=self.lora, use_tqdm=False)
         gens = []
@@ -119,7 +130,7 @@ def _cpu_thread_binding(tp: int) -> None:
         return
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < tp:
-        raise ValueError(f"inference_engine_tensor_parallel_size={tp} needs at least {tp} CPU cores, "
+        raise ValueError(f"generator.inference_engine.tensor_parallel_size={tp} needs at least {tp} CPU cores, "
                          f"this process may use {len(cores)}")
     per = len(cores) // tp
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
@@ -132,9 +143,9 @@ class _EngineCalls:
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Generation]:
         return self.result(self.submit("generate", prompts, sampling))
 
-    def update_adapter(self, adapter_dir: Path) -> float:
+    def update_adapter(self, adapter_dir: Path, name: str) -> float:
         t0 = time.perf_counter()
-        self.result(self.submit("set_adapter", str(adapter_dir)))
+        self.result(self.submit("set_adapter", str(adapter_dir), name))
         return time.perf_counter() - t0
 
 
@@ -279,7 +290,7 @@ class RayVLLMEngine(_EngineCalls):
             raise RuntimeError("the vLLM engine actor was released")
         if method == "set_adapter" and self._ship:
             files = {f.name: f.read_bytes() for f in Path(args[0]).iterdir() if f.is_file()}
-            return self._actor.set_adapter_files.remote(files)
+            return self._actor.set_adapter_files.remote(files, args[1])
         return getattr(self._actor, method).remote(*args)
 
     def result(self, handle):
@@ -313,12 +324,12 @@ def _check_model_dir(model) -> None:
 
 
 class EngineGroup:
-    """Several engines (``generator.num_inference_engines``), all busy at once; prompts are split
+    """Several engines (``generator.inference_engine.num_engines``), all busy at once; prompts are split
     round-robin and the results come back in prompt order."""
 
     def __init__(self, engines: list, on_close=None) -> None:
         if not engines:
-            raise ValueError("num_inference_engines must be >= 1")
+            raise ValueError("generator.inference_engine.num_engines must be >= 1")
         self.engines, self._on_close = engines, on_close
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Generation]:
@@ -333,10 +344,10 @@ class EngineGroup:
                 out.append(g)
         return sorted(out, key=lambda g: g.prompt_index)  # stable: samples of a prompt keep their order
 
-    def update_adapter(self, adapter_dir: Path) -> float:
-        """Hot-swap the adapter in ``adapter_dir`` into every engine; returns seconds taken."""
+    def update_adapter(self, adapter_dir: Path, name: str) -> float:
+        """Hot-swap the adapter in ``adapter_dir`` into every engine, served as ``name``; returns seconds taken."""
         t0 = time.perf_counter()
-        for engine, handle in [(e, e.submit("set_adapter", str(adapter_dir))) for e in self.engines]:
+        for engine, handle in [(e, e.submit("set_adapter", str(adapter_dir), name)) for e in self.engines]:
             engine.result(handle)
         return time.perf_counter() - t0
 
@@ -358,7 +369,7 @@ def build_engines(model: str | os.PathLike, num_engines: int = 1, tensor_paralle
     fails to start.
     """
     if num_engines < 1:
-        raise ValueError(f"num_inference_engines={num_engines} must be >= 1")
+        raise ValueError(f"generator.inference_engine.num_engines={num_engines} must be >= 1")
     on_close = None
     if run_locally:
         make = LocalVLLMEngine

@@ -1,30 +1,35 @@
-"""The RL loop: rollouts from vLLM engines, rewards, a shared-base PPO/GRPO step, adapter hand-off.
+"""The RL loop: rollouts from vLLM engines, rewards, a shared-base PPO/GRPO step, adapter hand-off,
+evaluation, checkpoints.
 
-Every rank runs :func:`run`; global rank 0 owns the inference engines and the logs, the trainer
-ranks share the rollouts by broadcast. After each update the ``policy`` adapter is gathered over
-TP and PP (``save_adapter``) into the sync directory (``lora_sync_path`` on disk, or shared memory)
-and hot-swapped into every engine.
+Every rank runs :func:`run` with the same validated :class:`~mlora.config.schema.TrainConfig`.
+Global rank 0 owns the inference engines and the logs (:class:`Rollouts`); the trainer ranks get
+each step's rollouts by broadcast. After each update the policy adapter is gathered over TP and PP
+(``save_adapter``) into the sync directory and hot-swapped into every engine.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
 from pathlib import Path
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 import mlora
-from mlora.rollout.data import load_prompts, prompt_text
+from mlora.config.schema import TrainConfig
+from mlora.rollout.data import Prompt, epoch_batches, load_prompt_set
 from mlora.rollout.envs import make_env
 from mlora.rollout.generator import Generation, SamplingConfig
 from mlora.train.batch import RolloutBatch
-from mlora.train.config import PPOConfig
 from mlora.train.engine import ActorCriticEngine
+from mlora.train.evaluate import evaluate
+from mlora.train.from_config import lora_config, ppo_config, sampling_config
+from mlora.train.metrics_log import MetricsLogger, log, setup_logging, step_line
 
+POLICY, CRITIC = "policy", "critic"  # the trainer's adapter names; the engines serve POLICY under this name
 FROZEN = "frozen"  # the name of trainer.policy.model.frozen_adapter_path's adapter
 
 
@@ -47,191 +52,217 @@ def build_batch(prompt_ids: list[list[int]], gens: list[Generation], rewards: li
     return RolloutBatch(ids, attn, resp, torch.tensor(rewards, dtype=torch.float32), rollout_lp)
 
 
-def ppo_config(cfg) -> PPOConfig:
-    t, a = cfg.trainer, cfg.trainer.algorithm
-    n = cfg.generator.n_samples_per_prompt
-    return PPOConfig(
-        advantage_estimator=a.advantage_estimator, gamma=a.gamma, lam=a.lambd,
-        norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo, n_samples_per_prompt=n,
-        ppo_epochs=t.update_epochs_per_batch, mini_batch_size=t.policy_mini_batch_size * n,
-        micro_train_batch_size=t.micro_train_batch_size_per_gpu,
-        micro_forward_batch_size=t.micro_forward_batch_size_per_gpu, eps_clip_low=a.eps_clip_low,
-        eps_clip_high=a.eps_clip_high, dual_clip=a.dual_clip, value_clip=a.value_clip, loss_agg_mode=a.loss_agg_mode,
-        use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_estimator=a.kl_estimator,
-        use_kl_in_reward=a.use_kl_in_reward, kl_ctrl=a.kl_ctrl, kl_coef=a.kl_coef, entropy_coeff=a.entropy_coeff,
-        actor_lr=t.policy.optimizer_config.lr, critic_lr=t.critic.optimizer_config.lr,
-        weight_decay=t.policy.optimizer_config.weight_decay, max_grad_norm=t.max_grad_norm,
-        warmup_steps=t.policy.optimizer_config.num_warmup_steps, total_steps=t.total_steps,
-        lr_schedule=t.policy.optimizer_config.scheduler)
-
-
-def lora_config(section, seed: int) -> mlora.LoraConfig:
-    targets = section.target_modules
-    targets = list(targets) if not isinstance(targets, str) else targets
-    exclude = section.get("exclude_modules")
-    return mlora.LoraConfig(rank=section.rank, alpha=section.alpha, dropout=section.dropout, target_modules=targets,
-                            exclude_modules=list(exclude) if exclude else None, seed=seed)
-
-
-def _sync_dir(cfg) -> Path:
+def _sync_dir(cfg: TrainConfig, adapter: str) -> Path:
     if cfg.generator.weight_sync == "memory":
         shm = Path("/dev/shm")
         if not shm.is_dir():
             raise RuntimeError("generator.weight_sync=memory needs /dev/shm (shared memory); use disk")
-        return shm / f"mlora-{os.getpid()}-{cfg.trainer.run_name}" / "policy"
-    if cfg.generator.weight_sync == "disk":
-        return Path(cfg.trainer.policy.model.lora.lora_sync_path) / "policy"
-    raise ValueError(f"unknown generator.weight_sync {cfg.generator.weight_sync!r}; valid: disk, memory")
+        return shm / f"mlora-{os.getpid()}-{cfg.trainer.run_name}" / adapter
+    return Path(cfg.trainer.policy.model.lora.lora_sync_path) / adapter
 
 
-class _Logger:
-    def __init__(self, cfg, run_dir: Path) -> None:
-        self.file = open(run_dir / "metrics.jsonl", "w")  # a new run starts a new record
-        self.kind = cfg.trainer.logger
-        self.backend = None
-        if self.kind == "wandb":
-            import wandb
+class Rollouts:
+    """The engines (on global rank 0), the environments that score their responses, and the hand-off
+    of the policy adapter. ``collect`` is collective: every rank gets the same batch."""
 
-            self.backend = wandb.init(project=cfg.trainer.project_name, name=cfg.trainer.run_name)
-        elif self.kind == "tensorboard":
-            from torch.utils.tensorboard import SummaryWriter
+    def __init__(self, cfg: TrainConfig, mesh, run_dir: Path, adapter: str) -> None:
+        self.cfg, self.mesh, self.adapter = cfg, mesh, adapter
+        self.sync_dir = _sync_dir(cfg, adapter)
+        self.generator = None
+        self.envs: dict = {}
+        self.engine_base = cfg.trainer.policy.model.path
+        if mesh.rank != 0:
+            return
+        from mlora.rollout.vllm_engine import build_engines
 
-            self.backend = SummaryWriter(str(run_dir / "tensorboard"))
-        elif self.kind != "console":
-            raise ValueError(f"unknown trainer.logger {self.kind!r}; valid: console, wandb, tensorboard")
+        t, e = cfg.trainer, cfg.generator.inference_engine
+        frozen = t.policy.model.frozen_adapter_path
+        if frozen:  # the engines load the base with the frozen adapter merged, once
+            from mlora.export.merge import merge_adapter
 
-    def log(self, step: int, metrics: dict) -> None:
-        flat = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
-        self.file.write(json.dumps({"step": step, **flat}) + "\n")
-        self.file.flush()
-        if self.kind == "wandb":
-            self.backend.log(flat, step=step)
-        elif self.kind == "tensorboard":
-            for k, v in flat.items():
-                self.backend.add_scalar(k, v, step)
+            self.engine_base = merge_adapter(self.engine_base, frozen, run_dir / "engine_base", progress=False)
+        extra = dict(cfg.generator.engine_init_kwargs)
+        if e.gpu_memory_utilization is not None:
+            extra.setdefault("gpu_memory_utilization", e.gpu_memory_utilization)
+        self.generator = build_engines(self.engine_base, e.num_engines, e.tensor_parallel_size, e.run_engines_locally,
+                                       ship_adapter=cfg.generator.weight_sync == "memory",
+                                       max_lora_rank=t.policy.model.lora.rank, dtype=t.dtype, seed=t.seed,
+                                       kv_cache_memory_bytes=cfg.generator.kv_cache_memory_bytes, **extra)
+
+    def score(self, prompt: Prompt, gen: Generation) -> float:
+        if self.cfg.generator.zero_reward_on_non_stop and gen.finish_reason != "stop":
+            return 0.0
+        if prompt.env_class not in self.envs:
+            self.envs[prompt.env_class] = make_env(prompt.env_class)
+        return self.envs[prompt.env_class].reward(prompt.row, gen.text, gen.token_ids)
+
+    def sync(self, model) -> dict[str, float]:
+        """Gather the policy adapter over TP and PP into the sync directory; hot-swap it into the engines."""
+        t0 = time.perf_counter()
+        model.save_adapter(self.adapter, self.sync_dir)
+        out = {"timing/adapter_gather_s": time.perf_counter() - t0}
+        if self.generator is not None:
+            out["timing/adapter_swap_s"] = self.generator.update_adapter(self.sync_dir, self.adapter)
+        out["timing/adapter_sync_s"] = time.perf_counter() - t0
+        return out
+
+    def collect(self, prompts: list[Prompt], sampling: SamplingConfig, pad_id: int) -> tuple[RolloutBatch, dict]:
+        """Generate and score on rank 0, broadcast to every rank."""
+        box: list = [None]
+        if self.generator is not None:
+            t0 = time.perf_counter()
+            gens = self.generator.generate([p.token_ids for p in prompts], sampling)
+            rewards = [self.score(prompts[g.prompt_index], g) for g in gens]
+            box = [(gens, rewards, time.perf_counter() - t0)]
+        dist.broadcast_object_list(box, src=0)
+        gens, rewards, seconds = box[0]
+        return build_batch([p.token_ids for p in prompts], gens, rewards, pad_id), {"timing/generate_s": seconds}
+
+    def evaluate(self, prompts: list[Prompt], step: int, run_dir: Path) -> dict[str, float]:
+        """Evaluation metrics (rank 0; an empty dict on the other ranks)."""
+        if self.generator is None or not prompts:
+            return {}
+        g, t = self.cfg.generator, self.cfg.trainer
+        sampling = sampling_config(g.eval_sampling_params, g.eval_n_samples_per_prompt, t.seed)
+        t0 = time.perf_counter()
+        out = evaluate(self.generator, prompts, sampling, t.eval_batch_size, self.score, step,
+                       run_dir / "dumped_evals" if t.dump_eval_results else None)
+        return {**out, "timing/eval_s": time.perf_counter() - t0}
 
     def close(self) -> None:
-        self.file.close()
-        if self.kind == "tensorboard":
-            self.backend.close()
+        if self.generator is not None:
+            self.generator.close()
+        if self.cfg.generator.weight_sync == "memory" and self.mesh.rank == 0:
+            shutil.rmtree(self.sync_dir.parent, ignore_errors=True)
 
 
-def run(cfg) -> dict:
+def _load_data(cfg: TrainConfig, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
+    t, env = cfg.trainer, cfg.environment.env_class
+    make_env(env)  # an unknown environment fails before any model is loaded
+    train, dropped = load_prompt_set(list(cfg.data.train_data), tokenizer, t.max_prompt_length, env,
+                                     "data.train_data")
+    val, val_dropped = load_prompt_set(list(cfg.data.val_data), tokenizer, t.max_prompt_length, env, "data.val_data")
+    for name in sorted({p.env_class for p in train + val}):
+        make_env(name)
+    if not train:
+        raise ValueError("data.train_data is empty: give one or more prompt parquet files")
+    if dropped or val_dropped:
+        log.info("dropped %d training and %d validation prompts longer than trainer.max_prompt_length=%d tokens",
+                 dropped, val_dropped, t.max_prompt_length)
+    return train, val
+
+
+def _build_engine(cfg: TrainConfig, model, total_steps: int) -> ActorCriticEngine:
+    t = cfg.trainer
+    frozen = t.policy.model.frozen_adapter_path
+    if frozen:  # e.g. an SFT adapter: under policy, critic and reference alike
+        model.load_adapter(FROZEN, frozen, trainable=False)
+    return ActorCriticEngine(model, ppo_config(cfg, total_steps), policy=POLICY, critic=CRITIC,
+                             reference_adapters=(FROZEN,) if frozen else (),
+                             policy_lora=lora_config(t.policy.model.lora, t.seed),
+                             critic_lora=lora_config(t.critic.model.lora, t.seed))
+
+
+def run(cfg: TrainConfig, notes: Sequence[str] = ()) -> dict:
     """Train; returns the last step's metrics (on every rank)."""
     from transformers import AutoTokenizer
 
-    t = cfg.trainer
-    if cfg.get("demo", {}).get("prepare") and int(os.environ.get("RANK", "0")) == 0:
+    t, g = cfg.trainer, cfg.generator
+    # 1. the mesh (and the CPU demo's tiny model and prompts)
+    if cfg.demo.prepare and int(os.environ.get("RANK", "0")) == 0:
         from mlora.demos.rl_assets import build_demo_assets
 
         build_demo_assets(cfg.demo.dir)
-    mesh = mlora.init_parallel(tp=t.placement.tp, pp=t.placement.pp, sp=t.placement.sp, seed=t.seed)
+    mc = t.policy.megatron_config
+    mesh = mlora.init_parallel(tp=mc.tensor_model_parallel_size, pp=mc.pipeline_model_parallel_size,
+                               sp=mc.sequence_parallel, seed=t.seed)
+    setup_logging(mesh.rank)
+    for note in notes:
+        log.info("note: %s", note)
     dist.barrier()
-    env = make_env(cfg.environment.env_class)
-    if cfg.generator.backend != "vllm":
-        raise ValueError(f"unknown generator.backend {cfg.generator.backend!r}; valid: vllm")
-    rows = [r for path in cfg.data.train_data for r in load_prompts(path)]
-    if str(t.critic.model.path) != str(t.policy.model.path) and t.algorithm.advantage_estimator == "gae":
-        raise ValueError("a critic on another base than the policy is not supported yet: set "
-                         "trainer.critic.model.path to trainer.policy.model.path (one shared base)")
-    model = mlora.from_pretrained(t.policy.model.path, mesh, dtype=getattr(torch, t.dtype))
+
+    # 2. prompts, the shared base with its adapters, the PPO engine
     tokenizer = AutoTokenizer.from_pretrained(str(t.policy.model.path))
-    frozen = t.policy.model.get("frozen_adapter_path")
-    if frozen:  # e.g. an SFT adapter: under policy, critic and reference alike
-        model.load_adapter(FROZEN, frozen, trainable=False)
-    engine = ActorCriticEngine(model, ppo_config(cfg), reference_adapters=(FROZEN,) if frozen else (),
-                               policy_lora=lora_config(t.policy.model.lora, t.seed),
-                               critic_lora=lora_config(t.critic.model.lora, t.seed + 1))
+    train, val = _load_data(cfg, tokenizer)
+    total_steps = t.total_steps or t.epochs * (len(train) // t.train_batch_size)
+    model = mlora.from_pretrained(t.policy.model.path, mesh, dtype=getattr(torch, t.dtype))
+    engine = _build_engine(cfg, model, total_steps)
     run_dir = Path(t.run_dir)
-    sampling = SamplingConfig(temperature=cfg.generator.sampling_params.temperature,
-                              top_p=cfg.generator.sampling_params.top_p,
-                              max_generate_length=cfg.generator.sampling_params.max_generate_length,
-                              n_samples_per_prompt=cfg.generator.n_samples_per_prompt, seed=t.seed)
-    sync_dir = _sync_dir(cfg)
-    generator = logger = bar = None
+    ckpt_root = Path(t.ckpt_path) if t.ckpt_path else run_dir / "checkpoints"
+    pad_id = tokenizer.pad_token_id or 0
+
+    # 3. the engines, serving the initial policy adapter
+    metrics_log = bar = rollouts = None
     last: dict = {}
     try:
         if mesh.rank == 0:
             from tqdm import tqdm
 
-            from mlora.rollout.vllm_engine import build_engines
-
             run_dir.mkdir(parents=True, exist_ok=True)
-            logger = _Logger(cfg, run_dir)
-            g = cfg.generator
-            engine_base = t.policy.model.path
-            if frozen:  # the engines load the base with the frozen adapter merged, once
-                from mlora.export.merge import merge_adapter
+            metrics_log = MetricsLogger(t.logger, run_dir, t.project_name, t.run_name)
+        rollouts = Rollouts(cfg, mesh, run_dir, POLICY)
+        rollouts.sync(model)
+        evaluating = bool(val) and t.eval_interval > 0
+        if evaluating and t.eval_before_train:
+            metrics = rollouts.evaluate(val, 0, run_dir)
+            if metrics_log is not None:
+                metrics_log.log(0, metrics)
+                log.info("eval before training: %s", _eval_summary(metrics))
+        if mesh.rank == 0:
+            bar = tqdm(total=total_steps, desc="mlora-train", unit="step")
 
-                engine_base = merge_adapter(engine_base, frozen, run_dir / "engine_base", progress=False)
-            generator = build_engines(engine_base, g.num_inference_engines,
-                                      g.inference_engine_tensor_parallel_size, g.run_engines_locally,
-                                      ship_adapter=g.weight_sync == "memory",
-                                      max_lora_rank=t.policy.model.lora.rank, dtype=t.dtype, seed=t.seed,
-                                      kv_cache_memory_bytes=g.kv_cache_memory_bytes,
-                                      **dict(g.get("engine_init_kwargs") or {}))
-            bar = tqdm(total=t.total_steps, desc="mlora-train", unit="step")
-        model.save_adapter("policy", sync_dir)
-        if generator is not None:
-            generator.update_adapter(sync_dir)
-        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(t.seed)).tolist()
-        for step in range(1, t.total_steps + 1):
-            start = (step - 1) * t.train_batch_size
-            picked = [rows[order[(start + i) % len(rows)]] for i in range(t.train_batch_size)]
-            box = [None]
-            if mesh.rank == 0:
-                t0 = time.perf_counter()
-                prompts = [tokenizer(prompt_text(r, tokenizer), add_special_tokens=True)["input_ids"] for r in picked]
-                gens = generator.generate(prompts, SamplingConfig(**{**sampling.__dict__, "seed": t.seed + step * 1000}))
-                rewards = [env.reward(picked[g.prompt_index], g.text, g.token_ids) for g in gens]
-                box = [(prompts, gens, rewards, time.perf_counter() - t0)]
-            dist.broadcast_object_list(box, src=0)
-            prompts, gens, rewards, gen_time = box[0]
-            batch = build_batch(prompts, gens, rewards, tokenizer.pad_token_id or 0)
+        # 4. the steps: rollouts -> shared-base update -> hand-off -> eval / checkpoint -> log
+        for epoch, step, picked in epoch_batches(len(train), t.train_batch_size, t.seed, total_steps):
+            sampling = sampling_config(g.sampling_params, g.n_samples_per_prompt, t.seed + step * 1000)
+            batch, metrics = rollouts.collect([train[i] for i in picked], sampling, pad_id)
             t0 = time.perf_counter()
-            metrics = engine.step(batch)
-            metrics["timing/generate_s"] = gen_time
+            metrics.update(engine.step(batch))
             metrics["timing/train_s"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            model.save_adapter("policy", sync_dir)
-            metrics["timing/adapter_gather_s"] = time.perf_counter() - t0
-            if generator is not None:
-                metrics["timing/adapter_swap_s"] = generator.update_adapter(sync_dir)
-            metrics["timing/adapter_sync_s"] = time.perf_counter() - t0
-            if t.ckpt_interval and step % t.ckpt_interval == 0:
-                save_checkpoint(model, engine, Path(t.ckpt_path or run_dir / "checkpoints") / f"global_step_{step}")
-            if mesh.rank == 0:
-                logger.log(step, metrics)
+            metrics.update(rollouts.sync(model))
+            metrics["trainer/epoch"] = epoch
+            if evaluating and (step % t.eval_interval == 0 or step == total_steps):
+                metrics.update(rollouts.evaluate(val, step, run_dir))
+            if t.ckpt_interval > 0 and (step % t.ckpt_interval == 0 or step == total_steps):
+                save_checkpoint(model, engine, ckpt_root / f"global_step_{step}")
+            if metrics_log is not None:
+                metrics_log.log(step, metrics)
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
-                print(f"step {step:3d}  reward {metrics['reward/mean']:.3f}  kl {metrics['kl/mean']:.4f}  "
-                      f"actor/pg_loss {metrics['actor/pg_loss']:+.4f}"
-                      + (f"  critic/value_loss {metrics['critic/value_loss']:.4f}" if "critic/value_loss" in metrics
-                         else "")
-                      + f"  |logp vLLM - trainer| {metrics.get('rollout/logprob_abs_diff', float('nan')):.2e}"
-                      + f"  sync {metrics['timing/adapter_sync_s']:.2f}s", flush=True)
+                log.info(step_line(step, metrics))
             last = metrics
-        final = run_dir / "final_adapter"
-        model.save_adapter("policy", final)
-        save_checkpoint(model, engine, Path(t.ckpt_path or run_dir / "checkpoints") / f"global_step_{t.total_steps}")
-        if mesh.rank == 0:
-            from mlora.train.plot import plot_metrics
 
-            png = plot_metrics(run_dir / "metrics.jsonl", run_dir / "metrics.png")
-            print(f"\nmetrics: {run_dir / 'metrics.jsonl'}\nplot: {png}\nfinal adapter (PEFT): {final}\n"
-                  + (f"(it applies on top of {frozen}, merged into the base in {engine_base})\n" if frozen else "")
-                  + f"serve it with vLLM:\n  vllm serve {engine_base} --enable-lora "
-                  f"--max-lora-rank {t.policy.model.lora.rank} --lora-modules policy={final.resolve()}")
+        # 5. the final adapter, the plot, and how to serve it
+        final = run_dir / "final_adapter"
+        model.save_adapter(POLICY, final)
+        if mesh.rank == 0:
+            _report(cfg, run_dir, final, rollouts.engine_base)
     finally:
         if bar is not None:
             bar.close()
-        if logger is not None:
-            logger.close()
-        if generator is not None:
-            generator.close()
-        if cfg.generator.weight_sync == "memory" and mesh.rank == 0:
-            shutil.rmtree(sync_dir.parent, ignore_errors=True)
+        if metrics_log is not None:
+            metrics_log.close()
+        if rollouts is not None:
+            rollouts.close()
     return last
+
+
+def _eval_summary(metrics: dict) -> str:
+    return "  ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/"))
+
+
+def _report(cfg: TrainConfig, run_dir: Path, final: Path, engine_base) -> None:
+    from mlora.rollout.serve import format_command, serve_command
+    from mlora.train.plot import plot_metrics
+
+    t = cfg.trainer
+    png = plot_metrics(run_dir / "metrics.jsonl", run_dir / "metrics.png")
+    frozen = t.policy.model.frozen_adapter_path
+    argv = serve_command(engine_base, {POLICY: final.resolve()}, max_lora_rank=t.policy.model.lora.rank,
+                         dtype=t.dtype, kv_cache_memory_bytes=cfg.generator.kv_cache_memory_bytes)
+    log.info("\nmetrics: %s\nplot: %s\nfinal adapter (PEFT): %s\n%sserve it with vLLM (OpenAI API):\n  %s",
+             run_dir / "metrics.jsonl", png, final,
+             f"(it applies on top of {frozen}, merged into the base in {engine_base})\n" if frozen else "",
+             format_command(argv))
 
 
 def save_checkpoint(model, engine: ActorCriticEngine, directory: Path) -> None:

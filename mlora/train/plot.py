@@ -1,12 +1,12 @@
-"""A PNG of reward, KL and losses from a run's metrics.jsonl."""
+"""A PNG of reward, evaluation reward, KL and losses from a run's metrics.jsonl."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-PANELS = (("reward/mean", "reward"), ("kl/mean", "KL(policy || reference)"), ("actor/pg_loss", "policy loss"),
-          ("critic/value_loss", "value loss"))
+PANELS = (("reward/mean", "reward"), ("eval/all/reward_mean", "eval reward (held-out, greedy)"),
+          ("kl/mean", "KL(policy || reference)"), ("actor/pg_loss", "policy loss"), ("critic/value_loss", "value loss"))
 
 
 def plot_metrics(metrics_file: Path, out: Path) -> Path:

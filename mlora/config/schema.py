@@ -1,0 +1,254 @@
+"""The one typed source of ``mlora-train`` keys: a dataclass tree registered as Hydra's schema.
+
+The YAML files in ``mlora/configs/`` only override these defaults; Hydra rejects any key that is
+not declared here and any value of the wrong type. Key names follow SkyRL's ``skyrl_train``
+configuration (``trainer.policy.model.lora.rank`` ...), including both generations of its engine
+keys (``generator.num_inference_engines`` and ``generator.inference_engine.num_engines``);
+:mod:`mlora.config.validate` merges such aliases, checks values and says which SkyRL keys have no
+effect here. Defaults are mlora's where SkyRL's would be wrong for LoRA on a shared base (the
+README lists every difference).
+
+Fields typed ``Optional`` with a ``None`` default that are aliases of each other are resolved by
+:func:`mlora.config.validate.finalize`: after it, the canonical field holds the value to use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class DataConfig:
+    train_data: list[str] = field(default_factory=list)  # prompt parquet files (prompt, reward_spec, ...)
+    val_data: list[str] = field(default_factory=list)  # evaluated every trainer.eval_interval steps
+
+
+@dataclass
+class LoraSection:
+    rank: int = 32  # SkyRL's 0 means "no LoRA"; mlora trains adapters only, so r >= 1
+    alpha: float = 64.0
+    dropout: float = 0.0
+    lora_sync_path: str = "/tmp/mlora_lora_sync"  # generator.weight_sync=disk writes the policy here
+    target_modules: Any = "all-linear"  # "all-linear", a list of HF / megatron names, or one name
+    exclude_modules: Any = None
+    init_method: str = "kaiming"  # kaiming (PEFT default) | gaussian | xavier | normal | zero
+
+
+@dataclass
+class ModelSection:
+    path: Optional[str] = None  # HF checkpoint directory
+    lora: LoraSection = field(default_factory=LoraSection)
+
+
+@dataclass
+class PolicyModelSection(ModelSection):
+    path: str = MISSING
+    frozen_adapter_path: Optional[str] = None  # a PEFT adapter (e.g. SFT) stacked under policy, critic and ref
+
+
+@dataclass
+class OptimizerSection:
+    lr: float = 1.0e-5
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 0.0  # SkyRL: 1e-2; decaying LoRA factors toward 0 is PEFT/TRL's default of 0
+    max_grad_norm: float = 1.0
+    num_warmup_steps: int = 0  # optimizer steps of linear warm-up
+    scheduler: str = "constant_with_warmup"  # constant_with_warmup (= constant) | cosine
+    offload_after_step: bool = True  # SkyRL GPU-memory option; no effect on results
+
+
+@dataclass
+class MegatronSection:
+    """SkyRL's ``megatron_config``: the mesh of the shared base (policy, critic and ref are one model)."""
+
+    tensor_model_parallel_size: Optional[int] = None  # None: the policy's value, 1 for the policy
+    pipeline_model_parallel_size: Optional[int] = None
+    context_parallel_size: Optional[int] = None  # only 1 is supported
+    sequence_parallel: Optional[bool] = None  # mlora: megatron sequence parallelism (needs TP > 1)
+
+
+@dataclass
+class PolicySection:
+    model: PolicyModelSection = field(default_factory=PolicyModelSection)
+    optimizer_config: OptimizerSection = field(default_factory=OptimizerSection)
+    megatron_config: MegatronSection = field(default_factory=MegatronSection)
+
+
+@dataclass
+class CriticSection:
+    model: ModelSection = field(default_factory=ModelSection)  # path None: the policy's base (must be the same)
+    optimizer_config: OptimizerSection = field(default_factory=lambda: OptimizerSection(lr=5.0e-6))
+
+
+@dataclass
+class RefModelSection:
+    path: Optional[str] = None  # None: the policy's base (must be the same: the ref is the base, adapters off)
+
+
+@dataclass
+class RefSection:
+    model: RefModelSection = field(default_factory=RefModelSection)
+    megatron_config: MegatronSection = field(default_factory=MegatronSection)
+
+
+@dataclass
+class PlacementSection:
+    """SkyRL's GPU placement. With one shared base every role runs on the same ranks: the counts
+    that are given must multiply to the torchrun world size."""
+
+    colocate_all: bool = True
+    colocate_policy_ref: bool = True
+    policy_num_nodes: Optional[int] = None
+    policy_num_gpus_per_node: Optional[int] = None
+    critic_num_nodes: Optional[int] = None
+    critic_num_gpus_per_node: Optional[int] = None
+    ref_num_nodes: Optional[int] = None
+    ref_num_gpus_per_node: Optional[int] = None
+
+
+@dataclass
+class KLCtrlSection:
+    type: str = "fixed"  # fixed | adaptive (only with use_kl_in_reward)
+    kl_target: float = 0.1
+    horizon: int = 10000
+
+
+@dataclass
+class AlgorithmSection:
+    advantage_estimator: str = "gae"  # gae | grpo | rloo
+    gamma: float = 1.0
+    lambd: float = 1.0
+    grpo_norm_by_std: bool = True
+    eps_clip_low: float = 0.2
+    eps_clip_high: float = 0.2
+    policy_loss_type: str = "regular"  # regular | dual_clip
+    clip_ratio_c: float = 3.0  # the dual-clip bound (policy_loss_type=dual_clip)
+    value_clip: float = 0.2
+    loss_reduction: str = "token_mean"  # token_mean | sequence_mean | seq_mean_token_sum_norm
+    max_seq_len: Optional[int] = None  # seq_mean_token_sum_norm; None: max_prompt_length + max_generate_length
+    use_kl_loss: bool = True
+    kl_loss_coef: float = 0.001
+    kl_estimator_type: str = "k3"  # k1 | k2 | k3 | abs
+    use_kl_in_reward: bool = False
+    kl_coef: Optional[float] = None  # mlora: KL-in-reward coefficient; None: kl_loss_coef, as SkyRL does
+    kl_ctrl: KLCtrlSection = field(default_factory=KLCtrlSection)
+    use_entropy_loss: bool = False
+    entropy_loss_coef: float = 0.01
+
+
+@dataclass
+class TrainerSection:
+    strategy: str = "megatron"  # mlora is megatron-core: fsdp / fsdp2 / deepspeed are refused
+    seed: int = 42
+    epochs: int = 1
+    total_steps: Optional[int] = None  # mlora: None = epochs x (prompts // train_batch_size)
+    train_batch_size: int = 8  # prompts per step
+    policy_mini_batch_size: int = 4  # prompts per actor optimizer step (x n_samples_per_prompt sequences)
+    critic_mini_batch_size: Optional[int] = None  # prompts per critic optimizer step; None: policy_mini_batch_size
+    micro_forward_batch_size_per_gpu: int = 4  # sequences
+    micro_train_batch_size_per_gpu: int = 2  # sequences
+    update_epochs_per_batch: int = 1
+    max_prompt_length: int = 512  # tokens after the chat template; longer prompts are dropped (as SkyRL)
+    dtype: str = "float32"  # mlora: compute dtype of the trainer and the engines
+    gradient_checkpointing: bool = False  # SkyRL: true; mlora has no activation recompute yet
+    gradient_checkpointing_use_reentrant: bool = False
+    use_sample_packing: bool = False  # SkyRL: true; mlora pads micro-batches (same results)
+    remove_microbatch_padding: bool = False  # newer SkyRL name of the same idea
+    flash_attn: bool = True
+    ckpt_interval: int = 0  # <= 0: no checkpoints (as SkyRL); k: every k steps and at the end
+    ckpt_path: Optional[str] = None  # None: <run_dir>/checkpoints
+    resume_mode: Optional[str] = None  # none / null only (resumable checkpoints are not built yet)
+    resume_path: Optional[str] = None
+    eval_batch_size: int = 1024  # prompts per engine call during evaluation
+    eval_before_train: bool = True
+    eval_interval: int = 5  # <= 0: no evaluation
+    dump_eval_results: bool = True  # <run_dir>/dumped_evals/eval_step_<k>.jsonl
+    logger: str = "console"  # console | wandb | tensorboard (SkyRL: wandb)
+    project_name: str = "mlora"
+    run_name: str = "run"
+    run_dir: str = "runs/${trainer.project_name}/${trainer.run_name}"  # mlora: metrics, plots, adapters
+    placement: PlacementSection = field(default_factory=PlacementSection)
+    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    policy: PolicySection = field(default_factory=PolicySection)
+    critic: CriticSection = field(default_factory=CriticSection)
+    ref: RefSection = field(default_factory=RefSection)
+
+
+@dataclass
+class SamplingSection:
+    max_generate_length: Optional[int] = 256  # eval: None follows sampling_params
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # only 1.0: the trainer could not reproduce a history-dependent penalty
+    logprobs: Optional[int] = 1  # SkyRL's engine setting; mlora always takes the sampled token's log-prob
+    stop: Optional[list[str]] = None  # stop strings
+
+
+@dataclass
+class InferenceEngineSection:
+    """SkyRL's current ``generator.inference_engine.*`` names (None: the old flat key, else the default)."""
+
+    num_engines: Optional[int] = None  # default 1
+    tensor_parallel_size: Optional[int] = None  # default 1
+    backend: Optional[str] = None  # default vllm (the only one)
+    run_engines_locally: Optional[bool] = None  # default true: child processes here; false: Ray actors
+    weight_sync_backend: Optional[str] = None  # SkyRL's NCCL broadcast; mlora hands adapters over as files
+    gpu_memory_utilization: Optional[float] = None  # passed to vLLM (GPU engines)
+
+
+@dataclass
+class GeneratorSection:
+    inference_engine: InferenceEngineSection = field(default_factory=InferenceEngineSection)
+    # the flat names of skyrl_train (aliases of inference_engine.*)
+    num_inference_engines: Optional[int] = None
+    inference_engine_tensor_parallel_size: Optional[int] = None
+    backend: Optional[str] = None
+    run_engines_locally: Optional[bool] = None
+    weight_sync_backend: Optional[str] = None
+    gpu_memory_utilization: Optional[float] = None
+    async_engine: bool = True  # SkyRL's AsyncLLMEngine switch; mlora batches every call either way
+    batched: bool = True  # SkyRL's batched single-turn generation; mlora always batches
+    weight_sync: str = "disk"  # mlora: disk (lora_sync_path) | memory (shared memory, no persistent disk)
+    kv_cache_memory_bytes: Optional[int] = None  # mlora: KV cache cap; None: vLLM decides
+    engine_init_kwargs: dict[str, Any] = field(default_factory=dict)  # more vllm.LLM arguments
+    n_samples_per_prompt: int = 1  # SkyRL: 5 (GRPO groups); PPO with a critic needs one
+    zero_reward_on_non_stop: bool = False  # reward 0 for responses cut at max_generate_length
+    sampling_params: SamplingSection = field(default_factory=SamplingSection)
+    eval_sampling_params: SamplingSection = field(
+        default_factory=lambda: SamplingSection(max_generate_length=None, temperature=0.0))
+    eval_n_samples_per_prompt: int = 1
+
+
+@dataclass
+class EnvironmentSection:
+    env_class: str = "gsm8k"  # a registered environment (mlora.rollout.envs.register_env)
+
+
+@dataclass
+class DemoSection:
+    prepare: bool = False  # build the CPU demo's tiny model and prompts in `dir` if missing
+    dir: str = "runs/cpu_demo_assets"
+
+
+@dataclass
+class TrainConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    generator: GeneratorSection = field(default_factory=GeneratorSection)
+    environment: EnvironmentSection = field(default_factory=EnvironmentSection)
+    demo: DemoSection = field(default_factory=DemoSection)
+
+
+SCHEMA_NAME = "mlora_schema"
+
+
+def register_schema() -> None:
+    """Register :class:`TrainConfig` with Hydra's ConfigStore (the YAML files name it in ``defaults``)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=TrainConfig)

@@ -1,0 +1,241 @@
+"""Check a composed :class:`~mlora.config.schema.TrainConfig`, merge SkyRL's key aliases, and list
+the keys that have no effect here.
+
+Hydra already refuses unknown keys and wrong types (the schema is structured). What remains is
+what a type cannot say: values with a meaning only in SkyRL's FSDP world, counts that must agree
+with the torchrun world, aliases given twice with different values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any, Iterable
+
+from mlora.config.schema import TrainConfig
+
+STRATEGIES = ("megatron",)
+REFUSED_STRATEGIES = ("fsdp", "fsdp2", "deepspeed")
+SCHEDULERS = ("constant_with_warmup", "constant", "cosine")
+LOSS_REDUCTIONS = {"token_mean": "token-mean", "sequence_mean": "seq-mean-token-mean",
+                   "seq_mean_token_sum_norm": "seq-mean-token-sum-norm"}
+POLICY_LOSS_TYPES = ("regular", "dual_clip")
+KL_CTRL_TYPES = ("fixed", "adaptive")
+WEIGHT_SYNC = ("disk", "memory")
+LOGGERS = ("console", "wandb", "tensorboard")
+BACKENDS = ("vllm",)
+
+_FILE_HANDOFF = ("mlora hands the adapter to the engines as PEFT files (generator.weight_sync=disk|memory), not by "
+                 "NCCL broadcast")
+# Keys SkyRL users pass that change nothing here; each is harmless to ignore (memory or
+# throughput knobs of SkyRL's own stack), and the run says so once when one is set.
+NO_EFFECT = {
+    "generator.async_engine": "mlora's engines batch every generate call; sync or async gives the same samples",
+    "generator.batched": "mlora always generates a step's prompts in one batched call per engine",
+    "generator.inference_engine.weight_sync_backend": _FILE_HANDOFF,
+    "generator.weight_sync_backend": _FILE_HANDOFF,
+    "trainer.gradient_checkpointing": "mlora has no activation recompute yet; activations are kept (more memory, "
+                                      "same results)",
+    "trainer.gradient_checkpointing_use_reentrant": "no activation recompute yet",
+    "trainer.use_sample_packing": "mlora pads micro-batches (same results, padding tokens are masked)",
+    "trainer.remove_microbatch_padding": "mlora pads micro-batches (same results, padding tokens are masked)",
+    "trainer.flash_attn": "attention is megatron's local path; the kernel does not change results",
+    "trainer.policy.optimizer_config.offload_after_step": "adapter optimizer state is small and stays on device",
+    "trainer.critic.optimizer_config.offload_after_step": "adapter optimizer state is small and stays on device",
+    "trainer.placement.colocate_policy_ref": "policy and reference are always one model here (the base, adapters "
+                                             "on or off)",
+    "generator.sampling_params.logprobs": "the trainer always takes the sampled token's log-prob",
+    "generator.eval_sampling_params.logprobs": "evaluation needs no log-probs",
+}
+CPU_ONLY_NO_EFFECT = {
+    "trainer.placement.colocate_all": "no GPUs here: engines run as CPU processes beside the trainer ranks",
+}
+
+
+class ConfigError(ValueError):
+    """A configuration value that mlora cannot run with; the message names the key."""
+
+
+def _get(cfg: Any, path: str) -> Any:
+    for part in path.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _merge_alias(section: Any, name: str, alias_section: Any, alias: str, default: Any, where: str,
+                 alias_where: str) -> None:
+    """``section.name`` takes the alias's value when only the alias is set; both set differently: error."""
+    value, other = getattr(section, name), getattr(alias_section, alias)
+    if value is not None and other is not None and value != other:
+        raise ConfigError(f"{where}={value!r} and its alias {alias_where}={other!r} disagree; set one of them")
+    resolved = value if value is not None else other if other is not None else default
+    setattr(section, name, resolved)
+    setattr(alias_section, alias, resolved)
+
+
+def _check_choice(value: Any, valid: Iterable, key: str) -> None:
+    if value not in valid:
+        raise ConfigError(f"{key}={value!r} is not valid; valid: {', '.join(map(str, valid))}")
+
+
+def _check_positive(cfg: Any, prefix: str, names: Iterable[str]) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{prefix}.{name}={value} must be >= 1")
+
+
+def _resolve_generator(cfg: TrainConfig) -> None:
+    g, e = cfg.generator, cfg.generator.inference_engine
+    pairs = (("num_engines", "num_inference_engines", 1), ("tensor_parallel_size",
+             "inference_engine_tensor_parallel_size", 1), ("backend", "backend", "vllm"),
+             ("run_engines_locally", "run_engines_locally", True), ("weight_sync_backend", "weight_sync_backend",
+             "nccl"), ("gpu_memory_utilization", "gpu_memory_utilization", None))
+    for name, alias, default in pairs:
+        _merge_alias(e, name, g, alias, default, f"generator.inference_engine.{name}", f"generator.{alias}")
+    _check_choice(e.backend, BACKENDS, "generator.inference_engine.backend")
+    _check_positive(e, "generator.inference_engine", ("num_engines", "tensor_parallel_size"))
+    if e.gpu_memory_utilization is not None and not 0 < e.gpu_memory_utilization <= 1:
+        raise ConfigError(f"generator.inference_engine.gpu_memory_utilization={e.gpu_memory_utilization} must be "
+                          "in (0, 1]")
+    _check_choice(g.weight_sync, WEIGHT_SYNC, "generator.weight_sync")
+    _check_positive(g, "generator", ("n_samples_per_prompt", "eval_n_samples_per_prompt"))
+    for key, s in (("sampling_params", g.sampling_params), ("eval_sampling_params", g.eval_sampling_params)):
+        if s.max_generate_length is None:
+            s.max_generate_length = g.sampling_params.max_generate_length
+        if s.max_generate_length is None or s.max_generate_length < 1:
+            raise ConfigError(f"generator.{key}.max_generate_length={s.max_generate_length} must be >= 1")
+        if s.repetition_penalty != 1.0:
+            raise ConfigError(f"generator.{key}.repetition_penalty={s.repetition_penalty}: only 1.0 is supported "
+                              "(the trainer's log-probs could not reproduce a penalty that depends on the history)")
+        if s.temperature < 0 or (key == "sampling_params" and s.temperature == 0):
+            raise ConfigError(f"generator.{key}.temperature={s.temperature} must be > 0"
+                              + (" for training rollouts (0 is greedy: there is no policy to improve)"
+                                 if key == "sampling_params" else " or 0 (greedy)"))
+        if not 0 < s.top_p <= 1:
+            raise ConfigError(f"generator.{key}.top_p={s.top_p} must be in (0, 1]")
+
+
+def _resolve_mesh(cfg: TrainConfig, world_size: int) -> None:
+    t = cfg.trainer
+    pm, rm = t.policy.megatron_config, t.ref.megatron_config
+    defaults = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
+                "sequence_parallel": False}
+    for name, default in defaults.items():
+        if getattr(pm, name) is None:
+            setattr(pm, name, default)
+        if getattr(rm, name) is None:
+            setattr(rm, name, getattr(pm, name))
+        elif getattr(rm, name) != getattr(pm, name):
+            raise ConfigError(f"trainer.ref.megatron_config.{name}={getattr(rm, name)!r} differs from "
+                              f"trainer.policy.megatron_config.{name}={getattr(pm, name)!r}: the reference is the "
+                              "policy's own base with the adapters off, so it lives on the same mesh")
+    _check_positive(pm, "trainer.policy.megatron_config", ("tensor_model_parallel_size",
+                                                           "pipeline_model_parallel_size", "context_parallel_size"))
+    if pm.context_parallel_size != 1:
+        raise ConfigError(f"trainer.policy.megatron_config.context_parallel_size={pm.context_parallel_size}: "
+                          "context parallelism is not supported yet; valid: 1")
+    model_size = pm.tensor_model_parallel_size * pm.pipeline_model_parallel_size
+    if world_size % model_size:
+        raise ConfigError(f"world size {world_size} is not divisible by tensor_model_parallel_size x "
+                          f"pipeline_model_parallel_size = {model_size}")
+    roles = [("policy", True), ("ref", True), ("critic", t.algorithm.advantage_estimator == "gae")]
+    for role, used in roles:
+        nodes = getattr(t.placement, f"{role}_num_nodes")
+        gpus = getattr(t.placement, f"{role}_num_gpus_per_node")
+        if not used or (nodes is None and gpus is None):
+            continue
+        total = (nodes or 1) * (gpus or 1)
+        if total != world_size:
+            raise ConfigError(
+                f"trainer.placement.{role}_num_nodes x {role}_num_gpus_per_node = {nodes or 1} x {gpus or 1} = "
+                f"{total}, but torchrun started {world_size} ranks. mlora runs policy, critic and reference on one "
+                f"shared base on every rank: launch {total} ranks (torchrun --nnodes {nodes or 1} "
+                f"--nproc_per_node {gpus or 1}) or set the counts to the world size")
+
+
+def _check_colocation(cfg: TrainConfig, world_size: int, cuda: bool) -> None:
+    """SkyRL's colocate_all rule on GPUs: the engines use exactly the trainer's GPUs."""
+    e = cfg.generator.inference_engine
+    if cuda and cfg.trainer.placement.colocate_all and e.run_engines_locally:
+        engine_gpus = e.num_engines * e.tensor_parallel_size
+        if engine_gpus != world_size:
+            raise ConfigError(
+                f"trainer.placement.colocate_all=true needs the engines on the trainer's {world_size} GPUs, but "
+                f"generator.inference_engine.num_engines x tensor_parallel_size = {e.num_engines} x "
+                f"{e.tensor_parallel_size} = {engine_gpus}")
+
+
+def _check_trainer(cfg: TrainConfig) -> None:
+    t, a = cfg.trainer, cfg.trainer.algorithm
+    if t.strategy in REFUSED_STRATEGIES:
+        raise ConfigError(f"trainer.strategy={t.strategy!r}: mlora is built on megatron-core (LoRA inside megatron's "
+                          "tensor/pipeline-parallel linears, one frozen base for actor, critic and reference); there "
+                          "is no FSDP path. Use trainer.strategy=megatron and set the mesh with trainer.policy."
+                          "megatron_config.tensor_model_parallel_size / pipeline_model_parallel_size")
+    _check_choice(t.strategy, STRATEGIES, "trainer.strategy")
+    _check_positive(t, "trainer", ("epochs", "total_steps", "train_batch_size", "policy_mini_batch_size",
+                                   "critic_mini_batch_size", "micro_forward_batch_size_per_gpu",
+                                   "micro_train_batch_size_per_gpu", "update_epochs_per_batch", "max_prompt_length",
+                                   "eval_batch_size"))
+    for key in ("policy_mini_batch_size", "critic_mini_batch_size"):
+        mini = getattr(t, key)
+        if mini is not None and t.train_batch_size % mini:
+            raise ConfigError(f"trainer.train_batch_size={t.train_batch_size} is not divisible by trainer.{key}={mini}")
+    if t.resume_mode not in (None, "none"):
+        raise ConfigError(f"trainer.resume_mode={t.resume_mode!r}: resumable checkpoints are not built yet; valid: "
+                          "none / null")
+    _check_choice(t.logger, LOGGERS, "trainer.logger")
+    _check_choice(t.dtype, ("float32", "bfloat16", "float16"), "trainer.dtype")
+    _check_choice(a.advantage_estimator, ("gae", "grpo", "rloo"), "trainer.algorithm.advantage_estimator")
+    _check_choice(a.loss_reduction, tuple(LOSS_REDUCTIONS), "trainer.algorithm.loss_reduction")
+    _check_choice(a.policy_loss_type, POLICY_LOSS_TYPES, "trainer.algorithm.policy_loss_type")
+    _check_choice(a.kl_estimator_type, ("k1", "k2", "k3", "abs"), "trainer.algorithm.kl_estimator_type")
+    _check_choice(a.kl_ctrl.type, KL_CTRL_TYPES, "trainer.algorithm.kl_ctrl.type")
+    if a.loss_reduction == "seq_mean_token_sum_norm" and a.max_seq_len is None:
+        a.max_seq_len = t.max_prompt_length + cfg.generator.sampling_params.max_generate_length
+    for role in ("policy", "critic"):
+        opt = getattr(t, role).optimizer_config
+        _check_choice(opt.scheduler, SCHEDULERS, f"trainer.{role}.optimizer_config.scheduler")
+        if len(opt.adam_betas) != 2:
+            raise ConfigError(f"trainer.{role}.optimizer_config.adam_betas={list(opt.adam_betas)} must be two numbers")
+    policy_path = t.policy.model.path
+    for role, section in (("critic", t.critic.model), ("ref", t.ref.model)):
+        if section.path is None:
+            section.path = policy_path
+        elif str(section.path) != str(policy_path):
+            raise ConfigError(f"trainer.{role}.model.path={section.path!r} differs from trainer.policy.model.path="
+                              f"{policy_path!r}: mlora shares one frozen base between policy, critic and reference "
+                              "(set both to the same model)")
+
+
+def _defaults() -> TrainConfig:
+    return TrainConfig()
+
+
+def _set_keys(cfg: TrainConfig, default: TrainConfig, explicit: set[str], prefix: str = "") -> set[str]:
+    """Keys whose value differs from the schema's default or that were given on the command line."""
+    out = set()
+    for f in fields(cfg):
+        key = f"{prefix}{f.name}"
+        value, base = getattr(cfg, f.name), getattr(default, f.name, None)
+        if hasattr(value, "__dataclass_fields__"):
+            out |= _set_keys(value, base, explicit, key + ".")
+        elif key in explicit or value != base:
+            out.add(key)
+    return out
+
+
+def finalize(cfg: TrainConfig, world_size: int, cuda: bool = False, explicit: Iterable[str] = ()) -> list[str]:
+    """Validate ``cfg`` in place (aliases merged into their canonical keys, derived defaults filled).
+
+    Returns one note per key that was set but has no effect here (to be shown once at start-up).
+    Raises :class:`ConfigError` naming the key for a value mlora cannot run with.
+    """
+    set_before = _set_keys(cfg, _defaults(), {k.lstrip("+~") for k in explicit})
+    _check_trainer(cfg)
+    _resolve_generator(cfg)
+    _resolve_mesh(cfg, world_size)
+    _check_colocation(cfg, world_size, cuda)
+    no_effect = {**NO_EFFECT, **({} if cuda else CPU_ONLY_NO_EFFECT)}
+    return [f"{key}={_get(cfg, key)!r} has no effect in mlora: {why}" for key, why in no_effect.items()
+            if key in set_before]

@@ -1,0 +1,56 @@
+"""The typed run configuration turned into the library's objects (PPOConfig, LoraConfig, SamplingConfig)."""
+
+from __future__ import annotations
+
+import mlora
+from mlora.config.schema import LoraSection, SamplingSection, TrainConfig
+from mlora.config.validate import LOSS_REDUCTIONS
+from mlora.rollout.generator import SamplingConfig
+from mlora.train.config import PPOConfig
+
+
+def ppo_config(cfg: TrainConfig, total_steps: int) -> PPOConfig:
+    """PPO/GRPO hyper-parameters for a run of ``total_steps`` RL steps; batch sizes in prompts become
+    sequences (x n_samples_per_prompt), schedule lengths count optimizer steps (one per mini-batch)."""
+    t, a, s = cfg.trainer, cfg.trainer.algorithm, cfg.generator.sampling_params
+    n = cfg.generator.n_samples_per_prompt
+    pol, cri = t.policy.optimizer_config, t.critic.optimizer_config
+    critic_mini = t.critic_mini_batch_size or t.policy_mini_batch_size
+    actor_steps = total_steps * t.update_epochs_per_batch * (t.train_batch_size // t.policy_mini_batch_size)
+    critic_steps = total_steps * t.update_epochs_per_batch * (t.train_batch_size // critic_mini)
+    return PPOConfig(
+        advantage_estimator=a.advantage_estimator, gamma=a.gamma, lam=a.lambd,
+        norm_adv_by_std_in_grpo=a.grpo_norm_by_std, n_samples_per_prompt=n, ppo_epochs=t.update_epochs_per_batch,
+        mini_batch_size=t.policy_mini_batch_size * n,
+        critic_mini_batch_size=critic_mini * n,
+        micro_train_batch_size=t.micro_train_batch_size_per_gpu,
+        micro_forward_batch_size=t.micro_forward_batch_size_per_gpu,
+        eps_clip_low=a.eps_clip_low, eps_clip_high=a.eps_clip_high,
+        dual_clip=a.clip_ratio_c if a.policy_loss_type == "dual_clip" else None, value_clip=a.value_clip,
+        loss_agg_mode=LOSS_REDUCTIONS[a.loss_reduction], max_seq_len=a.max_seq_len,
+        use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_estimator=a.kl_estimator_type,
+        use_kl_in_reward=a.use_kl_in_reward, kl_ctrl=a.kl_ctrl.type,
+        kl_coef=a.kl_loss_coef if a.kl_coef is None else a.kl_coef, kl_target=a.kl_ctrl.kl_target,
+        kl_horizon=a.kl_ctrl.horizon, entropy_coeff=a.entropy_loss_coef if a.use_entropy_loss else 0.0,
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+        actor_lr=pol.lr, weight_decay=pol.weight_decay, betas=tuple(pol.adam_betas),
+        warmup_steps=pol.num_warmup_steps, lr_schedule=pol.scheduler, max_grad_norm=pol.max_grad_norm,
+        critic_lr=cri.lr, critic_weight_decay=cri.weight_decay, critic_betas=tuple(cri.adam_betas),
+        critic_warmup_steps=cri.num_warmup_steps, critic_lr_schedule=cri.scheduler,
+        critic_max_grad_norm=cri.max_grad_norm, total_steps=actor_steps, critic_total_steps=critic_steps)
+
+
+def lora_config(section: LoraSection, seed: int) -> mlora.LoraConfig:
+    targets = section.target_modules
+    exclude = section.exclude_modules
+    return mlora.LoraConfig(rank=section.rank, alpha=section.alpha, dropout=section.dropout,
+                            target_modules=targets if isinstance(targets, str) else list(targets),
+                            exclude_modules=[exclude] if isinstance(exclude, str) else
+                            (list(exclude) if exclude else None),
+                            seed=seed, init_method=section.init_method)
+
+
+def sampling_config(s: SamplingSection, n_samples: int, seed: int | None) -> SamplingConfig:
+    return SamplingConfig(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+                          max_generate_length=s.max_generate_length, n_samples_per_prompt=n_samples, seed=seed,
+                          stop=tuple(s.stop or ()))

