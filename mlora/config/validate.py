@@ -208,10 +208,6 @@ def _check_trainer(cfg: TrainConfig) -> None:
                               "(set both to the same model)")
 
 
-def _defaults() -> TrainConfig:
-    return TrainConfig()
-
-
 def _set_keys(cfg: TrainConfig, default: TrainConfig, explicit: set[str], prefix: str = "") -> set[str]:
     """Keys whose value differs from the schema's default or that were given on the command line."""
     out = set()
@@ -231,7 +227,7 @@ def finalize(cfg: TrainConfig, world_size: int, cuda: bool = False, explicit: It
     Returns one note per key that was set but has no effect here (to be shown once at start-up).
     Raises :class:`ConfigError` naming the key for a value mlora cannot run with.
     """
-    set_before = _set_keys(cfg, _defaults(), {k.lstrip("+~") for k in explicit})
+    set_before = _set_keys(cfg, TrainConfig(), {k.lstrip("+~") for k in explicit})
     _check_trainer(cfg)
     _resolve_generator(cfg)
     _resolve_mesh(cfg, world_size)
