@@ -152,7 +152,9 @@ class TrainerSection:
     micro_train_batch_size_per_gpu: int = 2  # sequences
     update_epochs_per_batch: int = 1
     max_prompt_length: int = 512  # tokens after the chat template; longer prompts are dropped (as SkyRL)
-    dtype: str = "float32"  # mlora: compute dtype of the trainer and the engines
+    dtype: str = "float32"  # mlora: compute, adapter and head dtype of the trainer; the engines' dtype
+    fp8: Optional[str] = None  # mlora: frozen linears of the base in FP8: null | torch (_scaled_mm) | te (GPU)
+    fp8_recipe: str = "delayed"  # mlora, fp8=te only: delayed | current | mxfp8 (Transformer Engine recipes)
     gradient_checkpointing: bool = False  # SkyRL: true; mlora has no activation recompute yet
     gradient_checkpointing_use_reentrant: bool = False
     use_sample_packing: bool = False  # SkyRL: true; mlora pads micro-batches (same results)

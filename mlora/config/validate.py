@@ -186,6 +186,11 @@ def _check_trainer(cfg: TrainConfig) -> None:
                           "none / null")
     _check_choice(t.logger, LOGGERS, "trainer.logger")
     _check_choice(t.dtype, ("float32", "bfloat16", "float16"), "trainer.dtype")
+    _check_choice(t.fp8, (None, "torch", "te"), "trainer.fp8")
+    _check_choice(t.fp8_recipe, ("delayed", "current", "mxfp8"), "trainer.fp8_recipe")
+    if t.fp8_recipe != "delayed" and t.fp8 != "te":
+        raise ConfigError(f"trainer.fp8_recipe={t.fp8_recipe!r} applies to trainer.fp8=te only (trainer.fp8="
+                          f"{t.fp8!r})")
     _check_choice(a.advantage_estimator, ("gae", "grpo", "rloo"), "trainer.algorithm.advantage_estimator")
     _check_choice(a.loss_reduction, tuple(LOSS_REDUCTIONS), "trainer.algorithm.loss_reduction")
     _check_choice(a.policy_loss_type, POLICY_LOSS_TYPES, "trainer.algorithm.policy_loss_type")

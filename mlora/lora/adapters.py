@@ -28,7 +28,7 @@ from mlora.export.peft_files import (
     write_peft_adapter,
 )
 from mlora.lora.config import INIT_METHODS, LoraConfig, derive_seed
-from mlora.lora.layers import LORA_LINEARS, DropoutKey, LoraBranch, LoraSite, has_tp_partial_grad, stacked_b
+from mlora.lora.layers import DropoutKey, LoraBranch, LoraHost, LoraSite, has_tp_partial_grad, stacked_b
 from mlora.lora.sites import FACTOR_KINDS, factor_shapes, model_sites
 from mlora.lora.targets import resolve_targets
 from mlora.models.checkpoint_reader import CheckpointReader
@@ -87,7 +87,7 @@ class AdapterHost:
 
     def _lora_linears(self) -> Iterator[torch.nn.Module]:
         for module in self.gpt.modules():
-            if isinstance(module, LORA_LINEARS):
+            if isinstance(module, LoraHost):  # the local spec's LoRA linears and the TE spec's (mlora.fp8.te)
                 yield module
 
     # ------------------------------------------------------------- creation

@@ -24,6 +24,7 @@ slice of the full-input mask. See :class:`DropoutKey`.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -209,9 +210,15 @@ def _column_delta(branch: LoraBranch, x: torch.Tensor, site: LoraSite) -> torch.
 
 
 def _base_plus(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               deltas: list[torch.Tensor]) -> torch.Tensor:
+               deltas: list[torch.Tensor], weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x Wᵀ + bias + Σ deltas``, the base GEMM accumulating into the deltas (beta = 1): no extra
-    pass over the output and, W being frozen, no weight gradient."""
+    pass over the output and, W being frozen, no weight gradient.
+
+    An FP8 weight (``weight_scale`` given: float32 per output row) multiplies through
+    :func:`mlora.fp8.fp8_linear` (input quantized per token, ``torch._scaled_mm``; its input
+    gradient uses the dequantized weight); the deltas were computed from the unquantized ``x``."""
+    if weight_scale is not None:
+        return _fp8_base_plus(x, weight, weight_scale, bias, deltas)
     if not deltas:
         return F.linear(x, weight, bias)
     acc = deltas[0]
@@ -224,8 +231,48 @@ def _base_plus(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return out.view(*lead, out.shape[-1])
 
 
-class _LoraHost:
+def _fp8_base_plus(x, weight, weight_scale, bias, deltas):
+    from mlora.fp8.quant import fp8_linear
+
+    out = fp8_linear(x, weight, weight_scale)
+    for d in deltas:
+        out = out + d
+    return out if bias is None else out + bias
+
+
+FP8_CONFIG_ATTR = "mlora_fp8"  # on megatron's TransformerConfig: the fp8 backend of the frozen linears
+
+
+@contextlib.contextmanager
+def _weight_allocation(config):
+    """With ``fp8="torch"`` on the config, megatron allocates the linear's weight (and bias, fixed
+    up in :meth:`LoraHost._init_fp8`) directly in float8_e4m3fn: no dtype copy of the stage exists."""
+    if getattr(config, FP8_CONFIG_ATTR, None) != "torch":
+        yield
+        return
+    from mlora.fp8.quant import FP8_DTYPE
+
+    saved = config.params_dtype
+    config.params_dtype = FP8_DTYPE
+    try:
+        yield
+    finally:
+        config.params_dtype = saved
+
+
+class LoraHost:
     """Adapter registry shared by both linears (PEFT's ``LoraLayer`` idea on a parallel linear)."""
+
+    def _init_fp8(self, config) -> None:
+        """``weight_scale``: None, or with an FP8 weight (``fp8="torch"``) a float32 buffer per output
+        row (filled by the loader); the bias then goes back to the compute dtype."""
+        if getattr(config, FP8_CONFIG_ATTR, None) != "torch":
+            self.weight_scale = None
+            return
+        if self.bias is not None:
+            self.bias.data = torch.empty(self.bias.shape, dtype=config.params_dtype, device=self.bias.device)
+        self.register_buffer("weight_scale", torch.ones(self.weight.shape[0], dtype=torch.float32,
+                                                         device=self.weight.device), persistent=False)
 
     def _init_lora(self) -> None:
         self.lora = torch.nn.ModuleDict()
@@ -239,12 +286,14 @@ class _LoraHost:
                 yield branch
 
 
-class LoraColumnParallelLinear(_LoraHost, tensor_parallel.ColumnParallelLinear):
+class LoraColumnParallelLinear(LoraHost, tensor_parallel.ColumnParallelLinear):
     """megatron's ColumnParallelLinear with LoRA branches inside its single TP collective."""
 
     def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+        with _weight_allocation(kwargs.get("config")):
+            super().__init__(*args, **kwargs)
         self._init_lora()
+        self._init_fp8(kwargs.get("config"))
 
     def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
                 runtime_gather_output: bool | None = None):
@@ -255,24 +304,26 @@ class LoraColumnParallelLinear(_LoraHost, tensor_parallel.ColumnParallelLinear):
             x = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
         bias = None if self.skip_bias_add else self.bias
         deltas = [_column_delta(branch, x, self.lora_site) for branch in self._branches()]
-        out = _base_plus(x, weight, bias, deltas)
+        out = _base_plus(x, weight, bias, deltas, self.weight_scale if weight is self.weight else None)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
             out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
         return out, (self.bias if self.skip_bias_add else None)
 
 
-class LoraRowParallelLinear(_LoraHost, tensor_parallel.RowParallelLinear):
+class LoraRowParallelLinear(LoraHost, tensor_parallel.RowParallelLinear):
     """megatron's RowParallelLinear with the LoRA partial added before its one reduction."""
 
     def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+        with _weight_allocation(kwargs.get("config")):
+            super().__init__(*args, **kwargs)
         self._init_lora()
+        self._init_fp8(kwargs.get("config"))
 
     def forward(self, input_: torch.Tensor):
         # input_ is this rank's slice of the features; dropout applies this slice of the full mask
         deltas = [F.linear(branch.hidden(input_), stacked_b(branch, self.lora_site)) for branch in self._branches()]
-        out = _base_plus(input_, self.weight, None, deltas)
+        out = _base_plus(input_, self.weight, None, deltas, self.weight_scale)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(out, group=self.tp_group)
         else:

@@ -3,6 +3,8 @@
 Reads with ``os.pread`` on byte ranges computed from the safetensors header, so a rank
 touches exactly the bytes of its slices (and ``bytes_read`` is what it asked the OS for).
 Handles single files and sharded checkpoints with ``model.safetensors.index.json``.
+FP8 tensors (``F8_E4M3`` / ``F8_E5M2``) are read raw, as float8 (one byte per element); block-quantized
+Hub FP8 weights are dequantized by :func:`mlora.models.fp8_checkpoint.read_dequantized`.
 """
 
 from __future__ import annotations

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import torch
 
 from mlora.models.checkpoint_reader import CheckpointError, CheckpointReader
+from mlora.models.fp8_checkpoint import DequantizingReader, fp8_quantization_config
 from mlora.models.hf_config import check_layout, load_hf_config, model_spec
 from mlora.models.megatron_build import build_gpt_model
 from mlora.models.model import MLoraModel
@@ -15,16 +17,39 @@ from mlora.models.weight_map import stage_layers, stage_param_maps
 from mlora.parallel.mesh import Mesh
 
 
-def from_pretrained(hf_dir: str | os.PathLike, mesh: Mesh, dtype: torch.dtype = torch.float32) -> MLoraModel:
+def from_pretrained(hf_dir: str | os.PathLike, mesh: Mesh, dtype: torch.dtype = torch.float32,
+                    fp8: str | None = None, fp8_recipe: str = "delayed") -> MLoraModel:
     """This rank's shard of the HF model in ``hf_dir``, frozen, on ``mesh``.
 
     Supports LlamaForCausalLM, Qwen2ForCausalLM and MistralForCausalLM from safetensors
     (single file or sharded with ``model.safetensors.index.json``). Each rank reads only the
     tensors of its pipeline stage and only its TP slices of them.
+
+    ``dtype`` is the compute, adapter and head dtype. ``fp8`` says how the frozen linears
+    (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``) are stored and multiplied:
+    None (in ``dtype``), ``"torch"`` (float8_e4m3fn, one float32 scale per output row over the whole
+    unsharded row, GEMMs through ``torch._scaled_mm``; see :mod:`mlora.fp8.quant`) or ``"te"``
+    (Transformer Engine, GPU; ``fp8_recipe`` delayed | current | mxfp8; unverified: no TE run has
+    happened yet). With ``"torch"`` each linear is quantized as soon as its shard is read.
     """
+    from mlora.fp8.quant import check_adapter_dtype, check_fp8_arg
+
+    fp8 = check_fp8_arg(fp8)
+    check_adapter_dtype(dtype)
+    if fp8 == "te":
+        from mlora.fp8.te import require_te  # written alongside; fails naming the `gpu` extra without TE
+
+        require_te(recipe=fp8_recipe)
+    elif fp8 == "torch":
+        from mlora.fp8.quant import require_scaled_mm
+
+        require_scaled_mm(mesh.device)
     spec = model_spec(load_hf_config(hf_dir))
     check_layout(spec, mesh.tp, mesh.pp)
+    # a Hub FP8 checkpoint (block-scaled e4m3): read dequantized, slice by slice (mlora.models.fp8_checkpoint)
+    quantized = fp8_quantization_config(json.loads((Path(hf_dir) / "config.json").read_text()))
     with CheckpointReader(hf_dir) as reader:  # validate the files before allocating anything
+        source = reader if quantized is None else DequantizingReader(reader, quantized["weight_block_size"])
         maps = stage_param_maps(spec, mesh.pp, mesh.pp_rank)
         missing = [n for pm in maps for n in pm.hf_names if n not in reader]
         if missing:
@@ -34,22 +59,42 @@ def from_pretrained(hf_dir: str | os.PathLike, mesh: Mesh, dtype: torch.dtype = 
                  for pm in maps for name, shape in pm.hf_shapes(spec).items() if reader.entry(name).shape != shape]
         if wrong:
             raise CheckpointError(f"{Path(hf_dir)} does not match its config: " + "; ".join(wrong[:3]))
-        gpt = build_gpt_model(spec, mesh, dtype)
+        gpt = build_gpt_model(spec, mesh, dtype, fp8=fp8, fp8_recipe=fp8_recipe)
         local_layers = [layer.layer_number - 1 for layer in gpt.decoder.layers]
         expected = list(stage_layers(spec, mesh.pp, mesh.pp_rank))
         if local_layers != expected:  # our HF mapping and megatron must agree on who holds which layer
             raise RuntimeError(
                 f"megatron placed layers {local_layers} on stage {mesh.pp_rank}, mlora expected {expected}")
         params = dict(gpt.named_parameters())
+        modules = dict(gpt.named_modules())
         for pm in maps:
             param = params.pop(pm.megatron_name)
-            shard = pm.load(reader, spec, mesh.tp, mesh.tp_rank)
+            shard = pm.load(source, spec, mesh.tp, mesh.tp_rank)
             if shard.shape != param.shape:
                 raise CheckpointError(f"{pm.hf_names} give a shard of shape {tuple(shard.shape)} for "
                                       f"{pm.megatron_name}, which has shape {tuple(param.shape)}")
             with torch.no_grad():
-                param.copy_(shard.to(dtype))
+                if param.dtype == torch.float8_e4m3fn:
+                    _load_fp8(param, modules[pm.megatron_name.rsplit(".", 1)[0]], shard, mesh)
+                else:
+                    param.copy_(shard.to(dtype))
+            del shard
         if params:
             raise RuntimeError(f"parameters without an HF mapping: {sorted(params)}")
         bytes_read = reader.bytes_read
-    return MLoraModel(gpt, spec, mesh, Path(hf_dir), dtype, bytes_read=bytes_read).eval()  # like HF: eval mode
+    return MLoraModel(gpt, spec, mesh, Path(hf_dir), dtype, bytes_read=bytes_read, fp8=fp8).eval()  # like HF: eval mode
+
+
+def _load_fp8(param: torch.nn.Parameter, linear: torch.nn.Module, shard: torch.Tensor, mesh: Mesh) -> None:
+    """Quantize this rank's shard of a frozen linear into ``param`` (e4m3) and ``linear.weight_scale``.
+
+    A row-parallel linear holds a slice of every row: the per-row amax is all-reduced MAX over TP
+    so that the scale covers the whole unsharded row (collective over TP)."""
+    from megatron.core.tensor_parallel import RowParallelLinear
+
+    from mlora.fp8.quant import quantize_weight
+
+    group = mesh.tp_group if isinstance(linear, RowParallelLinear) and mesh.tp > 1 else None
+    q, scale = quantize_weight(shard.to(param.device), group=group)
+    param.copy_(q)
+    linear.weight_scale.copy_(scale)

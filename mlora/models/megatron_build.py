@@ -73,14 +73,30 @@ def block_spec(config):
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=RMSNorm)
 
 
-def build_gpt_model(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype):
-    """This rank's GPTModel shard, parameters allocated but not initialised, base frozen."""
+def build_gpt_model(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, fp8: str | None = None,
+                    fp8_recipe: str = "delayed"):
+    """This rank's GPTModel shard, parameters allocated but not initialised, base frozen.
+
+    ``fp8="torch"``: the LoRA linears allocate their weights in float8_e4m3fn with a float32
+    ``weight_scale`` per output row (see :mod:`mlora.fp8`); everything else stays in ``dtype``.
+    ``fp8="te"``: Transformer Engine's layer spec with the same LoRA (:func:`mlora.fp8.te.te_block_spec`)
+    and megatron's own ``fp8_autocast`` around the block with ``fp8_recipe`` (UNVERIFIED: no TE run yet)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    from mlora.lora.layers import FP8_CONFIG_ATTR
+
     config = transformer_config(spec, mesh, dtype)
+    setattr(config, FP8_CONFIG_ATTR, fp8)
+    layer_spec = block_spec
+    if fp8 == "te":
+        from mlora.fp8.te import megatron_fp8_settings, te_block_spec
+
+        for key, value in megatron_fp8_settings(fp8_recipe).items():
+            setattr(config, key, value)
+        layer_spec = te_block_spec
     model = GPTModel(
         config=config,
-        transformer_layer_spec=block_spec(config),
+        transformer_layer_spec=layer_spec(config),
         vocab_size=spec.padded_vocab_size(mesh.tp),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=mesh.is_first_stage,

@@ -33,8 +33,9 @@ class MLoraModel(AdapterHost, torch.nn.Module):
     """
 
     def __init__(self, gpt: torch.nn.Module, spec: ModelSpec, mesh: Mesh, hf_dir: Path, dtype: torch.dtype,
-                 bytes_read: int = 0) -> None:
+                 bytes_read: int = 0, fp8: str | None = None) -> None:
         super().__init__()
+        self.fp8 = fp8  # None, "torch" or "te": how the frozen linears are stored and multiplied
         self.gpt = gpt
         self.spec = spec
         self.mesh = mesh
@@ -192,6 +193,50 @@ class MLoraModel(AdapterHost, torch.nn.Module):
 
         return gather_from_tensor_model_parallel_region(outputs[0])[..., : self.spec.vocab_size].float()
 
+    def parameter_bytes(self) -> dict[str, int]:
+        """This rank's ``{"base", "adapters", "heads"}`` in bytes as held in memory.
+
+        ``base``: the frozen parameters of this stage's shard plus the float32 row scales of FP8
+        weights (other buffers, e.g. the RoPE frequencies, are not counted); ``adapters``: every
+        LoRA factor; ``heads``: the scalar heads."""
+        def nbytes(t: torch.Tensor) -> int:
+            return t.numel() * t.element_size()
+
+        base = adapters = 0
+        for name, p in self.gpt.named_parameters():
+            if ".lora." in f".{name}":
+                adapters += nbytes(p)
+            else:
+                base += nbytes(p)
+        for name, b in self.gpt.named_buffers():
+            if name.rsplit(".", 1)[-1] == "weight_scale":
+                base += nbytes(b)
+        heads = sum(nbytes(p) for p in self.heads.parameters())
+        return {"base": base, "adapters": adapters, "heads": heads}
+
+    def base_weight(self, linear: torch.nn.Module) -> torch.Tensor:
+        """This rank's frozen weight of ``linear`` in ``dtype`` (an FP8 weight dequantized: W_fp8 · scale)."""
+        scale = getattr(linear, "weight_scale", None)
+        if scale is None:
+            return linear.weight.detach()
+        from mlora.fp8.quant import dequantize_rows
+
+        return dequantize_rows(linear.weight.detach(), scale, self.dtype)
+
+    def merged_weight(self, linear: torch.nn.Module, names: list[str]) -> torch.Tensor:
+        """As :meth:`AdapterHost.merged_weight`; an FP8 base is dequantized (W_fp8 · scale, in
+        ``dtype``) before the deltas are added."""
+        if getattr(linear, "weight_scale", None) is None:
+            return super().merged_weight(linear, names)
+        from mlora.lora.layers import stacked_b
+
+        weight = self.base_weight(linear).clone()
+        for name in names:
+            if name in linear.lora:
+                branch = linear.lora[name]
+                weight += (stacked_b(branch, linear.lora_site) @ branch.lora_A).detach().to(weight.dtype)
+        return weight
+
     # ------------------------------------------------------------------ export
     def _hf_tensors(self, adapters: list[str]) -> Iterable[tuple[str, torch.Tensor]]:
         """This stage's HF tensors, gathered over TP one parameter at a time (collective over TP);
@@ -205,6 +250,8 @@ class MLoraModel(AdapterHost, torch.nn.Module):
             owner = modules.get(pm.megatron_name.rsplit(".", 1)[0])
             if adapters and pm.megatron_name.endswith(".weight") and hasattr(owner, "lora_site"):
                 local = self.merged_weight(owner, adapters)
+            elif pm.megatron_name.endswith(".weight") and getattr(owner, "weight_scale", None) is not None:
+                local = self.base_weight(owner)  # FP8: dequantized
             else:
                 local = params[pm.megatron_name].detach()
             if self.mesh.tp > 1 and pm.kind != "replicated":

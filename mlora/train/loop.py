@@ -185,7 +185,8 @@ def run(cfg: TrainConfig, notes: Sequence[str] = ()) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(str(t.policy.model.path))
     train, val = _load_data(cfg, tokenizer)
     total_steps = t.total_steps or t.epochs * (len(train) // t.train_batch_size)
-    model = mlora.from_pretrained(t.policy.model.path, mesh, dtype=getattr(torch, t.dtype))
+    model = mlora.from_pretrained(t.policy.model.path, mesh, dtype=getattr(torch, t.dtype), fp8=t.fp8,
+                                  fp8_recipe=t.fp8_recipe)
     engine = _build_engine(cfg, model, total_steps)
     run_dir = Path(t.run_dir)
     ckpt_root = Path(t.ckpt_path) if t.ckpt_path else run_dir / "checkpoints"
