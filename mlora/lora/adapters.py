@@ -81,7 +81,7 @@ def _init_factors(cfg: LoraConfig, name: str, site: LoraSite, sub: str) -> tuple
 
 
 class AdapterHost:
-    """Adapter management for a model that has ``gpt``, ``spec``, ``mesh`` and ``dtype``."""
+    """Adapter management for a model that has ``gpt``, ``spec``, ``mesh``, ``dtype`` and ``base_weight``."""
 
     adapters: dict[str, AdapterInfo]
 
@@ -273,8 +273,9 @@ class AdapterHost:
         dist.barrier()
 
     def merged_weight(self, linear: torch.nn.Module, names: list[str]) -> torch.Tensor:
-        """This rank's ``W + Σ s·B·A`` of a LoRA linear for adapters ``names`` (same layout as W)."""
-        weight = linear.weight.detach().clone()
+        """This rank's ``W + Σ s·B·A`` of a LoRA linear for adapters ``names`` (same layout as W; an FP8
+        base dequantized first, see ``base_weight``)."""
+        weight = self.base_weight(linear).clone()
         site = linear.lora_site
         for name in names:
             if name not in linear.lora:

@@ -223,20 +223,6 @@ class MLoraModel(AdapterHost, torch.nn.Module):
 
         return dequantize_rows(linear.weight.detach(), scale, self.dtype)
 
-    def merged_weight(self, linear: torch.nn.Module, names: list[str]) -> torch.Tensor:
-        """As :meth:`AdapterHost.merged_weight`; an FP8 base is dequantized (W_fp8 · scale, in
-        ``dtype``) before the deltas are added."""
-        if getattr(linear, "weight_scale", None) is None:
-            return super().merged_weight(linear, names)
-        from mlora.lora.layers import stacked_b
-
-        weight = self.base_weight(linear).clone()
-        for name in names:
-            if name in linear.lora:
-                branch = linear.lora[name]
-                weight += (stacked_b(branch, linear.lora_site) @ branch.lora_A).detach().to(weight.dtype)
-        return weight
-
     # ------------------------------------------------------------------ export
     def _hf_tensors(self, adapters: list[str]) -> Iterable[tuple[str, torch.Tensor]]:
         """This stage's HF tensors, gathered over TP one parameter at a time (collective over TP);
