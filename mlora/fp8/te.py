@@ -216,16 +216,9 @@ def te_lora_linear_classes():
     :func:`require_te`, so that importing :mod:`mlora.fp8.te` never imports TE.
     """
     require_te(fp8=False)
-    import torch.nn.functional as F
     from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TERowParallelLinear
-    from megatron.core.tensor_parallel.mappings import (
-        copy_to_tensor_model_parallel_region,
-        gather_from_sequence_parallel_region,
-        reduce_from_tensor_model_parallel_region,
-        reduce_scatter_to_sequence_parallel_region,
-    )
 
-    from mlora.lora.layers import LoraHost, _column_delta, stacked_b
+    from mlora.lora.layers import LoraHost, column_input, lora_delta, row_output
 
     def _tp_size(group) -> int:
         return group.size() if group is not None else 1
@@ -248,13 +241,10 @@ def te_lora_linear_classes():
                 raise ValueError("LoraTEColumnParallelLinear does not take an external weight")
             if runtime_gather_output:
                 raise ValueError("Transformer Engine linears do not gather their output")
-            if self.mlora_sequence_parallel:
-                x = gather_from_sequence_parallel_region(input_, group=self.mlora_tp_group)
-            else:
-                x = copy_to_tensor_model_parallel_region(input_, group=self.mlora_tp_group)
+            x = column_input(input_, self.mlora_sequence_parallel, self.mlora_tp_group)
             out, bias = super().forward(x)  # TE GEMM on the gathered input, no collective
             for branch in self._branches():  # plain torch: never under FP8
-                out = out + _column_delta(branch, x, self.lora_site).to(out.dtype)
+                out = out + lora_delta(branch, x, self.lora_site).to(out.dtype)
             return out, bias
 
     class LoraTERowParallelLinear(LoraHost, TERowParallelLinear):
@@ -278,12 +268,8 @@ def te_lora_linear_classes():
             out, bias = super().forward(input_)  # this rank's partial x_i W_iᵀ; TE does not reduce
             # input_ is this rank's slice of the features; dropout applies this slice of the full mask
             for branch in self._branches():
-                out = out + F.linear(branch.hidden(input_), stacked_b(branch, self.lora_site)).to(out.dtype)
-            if self.mlora_sequence_parallel:
-                out = reduce_scatter_to_sequence_parallel_region(out, group=self.mlora_tp_group)
-            else:
-                out = reduce_from_tensor_model_parallel_region(out, group=self.mlora_tp_group)
-            return out, bias
+                out = out + lora_delta(branch, input_, self.lora_site).to(out.dtype)
+            return row_output(out, self.mlora_sequence_parallel, self.mlora_tp_group), bias
 
     return LoraTEColumnParallelLinear, LoraTERowParallelLinear
 

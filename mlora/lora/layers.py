@@ -204,9 +204,26 @@ def stacked_b(branch: LoraBranch, site: LoraSite) -> torch.Tensor:
     return torch.cat(pieces, dim=1).reshape(site.groups * site.block, n * r)
 
 
-def _column_delta(branch: LoraBranch, x: torch.Tensor, site: LoraSite) -> torch.Tensor:
-    """The branch's contribution to a column-parallel output: the A GEMM(s), one B GEMM."""
+def lora_delta(branch: LoraBranch, x: torch.Tensor, site: LoraSite) -> torch.Tensor:
+    """The branch's contribution to the layer's local output: the A GEMM(s), one B GEMM. ``x`` is the
+    column-parallel layer's gathered input, or the row-parallel layer's slice of the features (the
+    partial then joins the layer's reduction)."""
     return F.linear(branch.hidden(x), stacked_b(branch, site))
+
+
+def column_input(input_: torch.Tensor, sequence_parallel: bool, group) -> torch.Tensor:
+    """A column-parallel layer's one input collective: the sequence-parallel all-gather, or the
+    identity whose backward all-reduces; base GEMM and LoRA branches both read its result."""
+    if sequence_parallel:
+        return gather_from_sequence_parallel_region(input_, group=group)
+    return copy_to_tensor_model_parallel_region(input_, group=group)
+
+
+def row_output(out: torch.Tensor, sequence_parallel: bool, group) -> torch.Tensor:
+    """A row-parallel layer's one reduction of base + LoRA partials: reduce-scatter (SP) or all-reduce."""
+    if sequence_parallel:
+        return reduce_scatter_to_sequence_parallel_region(out, group=group)
+    return reduce_from_tensor_model_parallel_region(out, group=group)
 
 
 def _base_plus(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -298,12 +315,9 @@ class LoraColumnParallelLinear(LoraHost, tensor_parallel.ColumnParallelLinear):
     def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
                 runtime_gather_output: bool | None = None):
         weight = self.weight if weight is None else weight
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(input_, group=self.tp_group)
-        else:
-            x = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        x = column_input(input_, self.sequence_parallel, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        deltas = [_column_delta(branch, x, self.lora_site) for branch in self._branches()]
+        deltas = [lora_delta(branch, x, self.lora_site) for branch in self._branches()]
         out = _base_plus(x, weight, bias, deltas, self.weight_scale if weight is self.weight else None)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
@@ -322,12 +336,9 @@ class LoraRowParallelLinear(LoraHost, tensor_parallel.RowParallelLinear):
 
     def forward(self, input_: torch.Tensor):
         # input_ is this rank's slice of the features; dropout applies this slice of the full mask
-        deltas = [F.linear(branch.hidden(input_), stacked_b(branch, self.lora_site)) for branch in self._branches()]
-        out = _base_plus(input_, self.weight, None, deltas, self.weight_scale)
-        if self.sequence_parallel:
-            out = reduce_scatter_to_sequence_parallel_region(out, group=self.tp_group)
-        else:
-            out = reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
+        deltas = [lora_delta(branch, input_, self.lora_site) for branch in self._branches()]
+        out = row_output(_base_plus(input_, self.weight, None, deltas, self.weight_scale), self.sequence_parallel,
+                         self.tp_group)
         if self.skip_bias_add:
             return out, self.bias
         return (out + self.bias if self.bias is not None else out), None
