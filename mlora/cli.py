@@ -1,6 +1,8 @@
 """``mlora``: offline command lines (no GPU, no torchrun).
 
     mlora plan --model HF_DIR --tp 8 --pp 4 --rank 32 [--list]
+    mlora plan --memory --model HF_DIR_OR_CONFIG --tp 8 --pp 1 --seq 4096 [--recompute full] [--json]
+    mlora plan --memory --model HF_DIR_OR_CONFIG --fit 80 --gpus 8
     mlora merge --base HF_DIR --adapter PEFT_DIR --out DIR
     mlora export-adapter CHECKPOINT_DIR --out DIR [--adapter policy] [--base HF_DIR]
 """
@@ -25,6 +27,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     model = Path(args.model)
     spec = model_spec(load_hf_config(model.parent if model.is_file() else model))
+    if args.memory:
+        return _plan_memory(args, spec)
     lora = LoraConfig(rank=args.rank, alpha=args.alpha or 2 * args.rank, target_modules=args.target_modules,
                       exclude_modules=args.exclude_modules)
     plan = plan_adapter(spec, args.tp, args.pp, lora, getattr(torch, args.dtype))
@@ -32,6 +36,36 @@ def _plan(args: argparse.Namespace) -> int:
         for name, shape in plan.tensors.items():
             print(f"{name}\t{list(shape)}")
     print(plan.summary())
+    return 0
+
+
+def _plan_memory(args: argparse.Namespace, spec) -> int:
+    """``plan --memory``: per-rank bytes of a PPO step, or with ``--fit`` the layouts that fit."""
+    from mlora.plan import Engine, Layout, Workload, fit_layouts, plan_memory, require_fit
+    from mlora.plan.fit import GIB
+    from mlora.plan.report import fit_json, fit_table, memory_json, memory_table
+
+    targets = args.target_modules if isinstance(args.target_modules, str) else tuple(args.target_modules)
+    workload = Workload(
+        micro_batch=args.micro_batch, seq=args.seq, micro_batches=args.micro_batches,
+        forward_micro_batch=args.forward_micro_batch, rank=args.rank, target_modules=targets,
+        exclude_modules=tuple(args.exclude_modules) if args.exclude_modules else None, critic=args.critic,
+        dtype=getattr(torch, args.dtype), fp8=args.fp8, attention=args.attention, recompute=args.recompute,
+        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
+        recompute_modules=tuple(args.recompute_modules))
+    engine = None
+    if args.engine_tp is not None or args.kv_tokens:
+        engine = Engine(tp=args.engine_tp or 1, kv_tokens=args.kv_tokens or 0, dtype=getattr(torch, args.dtype))
+    if args.fit is not None:
+        if args.gpus is None:
+            raise ValueError("--fit GPU_GIB needs --gpus N (the GPUs to lay the model out on)")
+        gpu, reserve = int(args.fit * GIB), int(args.reserve_gib * GIB)
+        fits = fit_layouts(spec, workload, args.gpus, gpu, reserve, engine, sp=args.sp)
+        good = require_fit(fits, args.gpus, gpu, reserve)
+        print(fit_json(good, args.gpus, gpu, reserve) if args.json else fit_table(fits, args.gpus, gpu, reserve))
+        return 0
+    plan = plan_memory(spec, Layout(tp=args.tp, pp=args.pp, dp=args.dp, sp=args.sp), workload, engine)
+    print(memory_json(plan) if args.json else memory_table(plan))
     return 0
 
 
@@ -82,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mlora", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("plan", help="exported adapter tensors and sizes for a model config and mesh (no weights)")
+    p = sub.add_parser("plan", help="exported adapter tensors and sizes (or, with --memory, the memory of each "
+                                    "rank) for a model config and mesh; no weights are read")
     p.add_argument("--model", required=True, help="HF model directory or its config.json")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
@@ -92,6 +127,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exclude-modules", nargs="*", default=None)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--list", action="store_true", help="print every tensor name and shape")
+    m = p.add_argument_group("memory (--memory): bytes per rank of one PPO step, from shapes alone")
+    m.add_argument("--memory", action="store_true", help="plan memory instead of the adapter export")
+    m.add_argument("--dp", type=int, default=1)
+    m.add_argument("--sp", action="store_true", help="megatron sequence parallelism over TP")
+    m.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (train)")
+    m.add_argument("--forward-micro-batch", type=int, default=None, help="for the log-prob passes (default: --micro-batch)")
+    m.add_argument("--micro-batches", type=int, default=None,
+                   help="micro-batches per update and DP rank (default: --pp, a full 1F1B pipeline)")
+    m.add_argument("--seq", type=int, default=4096, help="tokens per sequence (prompt + response)")
+    m.add_argument("--fp8", default=None, choices=["torch"], help="FP8 (e4m3) frozen linears")
+    m.add_argument("--attention", default="sdpa", choices=["sdpa", "unfused"])
+    m.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    m.add_argument("--recompute-method", default="uniform", choices=["uniform", "block"])
+    m.add_argument("--recompute-num-layers", type=int, default=1)
+    m.add_argument("--recompute-modules", nargs="+", default=["core_attn"], choices=["core_attn", "mlp"])
+    m.add_argument("--critic", action=argparse.BooleanOptionalAction, default=True,
+                   help="a critic adapter + value head (PPO); --no-critic for GRPO/RLOO")
+    m.add_argument("--engine-tp", type=int, default=None, help="a colocated vLLM engine of this TP on every GPU")
+    m.add_argument("--kv-tokens", type=int, default=None, help="KV-cache tokens of each colocated engine")
+    m.add_argument("--fit", type=float, default=None, metavar="GPU_GIB",
+                   help="list the layouts of --gpus GPUs of this size that fit, best first")
+    m.add_argument("--gpus", type=int, default=None)
+    m.add_argument("--reserve-gib", type=float, default=2.0,
+                   help="kept free on every GPU by --fit for the CUDA context, NCCL and fragmentation (default 2)")
+    m.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_plan)
 
     p = sub.add_parser("merge", help="merge a PEFT LoRA adapter into an HF checkpoint, streaming")

@@ -106,3 +106,23 @@ def test_dropout_is_mesh_independent(records, model, peft_refs_dir):
         assert set(got["grads"]) == set(ref["grads"]), layout
         rel = {k: ((got["grads"][k] - g).norm() / g.norm()).item() for k, g in ref["grads"].items()}
         assert max(rel.values()) < DROPOUT_TOL, (layout, max(rel, key=rel.get), max(rel.values()))
+
+
+def test_recompute_equals_none_at_tp2_pp2(records):
+    """Activation recompute (selective core_attn+mlp, full uniform, full block) at TP2xPP2 with and
+    without SP, LoRA dropout 0.3, two micro-batches through megatron's 1F1B schedule: loss and every
+    gradient equal recompute none's at the same layout (float32, 1e-6), and the recompute ran (a
+    recomputed layer or core attention runs twice per micro-batch: 4 calls; full block recomputes the
+    first of each stage's 2 layers: 3 on average)."""
+    recs = [r for r in records[4] if r["check"] == "recompute"]
+    assert {(r["setting"], r["sp"]) for r in recs} == {(s, sp) for s in ("selective", "full_uniform", "full_block")
+                                                       for sp in (False, True)}
+    for r in recs:
+        assert not r["missing"], r
+        assert r["loss_diff"] <= 1e-6 and r["max_abs"] <= 1e-6 and r["max_rel"] <= 1e-6, r
+    calls = {"selective": {"layer": 2, "core_attn": 4}, "full_uniform": {"layer": 4, "core_attn": 4},
+             "full_block": {"layer": 3, "core_attn": 3}}
+    runs = [r for r in records[4] if r["check"] == "recompute_calls"]
+    assert len(runs) == 4 * 2 * 3  # every rank, both layouts, three settings
+    for r in runs:
+        assert r["per_layer"] == calls[r["setting"]], r

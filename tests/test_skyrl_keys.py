@@ -250,7 +250,9 @@ def test_example_keys_compose(name, generation, gsm8k):
     if name == "megatron":
         mc = t.policy.megatron_config
         assert (mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size, mc.context_parallel_size) == (2, 2, 1)
-        assert any("gradient_checkpointing" in n for n in notes)
+        # SkyRL's gradient_checkpointing=true is megatron's full recompute (SkyRL's megatron defaults)
+        assert (t.recompute, t.recompute_method, t.recompute_num_layers) == ("full", None, None)
+        assert not any("gradient_checkpointing" in n for n in notes)
     if name == "ppo":
         assert t.critic_mini_batch_size == 2 and t.critic.model.lora.alpha == 32
     # the harmless keys are named once, with the reason
@@ -321,8 +323,10 @@ def test_config_errors(gsm8k):
         _compose(base + TP2PP2 + ["trainer.ref.megatron_config.tensor_model_parallel_size=1"])
     with pytest.raises(ConfigError, match="context_parallel_size=2: context parallelism is not supported"):
         _compose(base + ["trainer.policy.megatron_config.context_parallel_size=2"])
-    with pytest.raises(ConfigError, match="trainer.resume_mode='latest'"):
-        _compose(base + ["trainer.resume_mode=latest"])
+    with pytest.raises(ConfigError, match="trainer.resume_mode=from_path needs trainer.resume_path"):
+        _compose(base + ["trainer.resume_mode=from_path"])
+    with pytest.raises(ConfigError, match="is not a complete mlora checkpoint"):
+        _compose(base + ["trainer.resume_mode=from_path", f"trainer.resume_path={gsm8k['root']}"])
     with pytest.raises(ConfigError, match="trainer.critic.model.path='/elsewhere' differs"):
         _compose(base + ["trainer.critic.model.path=/elsewhere"])
     with pytest.raises(ConfigError, match="loss_reduction='mean' is not valid; valid: token_mean, sequence_mean"):
@@ -392,3 +396,17 @@ def test_zero_reward_on_non_stop(tmp_path):
     assert rollouts.score(prompt, done) == rollouts.score(prompt, cut) == 1.0
     cfg.generator.zero_reward_on_non_stop = True
     assert (rollouts.score(prompt, done), rollouts.score(prompt, cut)) == (1.0, 0.0)
+
+
+def test_overrides_before_and_after_options():
+    """``mlora-train key=v --config-name x key2=v`` parses as Hydra would with options first (plain
+    Hydra's argparse rejects overrides on both sides of an option); the user's hydra.* keys win."""
+    from mlora.train.__main__ import HYDRA_QUIET, hydra_argv
+
+    argv = hydra_argv(["a=1", "--config-name", "cpu_demo", "b=2", "~c", "hydra.run.dir=out"])
+    assert argv[:2] == ["--config-name", "cpu_demo"]
+    assert argv[2:6] == ["a=1", "b=2", "~c", "hydra.run.dir=out"]
+    assert "hydra.run.dir=." not in argv and [o for o in HYDRA_QUIET if o in argv] == list(HYDRA_QUIET[:3])
+    out = subprocess.run([sys.executable, "-m", "mlora.train", "trainer.total_steps=7", "--config-name", "cpu_demo",
+                          "trainer.seed=3", "--cfg", "job"], capture_output=True, text=True, check=True)
+    assert "total_steps: 7" in out.stdout and "seed: 3" in out.stdout

@@ -155,15 +155,24 @@ class TrainerSection:
     dtype: str = "float32"  # mlora: compute, adapter and head dtype of the trainer; the engines' dtype
     fp8: Optional[str] = None  # mlora: frozen linears of the base in FP8: null | torch (_scaled_mm) | te (GPU)
     fp8_recipe: str = "delayed"  # mlora, fp8=te only: delayed | current | mxfp8 (Transformer Engine recipes)
-    gradient_checkpointing: bool = False  # SkyRL: true; mlora has no activation recompute yet
-    gradient_checkpointing_use_reentrant: bool = False
+    # Activation recompute of the shared base in the update passes (megatron-core's recompute_granularity;
+    # SkyRL sets the same fields in megatron_config.transformer_config_kwargs). recompute_num_layers: layers per
+    # checkpointed group with uniform (must divide the layers of a stage), recomputed layers per stage with block.
+    recompute: Optional[str] = None  # mlora: none | selective | full; null: full if gradient_checkpointing else none
+    recompute_method: Optional[str] = None  # mlora, recompute=full only: uniform (default) | block
+    recompute_num_layers: Optional[int] = None  # mlora, recompute=full only: default 1
+    recompute_modules: Optional[list[str]] = None  # mlora, recompute=selective only: core_attn (default), mlp
+    gradient_checkpointing: Optional[bool] = None  # SkyRL (true by default there): true = recompute full, uniform, 1
+    gradient_checkpointing_use_reentrant: bool = False  # SkyRL's HF checkpoint flavour; no effect here
     use_sample_packing: bool = False  # SkyRL: true; mlora pads micro-batches (same results)
     remove_microbatch_padding: bool = False  # newer SkyRL name of the same idea
     flash_attn: bool = True
-    ckpt_interval: int = 0  # <= 0: no checkpoints (as SkyRL); k: every k steps and at the end
-    ckpt_path: Optional[str] = None  # None: <run_dir>/checkpoints
-    resume_mode: Optional[str] = None  # none / null only (resumable checkpoints are not built yet)
-    resume_path: Optional[str] = None
+    # complete training state, any mesh can resume it; preemption (SIGTERM/SIGUSR1) saves one as well
+    ckpt_interval: int = 0  # <= 0: no periodic checkpoints (as SkyRL); k: every k steps and at the end
+    ckpt_path: Optional[str] = None  # None: <run_dir>/checkpoints (global_step_<k>/, latest_ckpt_global_step.txt)
+    max_ckpts_to_keep: int = -1  # as SkyRL: -1 keeps all; N keeps the newest N (pruned after a save completes)
+    resume_mode: Optional[str] = None  # none / null (SkyRL: latest) | latest (none yet: fresh start) | from_path
+    resume_path: Optional[str] = None  # resume_mode=from_path: a <ckpt_path>/global_step_<k> directory
     eval_batch_size: int = 1024  # prompts per engine call during evaluation
     eval_before_train: bool = True
     eval_interval: int = 5  # <= 0: no evaluation

@@ -9,6 +9,7 @@ with the torchrun world, aliases given twice with different values.
 from __future__ import annotations
 
 from dataclasses import fields
+from pathlib import Path
 from typing import Any, Iterable
 
 from mlora.config.schema import TrainConfig
@@ -23,6 +24,7 @@ KL_CTRL_TYPES = ("fixed", "adaptive")
 WEIGHT_SYNC = ("disk", "memory")
 LOGGERS = ("console", "wandb", "tensorboard")
 BACKENDS = ("vllm",)
+RESUME_MODES = ("none", "latest", "from_path")
 
 _FILE_HANDOFF = ("mlora hands the adapter to the engines as PEFT files (generator.weight_sync=disk|memory), not by "
                  "NCCL broadcast")
@@ -33,9 +35,9 @@ NO_EFFECT = {
     "generator.batched": "mlora always generates a step's prompts in one batched call per engine",
     "generator.inference_engine.weight_sync_backend": _FILE_HANDOFF,
     "generator.weight_sync_backend": _FILE_HANDOFF,
-    "trainer.gradient_checkpointing": "mlora has no activation recompute yet; activations are kept (more memory, "
-                                      "same results)",
-    "trainer.gradient_checkpointing_use_reentrant": "no activation recompute yet",
+    "trainer.gradient_checkpointing_use_reentrant": "megatron's activation recompute (trainer.recompute) has one "
+                                                    "checkpoint of its own (reentrant, restoring megatron's RNG "
+                                                    "states); gradients are the same either way",
     "trainer.use_sample_packing": "mlora pads micro-batches (same results, padding tokens are masked)",
     "trainer.remove_microbatch_padding": "mlora pads micro-batches (same results, padding tokens are masked)",
     "trainer.flash_attn": "attention is megatron's local path; the kernel does not change results",
@@ -181,9 +183,7 @@ def _check_trainer(cfg: TrainConfig) -> None:
         mini = getattr(t, key)
         if mini is not None and t.train_batch_size % mini:
             raise ConfigError(f"trainer.train_batch_size={t.train_batch_size} is not divisible by trainer.{key}={mini}")
-    if t.resume_mode not in (None, "none"):
-        raise ConfigError(f"trainer.resume_mode={t.resume_mode!r}: resumable checkpoints are not built yet; valid: "
-                          "none / null")
+    _check_resume(t)
     _check_choice(t.logger, LOGGERS, "trainer.logger")
     _check_choice(t.dtype, ("float32", "bfloat16", "float16"), "trainer.dtype")
     _check_choice(t.fp8, (None, "torch", "te"), "trainer.fp8")
@@ -213,6 +213,57 @@ def _check_trainer(cfg: TrainConfig) -> None:
                               "(set both to the same model)")
 
 
+def _check_resume(t) -> None:
+    """``resume_mode``/``resume_path`` (SkyRL's keys). A ``from_path`` checkpoint is checked here, before any
+    model loads; ``latest`` looks for one at start-up (none yet: a fresh start)."""
+    if t.resume_mode in (None, "null"):
+        t.resume_mode = "none"
+    _check_choice(t.resume_mode, RESUME_MODES, "trainer.resume_mode")
+    if t.resume_mode == "from_path":
+        if not t.resume_path:
+            raise ConfigError("trainer.resume_mode=from_path needs trainer.resume_path: a checkpoint directory "
+                              "<trainer.ckpt_path>/global_step_<k>")
+        from mlora.train.checkpoint import CheckpointError, check_complete
+
+        try:
+            check_complete(Path(t.resume_path).expanduser())
+        except CheckpointError as exc:
+            raise ConfigError(f"trainer.resume_path={t.resume_path!r}: {exc}") from None
+    if t.max_ckpts_to_keep == 0:
+        raise ConfigError("trainer.max_ckpts_to_keep=0 would delete every checkpoint; valid: -1 (keep all) or N >= 1")
+
+
+def _resolve_recompute(t) -> None:
+    """``trainer.recompute`` from itself or SkyRL's ``trainer.gradient_checkpointing`` (true: full, uniform,
+    1 layer per group, as SkyRL's megatron defaults), and its method/num_layers/modules, which apply to
+    one granularity each. ``recompute_num_layers`` is checked against the layers of a pipeline stage
+    here when the model's config.json can be read, else when the model is built."""
+    from mlora.models.recompute import RECOMPUTE, recompute_settings
+
+    gc = t.gradient_checkpointing
+    if t.recompute is None:
+        t.recompute = "full" if gc else "none"
+    elif gc is not None and t.recompute in RECOMPUTE and gc != (t.recompute != "none"):
+        raise ConfigError(f"trainer.gradient_checkpointing={gc} contradicts trainer.recompute={t.recompute!r}; set one "
+                          "of them (trainer.recompute alone says it all: none | selective | full)")
+    try:
+        recompute_settings(t.recompute, t.recompute_method, t.recompute_num_layers, t.recompute_modules,
+                           layers_per_stage=_layers_per_stage(t), key_prefix="trainer.")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _layers_per_stage(t) -> int | None:
+    """Transformer layers per pipeline stage of trainer.policy.model.path, None when not readable (yet)."""
+    import json
+
+    try:
+        hf = json.loads((Path(str(t.policy.model.path)).expanduser() / "config.json").read_text())
+        return int(hf["num_hidden_layers"]) // t.policy.megatron_config.pipeline_model_parallel_size
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _set_keys(cfg: TrainConfig, default: TrainConfig, explicit: set[str], prefix: str = "") -> set[str]:
     """Keys whose value differs from the schema's default or that were given on the command line."""
     out = set()
@@ -236,6 +287,7 @@ def finalize(cfg: TrainConfig, world_size: int, cuda: bool = False, explicit: It
     _check_trainer(cfg)
     _resolve_generator(cfg)
     _resolve_mesh(cfg, world_size)
+    _resolve_recompute(cfg.trainer)
     _check_colocation(cfg, world_size, cuda)
     no_effect = {**NO_EFFECT, **({} if cuda else CPU_ONLY_NO_EFFECT)}
     return [f"{key}={_get(cfg, key)!r} has no effect in mlora: {why}" for key, why in no_effect.items()

@@ -164,6 +164,36 @@ class AdapterHost:
 
             self._install(name, cfg, modules, trainable, factors)
 
+    def load_adapter_weights(self, name: str, peft_dir: str | os.PathLike) -> None:
+        """Overwrite the factors of existing adapter ``name`` with a PEFT adapter's (e.g. resuming a run:
+        the parameters stay the same objects, so optimizers keep pointing at them).
+
+        The PEFT adapter must have the same rank and adapt the same modules. Each rank reads its slices.
+        """
+        self._require(name)
+        path = Path(peft_dir)
+        cfg, info = read_peft_config(path), self.adapters[name]
+        if cfg.rank != info.config.rank:
+            raise ValueError(f"{path}: rank {cfg.rank}, adapter {name!r} has rank {info.config.rank}")
+        tp, tp_rank = self.mesh.tp, self.mesh.tp_rank
+        with CheckpointReader(path) as reader:
+            modules = peft_modules(reader.entries, self.spec.num_layers, path)
+            if modules != set(info.modules):
+                raise ValueError(f"{path} adapts {len(modules)} modules, adapter {name!r} {len(info.modules)}: "
+                                 "not the same target modules")
+            check_peft_shapes(reader, modules, model_sites(self.spec, tp), cfg.rank, path)
+            with torch.no_grad():
+                for linear in self._lora_linears():
+                    if name not in linear.lora:
+                        continue
+                    site, branch = linear.lora_site, linear.lora[name]
+                    a_kind, b_kind = FACTOR_KINDS[site.parallel]
+                    for k, sub in enumerate(branch.subs):
+                        a = read_shard(reader, peft_tensor_name(site.layer, sub, "A"), a_kind, tp, tp_rank)
+                        b = read_shard(reader, peft_tensor_name(site.layer, sub, "B"), b_kind, tp, tp_rank)
+                        branch.a_of(k).copy_(a)
+                        branch.lora_B[k].copy_(b)
+
     def delete_adapter(self, name: str) -> None:
         self._require(name)
         for linear in self._lora_linears():

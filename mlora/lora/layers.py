@@ -10,9 +10,10 @@ input dim ``[r, in/TP]``, B replicated; the LoRA partial is added before the lay
 all-reduce / reduce-scatter, so one collective carries both.
 
 Fused layers hold one adapter per HF projection (q, k, v; gate, up): their A factors are
-stacked into one GEMM and their B factors into one block-structured GEMM that writes the fused
-output layout directly. The frozen base GEMM then accumulates into the LoRA delta (addmm with
-beta 1), and no weight gradient is ever computed for it.
+stacked into one GEMM; each projection's B GEMM accumulates (beta 1) into its own columns of the
+frozen base GEMM's output, per query group where q/k/v interleave (:class:`_LoraLinear`, whose
+hand-written backward never computes a weight gradient for the frozen base). The FP8 and
+Transformer Engine linears add one block-structured B GEMM's output instead (:func:`lora_delta`).
 
 LoRA dropout follows PEFT: each projection has its own mask on its own copy of the input, so with
 dropout active (training mode, p > 0) a fused layer does one A GEMM per projection; otherwise the
@@ -25,6 +26,7 @@ slice of the full-input mask. See :class:`DropoutKey`.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +39,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from torch.autograd.function import once_differentiable
 
 from mlora.lora.config import derive_seed
 
@@ -130,6 +133,12 @@ def dropout_mask(key: DropoutKey, sub: str, call: int, p: float, x: torch.Tensor
     return (keep.to(x.dtype) * (1.0 / (1.0 - p))).view(x.shape)
 
 
+# The dropout call counter of every LoRA branch ever built (one slot each, see LoraBranch.dropout_calls).
+# One flat list so that an activation checkpoint saves and restores all of them with one copy, the way it
+# saves megatron's RNG states.
+DROPOUT_CALLS: list[int] = []
+
+
 class LoraBranch(torch.nn.Module):
     """One adapter on one parallel linear: stacked A ``[n·r, in_local]`` and one B per projection.
 
@@ -145,13 +154,25 @@ class LoraBranch(torch.nn.Module):
         self.subs, self.rank, self.scaling = subs, rank, scaling
         self.dropout_p = float(dropout)
         self.dropout_key = dropout_key or DropoutKey(in_full=lora_a.shape[1])
-        # Forward calls that drew masks. It advances once per forward in training mode with p > 0, so
-        # an activation recompute of a forward must replay the call index it ran with.
-        self.dropout_calls = 0
+        self._calls_slot = len(DROPOUT_CALLS)  # this branch's counter in DROPOUT_CALLS
+        DROPOUT_CALLS.append(0)
         self.lora_A = torch.nn.Parameter(lora_a, requires_grad=trainable)
         self.lora_B = torch.nn.ParameterList([torch.nn.Parameter(b, requires_grad=trainable) for b in lora_b])
         for p in ([self.lora_A] if parallel == "column" else list(self.lora_B)):
             mark_tp_replicated(p)
+
+    @property
+    def dropout_calls(self) -> int:
+        """Forward calls that drew masks: advances once per forward in training mode with p > 0 and
+        keys the masks of the next call. An activation recompute replays a forward, so it must draw
+        the masks of the call index that forward ran with: the counter lives in
+        :data:`DROPOUT_CALLS`, which recompute saves and restores with megatron's RNG states
+        (:func:`mlora.models.recompute.install_dropout_replay`)."""
+        return DROPOUT_CALLS[self._calls_slot]
+
+    @dropout_calls.setter
+    def dropout_calls(self, value: int) -> None:
+        DROPOUT_CALLS[self._calls_slot] = value
 
     def a_of(self, k: int, grad: bool = False) -> torch.Tensor:
         """Projection ``k``'s A (or its gradient): rows ``k·r:(k+1)·r`` of the stacked A."""
@@ -190,17 +211,21 @@ def stacked_b(branch: LoraBranch, site: LoraSite) -> torch.Tensor:
     writes every projection's delta straight into the fused layout. Built per call from the
     canonical factors (small).
     """
+    return _block_b(list(branch.lora_B), branch.scaling, branch.subs, site)
+
+
+def _block_b(bs, scaling: float, subs: tuple[str, ...], site: LoraSite) -> torch.Tensor:
+    """:func:`stacked_b` from the B factors ``bs`` of projections ``subs``."""
     if site.parallel == "row":
-        return branch.lora_B[0] * branch.scaling
-    r, n = branch.rank, len(branch.subs)
+        return bs[0] * scaling
+    r, n = bs[0].shape[1], len(subs)
     pieces = []
     for sub, (_, size) in zip(site.subs, site.placement):
-        if sub in branch.subs:
-            k = branch.subs.index(sub)
-            b = (branch.lora_B[k] * branch.scaling).view(site.groups, size, r)
-            pieces.append(F.pad(b, (k * r, (n - 1 - k) * r)))
+        if sub in subs:
+            k = subs.index(sub)
+            pieces.append(F.pad((bs[k] * scaling).view(site.groups, size, r), (k * r, (n - 1 - k) * r)))
         else:
-            pieces.append(branch.lora_A.new_zeros(site.groups, size, n * r))
+            pieces.append(bs[0].new_zeros(site.groups, size, n * r))
     return torch.cat(pieces, dim=1).reshape(site.groups * site.block, n * r)
 
 
@@ -226,26 +251,124 @@ def row_output(out: torch.Tensor, sequence_parallel: bool, group) -> torch.Tenso
     return reduce_from_tensor_model_parallel_region(out, group=group)
 
 
-def _base_plus(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               deltas: list[torch.Tensor], weight_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """``x Wᵀ + bias + Σ deltas``, the base GEMM accumulating into the deltas (beta = 1): no extra
-    pass over the output and, W being frozen, no weight gradient.
+@functools.lru_cache(maxsize=None)
+def _placements(site: LoraSite, subs: tuple[str, ...], out_local: int) -> tuple[tuple[int, int, int], ...]:
+    """``(k, offset, size)`` of each projection of a branch with ``subs``: in every one of the
+    site's ``groups`` output blocks, projection k owns columns ``offset:offset+size``."""
+    if site.parallel == "row":
+        return ((0, 0, out_local),)
+    return tuple((subs.index(sub), offset, size) for sub, (offset, size) in zip(site.subs, site.placement)
+                 if sub in subs)
+
+
+class _LoraLinear(torch.autograd.Function):
+    """``x Wᵀ + bias + Σ s·(x Aᵀ) Bᵀ`` over a layer's active branches, with a hand-written backward.
+
+    On CPU, LoRA's cost next to the frozen GEMM is not its FLOPs (~2%) but fresh output-sized
+    buffers (the first-touch page faults of a new 100 MB tensor cost more than a GEMM pass over
+    it), the zeros of a block-structured B (n× the FLOPs of the q/k/v and gate/up B GEMMs) and, on
+    a loaded machine, each extra GEMM call (a parallel region whose threads must all get a core).
+    So the base GEMM allocates the only output-sized buffer and the B GEMMs accumulate into it
+    (beta 1); the backward reads each projection's columns of the incoming gradient in place with
+    one GEMM (batched over query groups) each for the hidden's and B's gradients, and the LoRA
+    input gradient accumulates into the base's (beta 1) instead of autograd adding two new ones.
+    Only the forward q/k/v B GEMM over several interleaved query groups stays block-structured:
+    per projection it would be one GEMM per group, and on a loaded machine zeros cost less than calls.
+
+    ``specs``: per branch ``(hidden_given, subs, r, scaling)``; ``factors``: per branch A (or, with
+    ``hidden_given``, the hidden ``x Aᵀ`` that autograd computed from dropout-masked inputs), then
+    its B factors.
+    """
+
+    @staticmethod
+    def forward(ctx, site, specs, x, weight, bias, *factors):
+        x2 = x.reshape(-1, x.shape[-1])
+        out = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
+        groups = site.groups if site.parallel == "column" else 1
+        hiddens, i = [], 0
+        for hidden_given, subs, r, scaling in specs:
+            n = len(subs)
+            first, bs = factors[i], factors[i + 1:i + 1 + n]
+            i += 1 + n
+            h = first.reshape(-1, n * r) if hidden_given else torch.mm(x2, first.t())
+            if groups > 1:
+                out.addmm_(h, _block_b(bs, scaling, subs, site).t())
+            else:
+                for k, offset, size in _placements(site, subs, out.shape[-1]):
+                    out[:, offset:offset + size].addmm_(h[:, k * r:(k + 1) * r], bs[k].t(), alpha=scaling)
+            hiddens.append(h)
+        ctx.site, ctx.specs, ctx.x_shape = site, specs, x.shape
+        keep_x = weight.requires_grad or not all(spec[0] for spec in specs)
+        ctx.save_for_backward(x2 if keep_x else None, weight, *hiddens, *factors)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x2, weight, *saved = ctx.saved_tensors
+        site, specs, need = ctx.site, ctx.specs, ctx.needs_input_grad
+        hiddens, factors = saved[:len(specs)], saved[len(specs):]
+        g = grad.reshape(-1, grad.shape[-1])
+        if not g.is_contiguous():  # e.g. expanded from a sum: the GEMMs below read column blocks of it
+            g = g.contiguous()
+        grad_x = torch.mm(g, weight) if need[2] else None
+        grad_w = torch.mm(g.t(), x2) if need[3] else None
+        grad_bias = g.sum(0) if need[4] else None
+        groups, tokens = site.groups if site.parallel == "column" else 1, g.shape[0]
+        g3 = g.view(tokens, groups, -1)
+        grads, i = [], 0
+        for (hidden_given, subs, r, scaling), h in zip(specs, hiddens):
+            n = len(subs)
+            first, bs = factors[i], factors[i + 1:i + 1 + n]
+            need_first, need_bs = need[5 + i], need[6 + i:6 + i + n]
+            i += 1 + n
+            need_h = need_first or (grad_x is not None and not hidden_given)
+            grad_h = [None] * n
+            grad_bs = [None] * n
+            for k, offset, size in _placements(site, subs, g.shape[-1]):
+                h_k = h[:, k * r:(k + 1) * r]
+                if groups == 1:
+                    g_k = g[:, offset:offset + size]
+                    grad_h[k] = torch.mm(g_k, bs[k]) if need_h else None
+                    grad_bs[k] = torch.mm(g_k.t(), h_k) if need_bs[k] else None
+                else:  # [groups, tokens, size]: a batch of strided blocks, no copy
+                    g_k = g3[:, :, offset:offset + size].transpose(0, 1)
+                    grad_h[k] = torch.bmm(g_k, bs[k].view(groups, size, r)).sum(0) if need_h else None
+                    grad_bs[k] = (torch.bmm(g_k.transpose(1, 2), h_k.expand(groups, tokens, r)).view(bs[k].shape)
+                                  if need_bs[k] else None)
+                if grad_bs[k] is not None:
+                    grad_bs[k].mul_(scaling)
+            if need_h:
+                # a projection the branch does not place (no such sub on this site) gets zeros
+                gh = torch.cat([t if t is not None else h.new_zeros(tokens, r) for t in grad_h], dim=1).mul_(scaling)
+            if hidden_given:
+                grads.append(gh.view(first.shape) if need_first else None)
+            else:
+                grads.append(torch.mm(gh.t(), x2) if need_first else None)
+                if grad_x is not None:
+                    grad_x.addmm_(gh, first)
+            grads += [torch.zeros_like(b) if nb and gb is None else gb for b, gb, nb in zip(bs, grad_bs, need_bs)]
+        return (None, None, None if grad_x is None else grad_x.view(ctx.x_shape), grad_w, grad_bias, *grads)
+
+
+def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, branches: list[LoraBranch],
+                site: LoraSite | None, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``x Wᵀ + bias`` plus every branch's delta on this rank's local output (see :class:`_LoraLinear`).
 
     An FP8 weight (``weight_scale`` given: float32 per output row) multiplies through
     :func:`mlora.fp8.fp8_linear` (input quantized per token, ``torch._scaled_mm``; its input
-    gradient uses the dequantized weight); the deltas were computed from the unquantized ``x``."""
+    gradient uses the dequantized weight); the deltas are computed from the unquantized ``x``."""
     if weight_scale is not None:
-        return _fp8_base_plus(x, weight, weight_scale, bias, deltas)
-    if not deltas:
+        return _fp8_base_plus(x, weight, weight_scale, bias, [lora_delta(b, x, site) for b in branches])
+    if not branches:
         return F.linear(x, weight, bias)
-    acc = deltas[0]
-    for d in deltas[1:]:
-        acc = acc + d
-    if bias is not None:
-        acc = acc + bias
-    lead = x.shape[:-1]
-    out = torch.addmm(acc.reshape(-1, acc.shape[-1]), x.reshape(-1, x.shape[-1]), weight.t())
-    return out.view(*lead, out.shape[-1])
+    specs, factors = [], []
+    for branch in branches:
+        # with dropout each projection reads its own masked input: LoraBranch.hidden draws the masks
+        given = branch.dropout_active
+        specs.append((given, branch.subs, branch.rank, branch.scaling))
+        factors += [branch.hidden(x) if given else branch.lora_A, *branch.lora_B]
+    return _LoraLinear.apply(site, tuple(specs), x, weight, bias, *factors)
 
 
 def _fp8_base_plus(x, weight, weight_scale, bias, deltas):
@@ -317,8 +440,8 @@ class LoraColumnParallelLinear(LoraHost, tensor_parallel.ColumnParallelLinear):
         weight = self.weight if weight is None else weight
         x = column_input(input_, self.sequence_parallel, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        deltas = [lora_delta(branch, x, self.lora_site) for branch in self._branches()]
-        out = _base_plus(x, weight, bias, deltas, self.weight_scale if weight is self.weight else None)
+        out = lora_linear(x, weight, bias, list(self._branches()), self.lora_site,
+                          self.weight_scale if weight is self.weight else None)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
             out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
@@ -336,9 +459,8 @@ class LoraRowParallelLinear(LoraHost, tensor_parallel.RowParallelLinear):
 
     def forward(self, input_: torch.Tensor):
         # input_ is this rank's slice of the features; dropout applies this slice of the full mask
-        deltas = [lora_delta(branch, input_, self.lora_site) for branch in self._branches()]
-        out = row_output(_base_plus(input_, self.weight, None, deltas, self.weight_scale), self.sequence_parallel,
-                         self.tp_group)
+        out = lora_linear(input_, self.weight, None, list(self._branches()), self.lora_site, self.weight_scale)
+        out = row_output(out, self.sequence_parallel, self.tp_group)
         if self.skip_bias_add:
             return out, self.bias
         return (out + self.bias if self.bias is not None else out), None

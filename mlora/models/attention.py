@@ -1,13 +1,48 @@
-"""Attention masks in megatron's convention (True = masked), built on the input's device."""
+"""Core attention for the local layer spec, and the attention masks mlora hands to it.
+
+Two implementations fill megatron's ``core_attention`` slot (chosen with
+``mlora.from_pretrained(..., attention=...)``):
+
+- ``"sdpa"`` (default): :class:`SDPAttention`, ``torch.nn.functional.scaled_dot_product_attention``
+  (flash / memory-efficient kernels on GPU, the fused flash kernel on CPU). It never builds the
+  ``[s, s]`` score matrix, and :func:`sdpa_mask` gives it no mask at all for causal batches without
+  padding or with right padding only; Mistral's sliding window costs one ``[1, 1, s, s]`` additive
+  mask per step, shared by every layer and micro-batch.
+- ``"unfused"``: megatron's ``DotProductAttention`` (scores materialised, softmax, matmul) with
+  the full ``[b, 1, s, s]`` boolean mask of :func:`attention_mask`; kept as the reference the fused
+  path is tested and benchmarked against. The Transformer Engine spec (``fp8="te"``) also takes the
+  full boolean mask.
+"""
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+ATTENTION_IMPLS = ("sdpa", "unfused")
+ATTENTION_CONFIG_ATTR = "mlora_attention"  # on megatron's TransformerConfig: which core attention block_spec uses
+
+# Mask types under which a missing mask means "causal" (megatron's unfused path builds a causal
+# mask for these itself; SDPA's is_causal does the same without one).
+_CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
+
+
+def check_attention_arg(attention: str) -> str:
+    """``attention`` if it names a core-attention implementation, else a ValueError naming the valid ones."""
+    if attention not in ATTENTION_IMPLS:
+        raise ValueError(f"attention={attention!r} is not supported; choose one of "
+                         + ", ".join(repr(a) for a in ATTENTION_IMPLS))
+    return attention
 
 
 def attention_mask(batch: int, seq_len: int, padding_mask: torch.Tensor | None = None,
                    sliding_window: int | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``[batch, 1, seq, seq]`` bool mask: causal, optionally windowed, keys at padding masked.
+    """``[batch, 1, seq, seq]`` bool mask in megatron's convention (True = masked): causal,
+    optionally windowed, keys at padding masked. The unfused and TE core attentions need it.
 
     ``padding_mask`` is HF's ``attention_mask`` (1 = token, 0 = padding). A query may see key
     ``j`` when ``j <= i``, ``i - j < sliding_window`` (if set) and key ``j`` is a token.
@@ -21,3 +56,133 @@ def attention_mask(batch: int, seq_len: int, padding_mask: torch.Tensor | None =
     if padding_mask is not None:
         masked = masked | (padding_mask.to(device) == 0)[:, None, None, :]
     return masked.contiguous()
+
+
+def is_right_padded(padding_mask: torch.Tensor) -> bool:
+    """Whether every row of HF's ``attention_mask`` reads ``1…1 0…0`` (no padding counts as right padding)."""
+    tokens = padding_mask != 0
+    return bool((tokens[:, 1:] <= tokens[:, :-1]).all())
+
+
+def sdpa_mask(seq_len: int, padding_mask: torch.Tensor | None = None, sliding_window: int | None = None,
+              dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """The smallest mask :class:`SDPAttention` needs on top of causality, or None (then it runs causal).
+
+    - no padding, or right padding only, and no window shorter than the sequence: None. Under causal
+      attention a token's query sees only keys at or before it, which are tokens too, so every token
+      position is exact; positions at padding get unspecified outputs (as in HF), never used.
+    - a window shorter than the sequence (Mistral), no padding or right padding: an additive
+      ``[1, 1, s, s]`` mask (0 = attend, -inf = masked) with causality and the window, broadcast over
+      the batch.
+    - any other padding (left, or holes): the full ``[b, 1, s, s]`` additive mask: causal, window,
+      keys at padding masked. Each query also sees its own key so that no row is fully masked (a
+      fully masked row is NaN in some kernels); that changes only outputs at padding positions.
+
+    The mask is additive in ``dtype`` (the model's activation dtype) rather than boolean: SDPA turns
+    a boolean mask into such a float tensor in every call anyway, and the flash kernels keep the
+    mask for backward, so one float mask shared by all layers is the least memory.
+    """
+    window = sliding_window if sliding_window is not None and sliding_window < seq_len else None
+    arbitrary = padding_mask is not None and not is_right_padded(padding_mask)
+    if window is None and not arbitrary:
+        return None
+    i = torch.arange(seq_len, device=device)[:, None]
+    j = torch.arange(seq_len, device=device)[None, :]
+    allowed = j <= i
+    if window is not None:
+        allowed = allowed & (i - j < window)
+    allowed = allowed[None, None]
+    if arbitrary:
+        allowed = (allowed & (padding_mask.to(device) != 0)[:, None, None, :]) | (i == j)
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+
+
+def _repeat_kv_needed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                      is_causal: bool) -> bool:
+    """Whether K/V must be repeated to the query heads because no fused kernel takes them grouped.
+
+    Measured with torch 2.13 on CPU (AVX-512): the flash kernel takes ``enable_gqa=True`` itself
+    (the profile shows no ``repeat_interleave``; 1.15x faster than repeating at s=2048, 8 heads,
+    2 groups), with and without a mask. On CUDA the flash kernel takes GQA too; a kernel that does not
+    (e.g. memory-efficient attention in some torch versions) makes torch pick the math path, which
+    materialises the scores: then repeating K/V (``O(s)`` memory) keeps a fused kernel.
+    """
+    choice = getattr(torch, "_fused_sdp_choice", None)  # private; without it let torch decide
+    if choice is None:
+        return False
+    from torch.nn.attention import SDPBackend
+
+    try:
+        picked = choice(query, key, value, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
+    except (RuntimeError, TypeError):
+        return False
+    return int(picked) == int(SDPBackend.MATH)
+
+
+class SDPAttention(MegatronModule):
+    """Drop-in for megatron's ``DotProductAttention`` (same constructor and forward signature)
+    computed by ``torch.nn.functional.scaled_dot_product_attention``.
+
+    ``forward(query, key, value, attention_mask)`` takes ``[s, b, heads, head_dim]`` (query groups
+    for key and value) and returns ``[s, b, heads * head_dim]``. ``attention_mask``:
+
+    - None: causal when the layer's mask type is causal (mlora's spec), else none;
+    - boolean: megatron's convention (True = masked), e.g. :func:`attention_mask`;
+    - floating: additive (0 = attend, -inf = masked), as :func:`sdpa_mask` builds it.
+
+    Scale: ``softmax_scale`` or ``1/sqrt(kv_channels)``, as megatron. megatron's
+    ``apply_query_key_layer_scaling`` divides the scores by the layer number and multiplies them
+    back inside the fp32 softmax, which leaves the result unchanged (it only keeps fp16 scores in
+    range); SDPA's kernels accumulate in fp32 for bf16/fp16 inputs, so there is nothing to undo.
+    For the same reason ``attention_softmax_in_fp32`` needs no counterpart.
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPAttention does not support context parallelism (context_parallel_size must be 1)")
+        if config.softmax_type != "vanilla":
+            raise NotImplementedError(f"SDPAttention supports softmax_type='vanilla' only, not {config.softmax_type!r}")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None = None,
+                attention_bias: torch.Tensor | None = None, packed_seq_params=None) -> torch.Tensor:
+        """Attention output ``[s, b, heads * head_dim]`` (see the class docstring for the mask)."""
+        if packed_seq_params is not None:
+            raise NotImplementedError("packed sequences are not supported by SDPAttention")
+        if attention_bias is not None:
+            raise NotImplementedError("attention_bias is not supported by SDPAttention")
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        sq, batch, heads, _ = query.shape
+        is_causal = attention_mask is None and mask_type in _CAUSAL_TYPES
+        if is_causal and key.shape[0] != sq:
+            raise NotImplementedError("causal SDPAttention needs as many keys as queries (no KV cache)")
+        mask = attention_mask
+        if mask is not None:
+            # boolean masks come in megatron's convention (True = masked), SDPA's is True = attend
+            mask = ~mask if mask.dtype == torch.bool else mask.to(query.dtype)
+        # [s, b, h, d] -> [b, h, s, d]: views; the kernels read strided inputs
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        gqa = k.shape[1] != heads
+        if gqa and _repeat_kv_needed(q, k, v, mask, is_causal):
+            k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+            gqa = False
+        dropout = self.dropout_p if self.training else 0.0
+        if dropout > 0.0 and not self.config.sequence_parallel:
+            from megatron.core import tensor_parallel
+
+            with tensor_parallel.get_cuda_rng_tracker().fork():  # as megatron: per-TP-rank dropout stream
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
+                                                     scale=self.softmax_scale, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
+                                                 scale=self.softmax_scale, enable_gqa=gqa)
+        # [b, h, s, d] -> [s, b, h * d]
+        return out.permute(2, 0, 1, 3).reshape(sq, batch, -1)

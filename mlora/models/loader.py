@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -13,12 +14,16 @@ from mlora.models.fp8_checkpoint import DequantizingReader, fp8_quantization_con
 from mlora.models.hf_config import check_layout, load_hf_config, model_spec
 from mlora.models.megatron_build import build_gpt_model
 from mlora.models.model import MLoraModel
+from mlora.models.recompute import recompute_settings
 from mlora.models.weight_map import stage_layers, stage_param_maps
 from mlora.parallel.mesh import Mesh
 
 
 def from_pretrained(hf_dir: str | os.PathLike, mesh: Mesh, dtype: torch.dtype = torch.float32,
-                    fp8: str | None = None, fp8_recipe: str = "delayed") -> MLoraModel:
+                    fp8: str | None = None, fp8_recipe: str = "delayed", attention: str = "sdpa",
+                    recompute: str = "none", recompute_method: str | None = None,
+                    recompute_num_layers: int | None = None,
+                    recompute_modules: Sequence[str] | None = None) -> MLoraModel:
     """This rank's shard of the HF model in ``hf_dir``, frozen, on ``mesh``.
 
     Supports LlamaForCausalLM, Qwen2ForCausalLM and MistralForCausalLM from safetensors
@@ -31,9 +36,27 @@ def from_pretrained(hf_dir: str | os.PathLike, mesh: Mesh, dtype: torch.dtype = 
     unsharded row, GEMMs through ``torch._scaled_mm``; see :mod:`mlora.fp8.quant`) or ``"te"``
     (Transformer Engine, GPU; ``fp8_recipe`` delayed | current | mxfp8; unverified: no TE run has
     happened yet). With ``"torch"`` each linear is quantized as soon as its shard is read.
+
+    ``attention`` is the core attention of the local spec: ``"sdpa"`` (default; torch's fused
+    ``scaled_dot_product_attention``, no ``[b, 1, s, s]`` mask unless the batch has left padding or
+    a sliding window shorter than the sequence; see :mod:`mlora.models.attention`) or ``"unfused"``
+    (megatron's ``DotProductAttention`` with the full boolean mask: scores materialised; the
+    reference). ``fp8="te"`` uses Transformer Engine's core attention whatever ``attention`` says.
+    Logits at padding positions are unspecified (as in HF) and may differ between the two.
+
+    ``recompute`` is megatron's activation recompute in training mode, a property of the build shared
+    by every adapter (actor and critic ride on this one base): ``"none"`` (keep every activation),
+    ``"selective"`` (recompute ``recompute_modules`` of each layer: ``core_attn`` by default, ``mlp``)
+    or ``"full"`` (keep only the input of each group of layers and rerun it in backward;
+    ``recompute_method`` ``"uniform"`` (default: groups of ``recompute_num_layers``, default 1, which
+    must divide the layers of a stage) or ``"block"`` (the first ``recompute_num_layers`` layers of each
+    stage)). Gradients equal those without recompute, LoRA dropout included; see
+    :mod:`mlora.models.recompute`.
     """
     from mlora.fp8.quant import check_adapter_dtype, check_fp8_arg
+    from mlora.models.attention import check_attention_arg
 
+    check_attention_arg(attention)
     fp8 = check_fp8_arg(fp8)
     check_adapter_dtype(dtype)
     if fp8 == "te":
@@ -44,8 +67,11 @@ def from_pretrained(hf_dir: str | os.PathLike, mesh: Mesh, dtype: torch.dtype = 
         from mlora.fp8.quant import require_scaled_mm
 
         require_scaled_mm(mesh.device)
+    recompute_settings(recompute, recompute_method, recompute_num_layers, recompute_modules)  # before any I/O
     spec = model_spec(load_hf_config(hf_dir))
     check_layout(spec, mesh.tp, mesh.pp)
+    settings = recompute_settings(recompute, recompute_method, recompute_num_layers, recompute_modules,
+                                  layers_per_stage=spec.num_layers // mesh.pp)
     # a Hub FP8 checkpoint (block-scaled e4m3): read dequantized, slice by slice (mlora.models.fp8_checkpoint)
     quantized = fp8_quantization_config(json.loads((Path(hf_dir) / "config.json").read_text()))
     with CheckpointReader(hf_dir) as reader:  # validate the files before allocating anything
@@ -59,7 +85,8 @@ def from_pretrained(hf_dir: str | os.PathLike, mesh: Mesh, dtype: torch.dtype = 
                  for pm in maps for name, shape in pm.hf_shapes(spec).items() if reader.entry(name).shape != shape]
         if wrong:
             raise CheckpointError(f"{Path(hf_dir)} does not match its config: " + "; ".join(wrong[:3]))
-        gpt = build_gpt_model(spec, mesh, dtype, fp8=fp8, fp8_recipe=fp8_recipe)
+        gpt = build_gpt_model(spec, mesh, dtype, fp8=fp8, fp8_recipe=fp8_recipe, attention=attention,
+                              recompute=settings)
         local_layers = [layer.layer_number - 1 for layer in gpt.decoder.layers]
         expected = list(stage_layers(spec, mesh.pp, mesh.pp_rank))
         if local_layers != expected:  # our HF mapping and megatron must agree on who holds which layer

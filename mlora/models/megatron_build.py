@@ -8,16 +8,20 @@ import torch
 import torch.nn.functional as F
 
 from mlora.lora.adapters import attach_lora_sites
+from mlora.models.attention import ATTENTION_CONFIG_ATTR, SDPAttention, check_attention_arg
 from mlora.models.hf_config import ModelSpec, hf_inv_freq
 from mlora.models.norm import RMSNorm
+from mlora.models.recompute import Recompute, prepare_for_recompute
 from mlora.parallel.mesh import Mesh
 
 
-def transformer_config(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype):
-    """The megatron TransformerConfig that reproduces ``spec`` on ``mesh`` (no fusions on CPU)."""
+def transformer_config(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, recompute: Recompute | None = None):
+    """The megatron TransformerConfig that reproduces ``spec`` on ``mesh`` (no fusions on CPU), with
+    megatron's activation recompute as ``recompute`` says (default: none; see :mod:`mlora.models.recompute`)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_gpu = mesh.device.type == "cuda"
+    recompute = recompute or Recompute()
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -52,12 +56,15 @@ def transformer_config(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype):
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         calculate_per_token_loss=True,  # loss functions return their micro-batch's share; no rescaling
+        **recompute.config_kwargs(),
     )
 
 
 def block_spec(config):
-    """megatron's local GPT layer spec with two swaps: mlora's RMSNorm (SP-capable) in every norm
-    slot and LoRA-capable parallel linears in every linear slot."""
+    """megatron's local GPT layer spec with three swaps: mlora's RMSNorm (SP-capable) in every norm
+    slot, LoRA-capable parallel linears in every linear slot and, unless the config's
+    ``mlora_attention`` (set by :func:`build_gpt_model`) says ``"unfused"``, :class:`SDPAttention`
+    (torch's fused scaled_dot_product_attention) in the core-attention slot."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
@@ -65,8 +72,10 @@ def block_spec(config):
 
     layer = get_gpt_layer_local_spec(normalization="RMSNorm")
     sub = layer.submodules
-    sub.self_attention.submodules = dataclasses.replace(
-        sub.self_attention.submodules, linear_qkv=LoraColumnParallelLinear, linear_proj=LoraRowParallelLinear)
+    attention = {"linear_qkv": LoraColumnParallelLinear, "linear_proj": LoraRowParallelLinear}
+    if getattr(config, ATTENTION_CONFIG_ATTR, "sdpa") == "sdpa":  # "unfused" keeps megatron's DotProductAttention
+        attention["core_attention"] = SDPAttention
+    sub.self_attention.submodules = dataclasses.replace(sub.self_attention.submodules, **attention)
     sub.mlp.submodules = dataclasses.replace(
         sub.mlp.submodules, linear_fc1=LoraColumnParallelLinear, linear_fc2=LoraRowParallelLinear)
     layer.submodules = dataclasses.replace(sub, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm)
@@ -74,8 +83,14 @@ def block_spec(config):
 
 
 def build_gpt_model(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, fp8: str | None = None,
-                    fp8_recipe: str = "delayed"):
+                    fp8_recipe: str = "delayed", attention: str = "sdpa", recompute: Recompute | None = None):
     """This rank's GPTModel shard, parameters allocated but not initialised, base frozen.
+
+    ``recompute``: megatron's activation recompute (default none), with the hooks that keep it exact
+    for a frozen base with LoRA (:func:`mlora.models.recompute.prepare_for_recompute`).
+
+    ``attention``: the local spec's core attention, ``"sdpa"`` (:class:`mlora.models.attention.SDPAttention`)
+    or ``"unfused"`` (megatron's ``DotProductAttention``); the TE spec always uses TE's.
 
     ``fp8="torch"``: the LoRA linears allocate their weights in float8_e4m3fn with a float32
     ``weight_scale`` per output row (see :mod:`mlora.fp8`); everything else stays in ``dtype``.
@@ -85,8 +100,10 @@ def build_gpt_model(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, fp8: str | 
 
     from mlora.lora.layers import FP8_CONFIG_ATTR
 
-    config = transformer_config(spec, mesh, dtype)
+    recompute = recompute or Recompute()
+    config = transformer_config(spec, mesh, dtype, recompute)
     setattr(config, FP8_CONFIG_ATTR, fp8)
+    setattr(config, ATTENTION_CONFIG_ATTR, check_attention_arg(attention))
     layer_spec = block_spec
     if fp8 == "te":
         from mlora.fp8.te import megatron_fp8_settings, te_block_spec
@@ -112,4 +129,5 @@ def build_gpt_model(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, fp8: str | 
     for p in model.parameters():
         p.requires_grad_(False)
     attach_lora_sites(model, spec, mesh.tp)
+    prepare_for_recompute(model, recompute)
     return model

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from mlora.lora.adapters import AdapterHost
+from mlora.models.attention import SDPAttention, is_right_padded, sdpa_mask
 from mlora.models.attention import attention_mask as build_attention_mask
 from mlora.models.hf_config import ModelSpec
 from mlora.models.safetensors_writer import SafetensorsWriter
@@ -45,6 +46,11 @@ class MLoraModel(AdapterHost, torch.nn.Module):
         self.adapters = {}
         self._active: tuple[str, ...] | None = None  # None: every adapter, in the order added
         self.heads = torch.nn.ModuleDict()  # scalar heads (value, reward) on the last stage only
+        # The mask convention follows the modules actually built (a patched spec included): SDPA
+        # layers take the minimal mask of sdpa_mask, anything else (megatron's unfused
+        # DotProductAttention, TE's with attn_mask_type=arbitrary) the full [b, 1, s, s] bool mask.
+        self._full_mask = not all(isinstance(layer.self_attention.core_attention, SDPAttention)
+                                  for layer in gpt.decoder.layers)
 
     @property
     def config(self):
@@ -52,7 +58,18 @@ class MLoraModel(AdapterHost, torch.nn.Module):
         return self.gpt.config
 
     # ------------------------------------------------------------------ forward
-    def _prepare(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+    def _prepare(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 shared: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+        """``(ids, positions, mask, seq)`` for megatron's forward: ids and positions on the device
+        (right-padded to a multiple of TP under SP), the attention mask, the unpadded length.
+
+        ``mask`` is what the core attention of this model takes: with SDPA (the default) None for a
+        batch without padding or with right padding only and no window shorter than the sequence
+        (SDPA then runs causal), else the smallest additive mask of :func:`sdpa_mask`; with the
+        unfused or TE core attention the full ``[b, 1, s, s]`` boolean mask. Logits at padding
+        positions are unspecified. A mask that depends on the shape alone (the window) is built once
+        per ``shared`` dict, so the micro-batches of one call hold one copy.
+        """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         if attention_mask is not None and attention_mask.shape != input_ids.shape:
@@ -70,7 +87,16 @@ class MLoraModel(AdapterHost, torch.nn.Module):
         device = self.mesh.device
         ids = input_ids.to(device)
         positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
-        mask = build_attention_mask(batch, ids.shape[1], attention_mask, self.spec.sliding_window, device)
+        if self._full_mask:
+            mask = build_attention_mask(batch, ids.shape[1], attention_mask, self.spec.sliding_window, device)
+        elif attention_mask is None or is_right_padded(attention_mask):  # the mask depends on the shape alone
+            shared = {} if shared is None else shared
+            key = (ids.shape[1], self.dtype, device)
+            if key not in shared:
+                shared[key] = sdpa_mask(ids.shape[1], None, self.spec.sliding_window, self.dtype, device)
+            mask = shared[key]
+        else:
+            mask = sdpa_mask(ids.shape[1], attention_mask, self.spec.sliding_window, self.dtype, device)
         return ids, positions, mask, seq
 
     def vocab_shard_range(self) -> tuple[int, int]:
@@ -136,7 +162,8 @@ class MLoraModel(AdapterHost, torch.nn.Module):
             if tuple(mb["input_ids"].shape) != shape:
                 raise ValueError(f"all micro-batches must have the same [batch, seq] shape; got {shape} and "
                                  f"{tuple(mb['input_ids'].shape)}")
-        prepared = [(mb, *self._prepare(mb["input_ids"], mb.get("attention_mask"))) for mb in micro_batches]
+        shared: dict = {}  # one window mask for all micro-batches (same shape)
+        prepared = [(mb, *self._prepare(mb["input_ids"], mb.get("attention_mask"), shared)) for mb in micro_batches]
 
         last = self.mesh.is_last_stage
 

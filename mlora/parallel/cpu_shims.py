@@ -2,9 +2,10 @@
 
 megatron-core 0.16.1 assumes CUDA in a handful of modules: it allocates buffers on
 ``torch.cuda.current_device()``, builds token counters with ``device="cuda"``,
-synchronises CUDA after p2p calls and keeps its RNG tracker in CUDA generator states.
-Without CUDA we give exactly those modules a view of ``torch`` whose ``cuda`` namespace
-answers with the CPU, and install a CPU RNG tracker. Nothing outside these megatron
+synchronises CUDA after p2p calls and keeps its RNG tracker in CUDA generator states (and
+activation recompute saves and restores the CUDA generator). Without CUDA we give exactly those
+modules a view of ``torch`` whose ``cuda`` namespace answers with the CPU, install a CPU RNG
+tracker, and make the CUDA generator's state empty. Nothing outside these megatron
 modules sees a change, and nothing is patched when CUDA is present.
 
 ``PATCHED_SITES`` lists every module we touch together with the CUDA call it is known to
@@ -41,7 +42,10 @@ TENSOR_CUDA_SITES: dict[str, tuple[str, str, str]] = {
         "LanguageModule", "setup_embeddings_and_output_layer", "weight.data = weight.data.cuda()"),
 }
 RNG_MODULE = "megatron.core.tensor_parallel.random"
-RNG_SYMBOLS = ("CudaRNGStatesTracker", "_CUDA_RNG_STATE_TRACKER", "_CUDA_RNG_STATE_TRACKER_INITIALIZED")
+# The last two: activation recompute (``CheckpointFunction``, ``CheckpointWithoutOutput``) saves and
+# restores the CUDA generator's state through them; without CUDA there is no such generator.
+RNG_SYMBOLS = ("CudaRNGStatesTracker", "_CUDA_RNG_STATE_TRACKER", "_CUDA_RNG_STATE_TRACKER_INITIALIZED",
+               "_get_cuda_rng_state", "_set_cuda_rng_state")
 
 _applied = False
 
@@ -150,6 +154,16 @@ class CpuRNGStatesTracker:
             torch.set_rng_state(outer)
 
 
+def _cpu_get_cuda_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """No CUDA generator: an empty state (the CPU generator is saved separately by megatron)."""
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _cpu_set_cuda_rng_state(*args: Any, **kwargs: Any) -> None:
+    """No CUDA generator to restore."""
+    return None
+
+
 def _without_tensor_cuda(fn):
     """``fn`` run with ``Tensor.cuda`` as the identity (restored on exit)."""
 
@@ -180,6 +194,8 @@ def apply_cpu_shims() -> None:
             setattr(cls, method, _without_tensor_cuda(getattr(cls, method)))
         _applied = True
     rng = importlib.import_module(RNG_MODULE)
+    rng._get_cuda_rng_state = _cpu_get_cuda_rng_state
+    rng._set_cuda_rng_state = _cpu_set_cuda_rng_state
     if not isinstance(rng._CUDA_RNG_STATE_TRACKER, CpuRNGStatesTracker):
         rng._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
         rng._CUDA_RNG_STATE_TRACKER_INITIALIZED = True

@@ -79,21 +79,25 @@ def load_prompt_set(paths: list[str], tokenizer, max_prompt_length: int, default
     return prompts, dropped
 
 
-def epoch_batches(n_prompts: int, batch_size: int, seed: int, total_steps: int):
-    """``(epoch, step, indices)`` for ``total_steps`` steps: each epoch a fresh seeded shuffle of the
-    prompts, cut into whole batches (the remainder is dropped, as SkyRL's train loader does)."""
+def epoch_batches(n_prompts: int, batch_size: int, seed: int, total_steps: int, start_step: int = 0):
+    """``(epoch, step, indices)`` for steps ``start_step + 1 .. total_steps``: each epoch a fresh seeded
+    shuffle of the prompts, cut into whole batches (the remainder is dropped, as SkyRL's train loader
+    does). The order depends only on (seed, epoch), so a run resumed after step ``start_step`` sees
+    exactly the batches an uninterrupted run would have."""
     import torch
 
     per_epoch = n_prompts // batch_size
     if per_epoch < 1:
         raise ValueError(f"the training data has {n_prompts} prompts (after filtering), fewer than "
                          f"trainer.train_batch_size={batch_size}")
-    step, epoch = 0, 0
+    epoch = start_step // per_epoch
+    step = epoch * per_epoch
     while step < total_steps:
         order = torch.randperm(n_prompts, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
         for b in range(per_epoch):
             if step == total_steps:
                 return
             step += 1
-            yield epoch, step, order[b * batch_size:(b + 1) * batch_size]
+            if step > start_step:
+                yield epoch, step, order[b * batch_size:(b + 1) * batch_size]
         epoch += 1

@@ -150,6 +150,13 @@ class _EngineCalls:
 
 
 def _serve(conn, model: str, kwargs: dict) -> None:  # the child process of a LocalVLLMEngine
+    # Preemption signals go to the whole process group (Slurm, torchrun, a shell's kill -- -pgid): the
+    # trainer finishes its step, checkpoints and then closes this engine, so the engine must outlive them.
+    # It still ends with the trainer (the pipe's EOF below).
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
     try:
         server = VLLMServer(model, kwargs)
         conn.send(("ready", None))
@@ -190,13 +197,20 @@ class LocalVLLMEngine(_EngineCalls):
         child.close()  # so that a dead engine process shows up as EOF here
         atexit.register(self.close)
         deadline = time.monotonic() + start_timeout
-        while not self._conn.poll(1.0):
-            if not self._proc.is_alive() or time.monotonic() > deadline:
-                code = self._proc.exitcode
-                self.close()
-                raise RuntimeError(f"vLLM engine for {model} did not start "
-                                   + (f"(process exited with {code})" if code is not None
-                                      else f"within {start_timeout:.0f}s"))
+        try:
+            while not self._conn.poll(1.0):
+                if not self._proc.is_alive() or time.monotonic() > deadline:
+                    code = self._proc.exitcode
+                    self.close()
+                    raise RuntimeError(f"vLLM engine for {model} did not start "
+                                       + (f"(process exited with {code})" if code is not None
+                                          else f"within {start_timeout:.0f}s"))
+        except (KeyboardInterrupt, SystemExit):  # e.g. preempted while the engine starts: nothing to keep
+            if self._proc is not None:
+                self._proc.kill()  # it ignores SIGTERM (see _serve) and would finish loading first
+                self._proc.join()
+                self._proc = None
+            raise
         try:
             status, err = self._conn.recv()
         except EOFError:
@@ -379,7 +393,9 @@ def build_engines(model: str | os.PathLike, num_engines: int = 1, tensor_paralle
         except ImportError:
             raise ImportError("generator.run_engines_locally=false needs Ray: pip install 'mlora[ray]'") from None
         if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
+            # "local" without RAY_ADDRESS: ray.init(address=None) would join the last `ray start` cluster
+            # recorded in /tmp/ray/ray_current_cluster, even one that is gone (then it hangs on its GCS)
+            ray.init(address=os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False, log_to_driver=False)
             on_close = ray.shutdown
         make = functools.partial(RayVLLMEngine, ship_adapter=ship_adapter)
     engines: list = []

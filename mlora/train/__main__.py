@@ -10,6 +10,7 @@ to them), so an installed wheel finds them. Keys are checked against the typed s
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from importlib import resources
@@ -18,6 +19,21 @@ CONFIG_DIR = str(resources.files("mlora") / "configs")
 # Hydra writes a job log file and a .hydra/ folder into the working directory by default; a
 # trainer's logs go to its run directory (metrics.jsonl) and the console instead.
 HYDRA_QUIET = ("hydra/job_logging=none", "hydra/hydra_logging=none", "hydra.output_subdir=null", "hydra.run.dir=.")
+
+
+def _is_override(arg: str) -> bool:
+    return not arg.startswith("-") and ("=" in arg or arg.startswith("~"))
+
+
+def hydra_argv(args: list[str]) -> list[str]:
+    """Options first, then the user's overrides, then the quiet defaults the user did not set.
+
+    Hydra parses overrides as one positional list, so argparse rejects overrides on both sides of
+    an option (``key=v --config-name x``); keeping options first accepts any order."""
+    overrides = [a for a in args if _is_override(a)]
+    given = {o.split("=", 1)[0] for o in overrides}
+    return ([a for a in args if not _is_override(a)] + overrides
+            + [o for o in HYDRA_QUIET if o.split("=", 1)[0] not in given])
 
 
 def main() -> None:
@@ -43,9 +59,19 @@ def main() -> None:
         notes = finalize(cfg, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available(), explicit)
         run(cfg, notes)
 
-    given = {a.split("=", 1)[0] for a in sys.argv[1:]}
-    sys.argv += [o for o in HYDRA_QUIET if o.split("=", 1)[0] not in given]
-    _run()
+    sys.argv[1:] = hydra_argv(sys.argv[1:])
+    from mlora.train.preemption import Preempted
+
+    try:
+        _run()
+    except Preempted as stop:
+        # Checkpoint, preempted.json and the engines are done. Skip the interpreter's teardown (seconds
+        # of module finalisation after torch, megatron and transformers) so that every rank exits 75
+        # well within torchrun's --shutdown-timeout (30 s by default, then SIGKILL).
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(stop.code)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import mlora
-from mlora.config.schema import LoraSection, SamplingSection, TrainConfig
+from mlora.config.schema import LoraSection, SamplingSection, TrainConfig, TrainerSection
 from mlora.config.validate import LOSS_REDUCTIONS
 from mlora.rollout.generator import SamplingConfig
 from mlora.train.config import PPOConfig
@@ -38,6 +38,15 @@ def ppo_config(cfg: TrainConfig, total_steps: int) -> PPOConfig:
         critic_lr=cri.lr, critic_weight_decay=cri.weight_decay, critic_betas=tuple(cri.adam_betas),
         critic_warmup_steps=cri.num_warmup_steps, critic_lr_schedule=cri.scheduler,
         critic_max_grad_norm=cri.max_grad_norm, total_steps=actor_steps, critic_total_steps=critic_steps)
+
+
+def recompute_kwargs(t: TrainerSection) -> dict:
+    """:func:`mlora.from_pretrained`'s activation-recompute arguments from the trainer keys (after
+    :func:`mlora.config.validate.finalize`, which resolved ``trainer.gradient_checkpointing`` into
+    ``trainer.recompute``)."""
+    return dict(recompute=t.recompute, recompute_method=t.recompute_method,
+                recompute_num_layers=t.recompute_num_layers,
+                recompute_modules=None if t.recompute_modules is None else list(t.recompute_modules))
 
 
 def lora_config(section: LoraSection, seed: int) -> mlora.LoraConfig:

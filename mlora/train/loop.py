@@ -24,10 +24,20 @@ from mlora.rollout.data import Prompt, epoch_batches, load_prompt_set
 from mlora.rollout.envs import make_env
 from mlora.rollout.generator import Generation, SamplingConfig
 from mlora.train.batch import RolloutBatch
+from mlora.train.checkpoint import (
+    CheckpointError,
+    base_model_identity,
+    check_base_model,
+    check_complete,
+    resolve_resume,
+    save_checkpoint,
+)
 from mlora.train.engine import ActorCriticEngine
 from mlora.train.evaluate import evaluate
-from mlora.train.from_config import lora_config, ppo_config, sampling_config
+from mlora.train.from_config import lora_config, ppo_config, recompute_kwargs, sampling_config
 from mlora.train.metrics_log import MetricsLogger, log, setup_logging, step_line
+from mlora.train.preemption import EX_TEMPFAIL, Preempted, PreemptionGuard, clear_marker, write_marker
+from mlora.train.train_state import load_train_state, write_train_state
 
 POLICY, CRITIC = "policy", "critic"  # the trainer's adapter names; the engines serve POLICY under this name
 FROZEN = "frozen"  # the name of trainer.policy.model.frozen_adapter_path's adapter
@@ -164,7 +174,22 @@ def _build_engine(cfg: TrainConfig, model, total_steps: int) -> ActorCriticEngin
 
 
 def run(cfg: TrainConfig, notes: Sequence[str] = ()) -> dict:
-    """Train; returns the last step's metrics (on every rank)."""
+    """Train; returns the last step's metrics (on every rank).
+
+    SIGTERM / SIGUSR1 during the run: the ranks agree to stop after the current step, save a
+    checkpoint, write ``<run_dir>/preempted.json`` (rank 0), release the engines and raise
+    :class:`~mlora.train.preemption.Preempted` (a ``SystemExit`` with code 75).
+    """
+    with PreemptionGuard() as guard:
+        try:
+            return _train(cfg, notes, guard)
+        except Preempted as stop:
+            if stop.step is None and int(os.environ.get("RANK", "0")) == 0:  # stopped during start-up
+                write_marker(Path(cfg.trainer.run_dir), None, None, guard.received)
+            raise
+
+
+def _train(cfg: TrainConfig, notes: Sequence[str], guard: PreemptionGuard) -> dict:
     from transformers import AutoTokenizer
 
     t, g = cfg.trainer, cfg.generator
@@ -180,16 +205,19 @@ def run(cfg: TrainConfig, notes: Sequence[str] = ()) -> dict:
     for note in notes:
         log.info("note: %s", note)
     dist.barrier()
+    run_dir = Path(t.run_dir)
+    ckpt_root = Path(t.ckpt_path) if t.ckpt_path else run_dir / "checkpoints"
+    resume = _find_resume(cfg, mesh, ckpt_root)  # before the model loads: a wrong checkpoint fails fast
 
     # 2. prompts, the shared base with its adapters, the PPO engine
     tokenizer = AutoTokenizer.from_pretrained(str(t.policy.model.path))
     train, val = _load_data(cfg, tokenizer)
     total_steps = t.total_steps or t.epochs * (len(train) // t.train_batch_size)
     model = mlora.from_pretrained(t.policy.model.path, mesh, dtype=getattr(torch, t.dtype), fp8=t.fp8,
-                                  fp8_recipe=t.fp8_recipe)
+                                  fp8_recipe=t.fp8_recipe, **recompute_kwargs(t))
     engine = _build_engine(cfg, model, total_steps)
-    run_dir = Path(t.run_dir)
-    ckpt_root = Path(t.ckpt_path) if t.ckpt_path else run_dir / "checkpoints"
+    start_step = _resume_state(resume, model, engine, cfg, len(train), total_steps) if resume else 0
+    saver = _Saver(cfg, mesh, model, engine, ckpt_root, len(train), total_steps)
     pad_id = tokenizer.pad_token_id or 0
 
     # 3. the engines, serving the initial policy adapter
@@ -200,20 +228,22 @@ def run(cfg: TrainConfig, notes: Sequence[str] = ()) -> dict:
             from tqdm import tqdm
 
             run_dir.mkdir(parents=True, exist_ok=True)
-            metrics_log = MetricsLogger(t.logger, run_dir, t.project_name, t.run_name)
+            metrics_log = MetricsLogger(t.logger, run_dir, t.project_name, t.run_name,
+                                        resume_step=start_step if resume else None)
         rollouts = Rollouts(cfg, mesh, run_dir, POLICY)
         rollouts.sync(model)
         evaluating = bool(val) and t.eval_interval > 0
-        if evaluating and t.eval_before_train:
+        if evaluating and t.eval_before_train and resume is None:  # a resumed run evaluated step 0 before
             metrics = rollouts.evaluate(val, 0, run_dir)
             if metrics_log is not None:
                 metrics_log.log(0, metrics)
                 log.info("eval before training: %s", _eval_summary(metrics))
         if mesh.rank == 0:
-            bar = tqdm(total=total_steps, desc="mlora-train", unit="step")
+            bar = tqdm(total=total_steps, initial=start_step, desc="mlora-train", unit="step")
+        guard.defer()  # from here a signal finishes the step and checkpoints; before, it stops start-up at once
 
         # 4. the steps: rollouts -> shared-base update -> hand-off -> eval / checkpoint -> log
-        for epoch, step, picked in epoch_batches(len(train), t.train_batch_size, t.seed, total_steps):
+        for epoch, step, picked in epoch_batches(len(train), t.train_batch_size, t.seed, total_steps, start_step):
             sampling = sampling_config(g.sampling_params, g.n_samples_per_prompt, t.seed + step * 1000)
             batch, metrics = rollouts.collect([train[i] for i in picked], sampling, pad_id)
             t0 = time.perf_counter()
@@ -223,20 +253,30 @@ def run(cfg: TrainConfig, notes: Sequence[str] = ()) -> dict:
             metrics["trainer/epoch"] = epoch
             if evaluating and (step % t.eval_interval == 0 or step == total_steps):
                 metrics.update(rollouts.evaluate(val, step, run_dir))
+            saved = None
             if t.ckpt_interval > 0 and (step % t.ckpt_interval == 0 or step == total_steps):
-                save_checkpoint(model, engine, ckpt_root / f"global_step_{step}")
+                saved = saver.save(step, epoch)
+            # every rank, every step (a signal may reach only some ranks): all stop after the same step.
+            # Before the step's line is logged, so a signal sent after line k-1 appeared stops at step k.
+            stop = guard.agreed(mesh.device)
             if metrics_log is not None:
                 metrics_log.log(step, metrics)
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
                 log.info(step_line(step, metrics))
             last = metrics
+            if stop and step < total_steps:
+                _preempt(guard, saver, mesh, run_dir, step, epoch, saved)
+            if stop:
+                log.info("%s arrived during the last step: finishing normally",
+                         guard.received or "a stop signal (on another rank)")
 
         # 5. the final adapter, the plot, and how to serve it
         final = run_dir / "final_adapter"
         model.save_adapter(POLICY, final)
         if mesh.rank == 0:
             _report(cfg, run_dir, final, rollouts.engine_base)
+            clear_marker(run_dir)
     finally:
         if bar is not None:
             bar.close()
@@ -266,8 +306,72 @@ def _report(cfg: TrainConfig, run_dir: Path, final: Path, engine_base) -> None:
              format_command(argv))
 
 
-def save_checkpoint(model, engine: ActorCriticEngine, directory: Path) -> None:
-    """Adapters in PEFT layout (mesh-independent) under ``<dir>/adapters/<name>/``."""
-    for name in (engine.policy, engine.critic):
-        if name is not None:
-            model.save_adapter(name, directory / "adapters" / name)
+def _find_resume(cfg: TrainConfig, mesh, ckpt_root: Path) -> Path | None:
+    """The checkpoint to resume from (``trainer.resume_mode``), decided on rank 0 and the same on every
+    rank; a damaged one or one from another base model is an error on every rank."""
+    t = cfg.trainer
+    box: list = [None]
+    if mesh.rank == 0:
+        try:
+            path = resolve_resume(t.resume_mode, ckpt_root, t.resume_path)
+            if path is not None:
+                check_base_model(check_complete(path), t.policy.model.path, path)
+            box = [("ok", None if path is None else str(path))]
+        except CheckpointError as exc:
+            box = [("error", str(exc))]
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status == "error":
+        raise CheckpointError(value)
+    return None if value is None else Path(value)
+
+
+def _resume_state(path: Path, model, engine: ActorCriticEngine, cfg: TrainConfig, n_prompts: int,
+                  total_steps: int) -> int:
+    """Load checkpoint ``path`` into the model and engine; returns its step."""
+    t0 = time.perf_counter()
+    state = load_train_state(path, model, engine)
+    step = state["step"]
+    if (state.get("n_prompts"), state.get("train_batch_size")) != (n_prompts, cfg.trainer.train_batch_size):
+        log.warning("resume: the checkpoint's run had %s prompts in batches of %s, this one %d in batches of %d: the "
+                    "data order after step %d differs from the original run's", state.get("n_prompts"),
+                    state.get("train_batch_size"), n_prompts, cfg.trainer.train_batch_size, step)
+    log.info("resumed from %s (step %d, epoch %d) in %.2fs; %s", path, step, state.get("epoch", 0),
+             time.perf_counter() - t0, f"continuing with step {step + 1} of {total_steps}" if step < total_steps
+             else f"trainer.total_steps={total_steps} already reached: nothing left to train")
+    return step
+
+
+class _Saver:
+    """Writes checkpoints of the run: the collective save, what goes in (mlora.train.train_state)."""
+
+    def __init__(self, cfg: TrainConfig, mesh, model, engine: ActorCriticEngine, root: Path, n_prompts: int,
+                 total_steps: int) -> None:
+        from omegaconf import OmegaConf
+
+        self.cfg, self.mesh, self.model, self.engine, self.root = cfg, mesh, model, engine, root
+        self.n_prompts, self.total_steps = n_prompts, total_steps
+        self.config_text = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+        self.meta = {"base_model": base_model_identity(cfg.trainer.policy.model.path)} if mesh.rank == 0 else {}
+
+    def save(self, step: int, epoch: int) -> Path:
+        t = self.cfg.trainer
+        loop_state = {"step": step, "epoch": epoch, "total_steps": self.total_steps, "seed": t.seed,
+                      "n_prompts": self.n_prompts, "train_batch_size": t.train_batch_size,
+                      # rollouts of step s sample with seed + 1000·s (+ the prompt's index): no RNG to carry
+                      "next_sampling_seed": t.seed + (step + 1) * 1000}
+        meta = {**self.meta, "mesh": {"tp": self.mesh.tp, "pp": self.mesh.pp, "dp": self.mesh.dp}}
+        return save_checkpoint(self.root, step, self.mesh,
+                               lambda d: write_train_state(d, self.model, self.engine, loop_state, self.config_text),
+                               meta, keep=t.max_ckpts_to_keep)
+
+
+def _preempt(guard: PreemptionGuard, saver: _Saver, mesh, run_dir: Path, step: int, epoch: int,
+             saved: Path | None) -> None:
+    """Checkpoint step ``step`` (unless it just was), leave the marker, and stop with exit code 75."""
+    checkpoint = saved or saver.save(step, epoch)
+    if mesh.rank == 0:
+        marker = write_marker(run_dir, step, checkpoint, guard.received)
+        log.info("preempted (%s) after step %d: checkpoint %s, %s; releasing the engines and exiting with %d",
+                 guard.received or "a signal on another rank", step, checkpoint, marker, EX_TEMPFAIL)
+    raise Preempted(step, checkpoint)

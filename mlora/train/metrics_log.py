@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import time
 from pathlib import Path
 
 log = logging.getLogger("mlora")
@@ -22,7 +24,8 @@ def setup_logging(rank: int) -> None:
 class MetricsLogger:
     """Numeric metrics of each step to ``<run_dir>/metrics.jsonl`` and the configured backend."""
 
-    def __init__(self, kind: str, run_dir: Path, project_name: str, run_name: str) -> None:
+    def __init__(self, kind: str, run_dir: Path, project_name: str, run_name: str,
+                 resume_step: int | None = None) -> None:
         self.kind, self.backend = kind, None
         if kind == "wandb":
             import wandb
@@ -35,7 +38,8 @@ class MetricsLogger:
         elif kind != "console":
             raise ValueError(f"unknown trainer.logger {kind!r}; valid: console, wandb, tensorboard")
         self.path = run_dir / "metrics.jsonl"
-        self.file = open(self.path, "w")  # a new run starts a new record
+        prepare_metrics_file(self.path, resume_step)
+        self.file = open(self.path, "a")  # appended, never truncated: a resumed run continues the record
 
     def log(self, step: int, metrics: dict) -> None:
         flat = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
@@ -53,6 +57,40 @@ class MetricsLogger:
             self.backend.close()
         elif self.kind == "wandb":
             self.backend.finish()
+
+
+def prepare_metrics_file(path: Path, resume_step: int | None) -> None:
+    """Make ``path`` the record a run continues.
+
+    Resuming from step k: lines of steps after k are dropped (the run died after logging them but
+    before checkpointing them; they will be trained and logged again), everything else stays. A
+    fresh run in a directory that already has a record moves it aside (``metrics.<time>.jsonl``)
+    instead of mixing two runs in one plot.
+    """
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    if resume_step is None:
+        old = path.with_name(f"metrics.{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+        os.replace(path, old)
+        log.info("a fresh run: the previous %s was moved to %s", path.name, old.name)
+        return
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short when the run died
+            dropped += 1
+            continue
+        if isinstance(row, dict) and row.get("step", 0) > resume_step:
+            dropped += 1
+        else:
+            kept.append(line)
+    if dropped:
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        os.replace(tmp, path)
+        log.info("resume from step %d: dropped %d line(s) of %s logged after that checkpoint (steps > %d run again)",
+                 resume_step, dropped, path.name, resume_step)
 
 
 def step_line(step: int, m: dict) -> str:

@@ -21,6 +21,12 @@ from mlora.parallel.accounting import count_collectives, summarize
 
 MODELS = ("llama", "qwen2")
 DROPOUT = 0.3
+# activation recompute at TP x PP (tiny Llama: 4 layers, 2 per stage at PP2), with dropout on
+RECOMPUTE_CASES = {
+    "selective": dict(recompute="selective", recompute_modules=["core_attn", "mlp"]),
+    "full_uniform": dict(recompute="full", recompute_method="uniform", recompute_num_layers=1),
+    "full_block": dict(recompute="full", recompute_method="block", recompute_num_layers=1),
+}
 
 
 def layout_file(out: Path, check: str, name: str, tp: int, pp: int, sp: bool) -> Path:
@@ -50,9 +56,9 @@ def dropout_adapter(refs_dir: Path, out: Path, name: str) -> Path:
     return path
 
 
-def dropout_step(model, mb: dict, mask, out: Path, name: str, tag: dict) -> dict:
-    """Train-mode forward+backward of two micro-batches (two forward calls: two mask draws) with
-    dropout on: the summed loss and the PEFT-layout gradients must not depend on TP/PP."""
+def dropout_grads(model, mb: dict, mask) -> tuple[float, dict]:
+    """Train-mode forward+backward of two micro-batches (two forward calls: two mask draws) with the
+    ``drop`` adapter: the summed loss and the PEFT-layout gradients, on every rank (collective)."""
     losses = []
     summed = masked_sum_loss(model, mask)
 
@@ -76,11 +82,45 @@ def dropout_step(model, mb: dict, mask, out: Path, name: str, tag: dict) -> dict
     loss = merged_from_all_ranks({"loss": loss} if loss is not None and mesh.tp_rank == 0 else {})["loss"]
     for p in model.trainable_parameters():
         p.grad = None
+    return loss, grads
+
+
+def dropout_step(model, mb: dict, mask, out: Path, name: str, tag: dict) -> dict:
+    """:func:`dropout_grads`, written for the test: the loss and gradients must not depend on TP/PP."""
+    loss, grads = dropout_grads(model, mb, mask)
     path = layout_file(out, "dropout", name, **tag)
-    if mesh.rank == 0:
+    if model.mesh.rank == 0:
         torch.save({"loss": loss, "grads": grads}, path)
     return dict(check="dropout", model=name, **tag, file=str(path), calls=sorted(
         {m.lora["drop"].dropout_calls for m in model._lora_linears() if "drop" in m.lora}))
+
+
+def recompute_checks(models_dir: Path, drop_dir: Path, mesh, mb: dict, mask, want: dict | None,
+                     tag: dict) -> list[dict]:
+    """Activation recompute at this layout: the dropout step's loss and gradients with each setting equal
+    recompute none's (``want``: what :func:`dropout_step` wrote, on rank 0), and the recomputed modules
+    really ran twice per micro-batch."""
+    records = []
+    for label, kwargs in RECOMPUTE_CASES.items():
+        model = mlora.from_pretrained(models_dir / "llama", mesh, **kwargs)
+        model.load_adapter("drop", drop_dir, trainable=True)
+        calls: dict[str, int] = {}
+        for layer in model.gpt.decoder.layers:
+            for key, module in (("layer", layer), ("core_attn", layer.self_attention.core_attention)):
+                module.register_forward_hook(lambda *_, key=key: calls.__setitem__(key, calls.get(key, 0) + 1))
+        loss, grads = dropout_grads(model, mb, mask)
+        if mesh.rank == 0:
+            ref_loss, ref = want["loss"], want["grads"]
+            records.append(dict(check="recompute", setting=label, model="llama", **tag, missing=sorted(set(ref) ^ set(grads)),
+                                loss_diff=abs(loss - ref_loss),
+                                max_abs=max((grads[k] - g).abs().max().item() for k, g in ref.items() if k in grads),
+                                max_rel=max(((grads[k] - g).norm() / g.norm()).item() for k, g in ref.items()
+                                            if k in grads)))
+        layers = len(model.gpt.decoder.layers)
+        records.append(dict(check="recompute_calls", setting=label, **tag, rank=mesh.rank,
+                            per_layer={k: v / layers for k, v in calls.items()}))
+        del model
+    return records
 
 
 def main() -> None:
@@ -137,6 +177,10 @@ def main() -> None:
             records.append(fresh_init(model, args.out, name, tag))
             model.load_adapter("drop", dropout_adapter(args.refs_dir, args.out, name), trainable=True)
             records.append(dropout_step(model, mb, mask, args.out, name, tag))
+            if name == "llama" and tp > 1 and pp > 1:
+                records += recompute_checks(args.models_dir, dropout_adapter(args.refs_dir, args.out, name), mesh, mb,
+                                            mask, torch.load(layout_file(args.out, "dropout", name, **tag))
+                                            if mesh.rank == 0 else None, tag)
 
             # collectives of one forward+backward: base alone vs adapters active
             if tp > 1 or pp > 1:

@@ -1,0 +1,198 @@
+"""Activation bytes of one micro-batch on one rank: what autograd keeps, and the working memory on top.
+
+Pure arithmetic on a :class:`Geometry` (this rank's slice of one micro-batch). The terms follow
+the tensors autograd actually saves in mlora's local layer spec (counted with
+``torch.autograd.graph.saved_tensors_hooks``; ``tests/test_memory_plan.py`` holds the formula to
+that count), so they change when the layer code does. Assumptions, per term:
+
+- Every saved tensor is in the compute dtype except the RMSNorm statistics (float32 input copy and
+  ``rsqrt``), the SDPA log-sum-exp and the unfused softmax, which are float32.
+- autograd saves only what a gradient needs: the frozen base GEMMs save nothing of their input; a
+  tensor is saved only once something upstream of it (a trainable LoRA factor, a stage input from
+  the previous pipeline stage, the embedding output under recompute) requires grad.
+- A trainable LoRA branch on a column-parallel layer saves the layer's input *after* the
+  sequence-parallel all-gather (the whole sequence) and its ``x·Aᵀ`` (on an FP8 base also the block
+  ``s·B`` it built); on a row-parallel layer the input slice (shared with the attention output, or
+  the MLP product).
+- SDPA (flash kernels on GPU, the fused flash kernel on CPU) keeps q, k (after RoPE), v (a view
+  of the fused QKV output, so the whole QKV output), its output and a float32 log-sum-exp per head
+  and token: memory linear in the sequence. The unfused path keeps the ``[b, heads, s, s]`` float32
+  softmax (plus its dtype copy when the dtype is narrower) and K/V repeated to every query head under
+  GQA; every micro-batch of a call also holds its ``[b, 1, s, s]`` boolean mask.
+- Sequence parallelism divides the residual stream (norm inputs, stage boundaries) by TP; the
+  gathered inputs of LoRA column layers and everything inside attention and the MLP are whole.
+- Recompute is megatron's: ``full`` keeps the input of each checkpointed group of layers and, while
+  one group runs backward, that group's activations; ``selective`` (``core_attn``) keeps only the
+  inputs of the core attention (q, k, the QKV output), ``mlp`` only the MLP input.
+
+Transients (working memory beyond what is kept) are bounded per layer: the largest intermediate
+set of a forward (no-grad passes) and of a backward (the gradients of one sublayer in flight).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+F32 = 4  # bytes of a float32
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """This rank's view of one micro-batch at one layer."""
+
+    batch: int  # sequences in the micro-batch
+    seq: int  # tokens per sequence inside the model (padded to a multiple of TP under SP)
+    hidden: int
+    heads: int  # attention heads on this rank (heads / TP)
+    kv_heads: int  # query groups on this rank
+    head_dim: int
+    ffn: int  # intermediate size on this rank (intermediate / TP)
+    tp: int
+    sp: bool
+    item: int  # bytes per element of the compute dtype
+    fp8: bool = False  # the frozen linears are FP8 (their LoRA takes the block-B path of lora_delta)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of the micro-batch (whole sequences)."""
+        return self.batch * self.seq
+
+    @property
+    def stream_tokens(self) -> int:
+        """Tokens of the residual stream on this rank: split over TP under sequence parallelism."""
+        return self.tokens // self.tp if self.sp else self.tokens
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def qkv_width(self) -> int:
+        return self.q_width + 2 * self.kv_width
+
+    @property
+    def scores(self) -> int:
+        """Elements of one ``[b, heads, s, s]`` attention-score tensor on this rank."""
+        return self.batch * self.heads * self.seq * self.seq
+
+
+@dataclass(frozen=True)
+class LayerLora:
+    """The trainable LoRA of one layer: how many projections each of the four sites adapts (``qkv``: q, k,
+    v; ``proj``: o; ``fc1``: gate, up; ``fc2``: down) and the rank."""
+
+    sites: Mapping[str, int]
+    rank: int
+
+    def k(self, site: str) -> int:
+        return self.sites.get(site, 0)
+
+
+def _norm_saved(g: Geometry) -> int:
+    """RMSNorm (float32 math): the float32 input (a copy unless the dtype is float32) and ``rsqrt``."""
+    return g.stream_tokens * (g.hidden + 1) * F32
+
+
+def _lora_saved(g: Geometry, k: int, rank: int, out_width: int) -> int:
+    """A trainable branch besides its input: ``x·Aᵀ`` ``[tokens, k·r]``; on an FP8 base, whose LoRA
+    runs as two autograd GEMMs (:func:`mlora.lora.layers.lora_delta`), also the block ``s·B`` ``[out, k·r]``."""
+    return (g.tokens + (out_width if g.fp8 else 0)) * k * rank * g.item
+
+
+def _attention_saved(g: Geometry, attention: str, selective: bool) -> tuple[int, bool]:
+    """Bytes core attention keeps (RoPE's cos/sin included) and whether its output is among them."""
+    rope = 4 * g.seq * g.head_dim * g.item  # cos and sin, for q and for k, [s, 1, 1, head_dim] each
+    q, k, qkv = g.tokens * g.q_width, g.tokens * g.kv_width, g.tokens * g.qkv_width
+    if selective:  # megatron's checkpoint keeps the core attention's inputs: q, k, v (a view of QKV) and
+        return rope + (q + k + qkv) * g.item + 4, False  # the mask type as an int32 tensor
+    if attention == "sdpa":
+        lse = g.batch * g.heads * g.seq * F32
+        return rope + (q + k + qkv + q) * g.item + lse, True
+    gqa = g.heads > g.kv_heads
+    keys = q if gqa else k  # K repeated to every query head under GQA
+    values = q if gqa else qkv  # V repeated, or a view of the QKV output
+    probs = g.scores * (F32 + (g.item if g.item != F32 else 0))  # float32 softmax (+ its dtype copy)
+    return rope + (q + keys + values) * g.item + probs, False
+
+
+def layer_saved(g: Geometry, lora: LayerLora, attention: str, input_requires_grad: bool,
+                selective: tuple[str, ...] = ()) -> tuple[int, bool]:
+    """Bytes autograd keeps for one layer of one micro-batch, and whether the layer output requires grad.
+
+    ``input_requires_grad``: the layer input carries a graph (a trainable LoRA upstream on this
+    stage, a stage input from the previous stage, or the embedding output under recompute).
+    """
+    h, e, total = g.hidden, g.item, 0
+    grad = input_requires_grad
+    if grad:
+        total += _norm_saved(g)
+    kq = lora.k("qkv")
+    if kq:
+        total += g.tokens * h * e + _lora_saved(g, kq, lora.rank, g.qkv_width)
+    attn_grad = grad or kq > 0
+    out_kept = False
+    if attn_grad:
+        saved, out_kept = _attention_saved(g, attention, "core_attn" in selective)
+        total += saved
+    ko = lora.k("proj")
+    if ko:
+        total += (0 if out_kept else g.tokens * g.q_width * e) + _lora_saved(g, ko, lora.rank, h)
+    mid_grad = attn_grad or ko > 0
+    if mid_grad:
+        total += _norm_saved(g)
+    if "mlp" in selective:
+        # megatron's checkpoint keeps the MLP input (the norm output, sequence-split under SP)
+        total += g.stream_tokens * h * e if (mid_grad or lora.k("fc1") or lora.k("fc2")) else 0
+        return total, mid_grad or lora.k("fc1") > 0 or lora.k("fc2") > 0
+    k1 = lora.k("fc1")
+    if k1:
+        total += g.tokens * h * e + _lora_saved(g, k1, lora.rank, 2 * g.ffn)
+    mlp_grad = mid_grad or k1 > 0
+    if mlp_grad:
+        total += g.tokens * 4 * g.ffn * e  # fc1 output [gate; up], silu(gate), up + 0 (megatron's glu)
+    k2 = lora.k("fc2")
+    if k2:
+        total += g.tokens * g.ffn * e + _lora_saved(g, k2, lora.rank, h)
+    return total, mlp_grad or k2 > 0
+
+
+def mask_bytes(g: Geometry, attention: str) -> int:
+    """The ``[b, 1, s, s]`` boolean mask of one micro-batch (unfused attention only; SDPA runs causal)."""
+    return g.batch * g.seq * g.seq if attention == "unfused" else 0
+
+
+def forward_workspace(g: Geometry, attention: str) -> int:
+    """Largest set of live temporaries inside one layer of a no-grad forward pass: the residual and
+    norm outputs, then the larger of attention (QKV output, q and k after RoPE and their RoPE
+    temporaries, output; unfused: scores, masked scores, softmax) and the MLP (fc1 output, silu,
+    up + 0, product)."""
+    e = g.item
+    stream = 2 * g.stream_tokens * g.hidden * e + g.tokens * g.hidden * e
+    attn = g.tokens * (g.qkv_width + 3 * g.q_width + 2 * g.kv_width) * e
+    if attention == "unfused":
+        attn += g.scores * (e + 2 * F32)
+    mlp = g.tokens * 5 * g.ffn * e
+    return stream + max(attn, mlp)
+
+
+def backward_workspace(g: Geometry, attention: str) -> int:
+    """Largest set of gradients in flight inside one layer's backward, beyond what is kept: the
+    incoming gradient of the residual stream, then the larger of the MLP's (two ``[tokens, ffn]``:
+    the gradients of silu(gate) and of up, or of the product's base and LoRA paths) and attention's
+    (the output's, q's, k's and v's gradients and the QKV gradient they are gathered into; unfused:
+    the softmax gradient and the score gradient, float32, while the softmax output is still kept).
+    An FP8 linear's input gradient multiplies by a dtype copy of its weight (:class:`mlora.fp8.quant._FP8Linear`):
+    the largest one, fc1's, and its row-scaled output gradient are added."""
+    e = g.item
+    mlp = g.tokens * 2 * g.ffn * e
+    if g.fp8:
+        mlp += 2 * g.ffn * g.hidden * e + g.tokens * 2 * g.ffn * e
+    attn = g.tokens * (g.q_width + g.qkv_width) * e
+    if attention == "unfused":
+        attn += g.scores * (e + F32 + (F32 if e != F32 else 0))
+    return g.stream_tokens * g.hidden * e + max(mlp, attn)

@@ -1,0 +1,277 @@
+"""Memory of each rank during one PPO step of the shared-base engine, from shapes alone.
+
+:func:`plan_memory` combines the exact weight terms (:mod:`mlora.plan.weights`) with the
+activation and logits formulas (:mod:`mlora.plan.activations`, :mod:`mlora.plan.logits`) phase by
+phase, following :meth:`mlora.train.engine.ActorCriticEngine.step`:
+
+1. ``forward``: old log-probs (actor), reference log-probs (adapters off), values (critic): no
+   grad, one forward micro-batch at a time; the last stage holds the logits of one micro-batch
+   and their float32 temporaries.
+2. ``actor``: forward + backward of the ``policy`` adapter under megatron's schedule: stage ``i``
+   of ``P`` keeps the activations of ``min(P - i, M)`` micro-batches (1F1B), the last stage the
+   logits of one; the moment of the peak is either the loss of the last in-flight micro-batch
+   (logits and their temporaries on top of everything kept) or the backward of a layer
+   (gradients in flight, plus a recomputed group under full recompute).
+3. ``critic``: the same for ``critic`` + value head (hidden states, no logits).
+4. ``reduce``: gradients flattened into one bucket for the TP/DP all-reduce.
+
+Persistent in every phase: the frozen base, both adapters, the value head, and both AdamW states
+(two moments per trainable element, in the adapter dtype: the steady state from the second step
+on; the first step is lower by the critic's moments during the actor update). A colocated vLLM
+engine adds its weights and KV cache. Gradients exist only inside their update (the engine sets
+them to None after each optimizer step).
+
+What is not counted: the CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation (the
+caching allocator on GPU, glibc's heap on CPU: see ``bench/memory_plan.py``), the rollout batch in
+host memory, and per-tensor bookkeeping under a kilobyte (AdamW's step counters).
+
+Where the numbers come from and what carries over to GPUs: the saved-tensor terms are counted, not
+estimated, for every dtype, FP8, attention and recompute setting the planner takes
+(``tests/test_memory_plan.py``), and the peaks are measured on CPU in float32 at TP, PP, DP and SP
+(``bench/memory_plan.py``: within 10% on its grid). On a GPU the same autograd graph is built, so
+the kept activations hold as they are; what the CPU cannot check is the GPU kernels' own
+workspace: SDPA is assumed to run a flash kernel (q, k, v, output and a float32 log-sum-exp, as the
+CPU's fused kernel; a math fallback would materialise the scores), and batched GEMMs are assumed
+to read stride-0 operands in place. (On CPU in bf16 the output layer's frozen-weight backward
+materialises its weight once per sequence position, ``s · V/TP · hidden`` bytes, because torch's
+CPU bmm copies the expanded operand; float32 and, presumably, GPUs do not. That temporary is not
+modelled.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from mlora.lora.config import LoraConfig
+from mlora.lora.targets import resolve_targets
+from mlora.models.hf_config import ModelSpec
+from mlora.models.weight_map import stage_layers
+from mlora.plan.activations import (
+    Geometry,
+    LayerLora,
+    backward_workspace,
+    forward_workspace,
+    layer_saved,
+    mask_bytes,
+)
+from mlora.plan.logits import logits_forward_only, logits_training
+from mlora.plan.weights import adapter_bytes, base_bytes, head_bytes
+from mlora.plan.workload import Engine, Layout, Workload
+
+SITE_OF = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "proj",
+           "gate_proj": "fc1", "up_proj": "fc1", "down_proj": "fc2"}
+FIELDS = ("base", "adapters", "grads", "optimizer", "heads", "activations", "logits", "engine")
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes on one (pipeline stage, TP rank) at the moment of its peak; ``peak`` is their sum.
+    Every DP replica of the rank holds the same."""
+
+    stage: int
+    tp_rank: int
+    base: int
+    adapters: int
+    grads: int
+    optimizer: int
+    heads: int
+    activations: int
+    logits: int
+    engine: int
+    peak: int
+    phase: str  # where the peak happens: forward, actor, critic or reduce
+    phases: dict = field(default_factory=dict)  # the peak of every phase considered, bytes
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class MemoryPlan:
+    """Per-rank memory of one PPO step on ``layout``."""
+
+    spec: ModelSpec
+    layout: Layout
+    workload: Workload
+    engine: Engine | None
+    ranks: list[RankMemory] = field(default_factory=list)
+
+    @property
+    def peak(self) -> int:
+        """The largest per-rank peak: what each GPU of the layout must hold."""
+        return max(r.peak for r in self.ranks)
+
+    def as_dict(self) -> dict:
+        return {"model": self.spec.architecture, "layout": str(self.layout), "peak": self.peak,
+                "ranks": [r.as_dict() for r in self.ranks]}
+
+
+def _item(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def geometry(spec: ModelSpec, layout: Layout, workload: Workload, batch: int) -> Geometry:
+    """This rank's view of a micro-batch of ``batch`` sequences (every TP rank sees the same sizes)."""
+    return Geometry(batch=batch, seq=workload.padded_seq(layout), hidden=spec.hidden_size,
+                    heads=spec.num_heads // layout.tp, kv_heads=spec.num_kv_heads // layout.tp,
+                    head_dim=spec.head_dim, ffn=spec.intermediate_size // layout.tp, tp=layout.tp, sp=layout.sp,
+                    item=_item(workload.dtype), fp8=workload.fp8 is not None)
+
+
+def _layer_loras(spec: ModelSpec, workload: Workload, layers: range) -> list[LayerLora]:
+    modules = resolve_targets(workload.target_modules, workload.exclude_modules, spec.num_layers)
+    out = []
+    for i in layers:
+        sites: dict[str, int] = {}
+        for layer, proj in modules:
+            if layer == i:
+                sites[SITE_OF[proj]] = sites.get(SITE_OF[proj], 0) + 1
+        out.append(LayerLora(sites, workload.rank))
+    return out
+
+
+@dataclass(frozen=True)
+class _StageActivations:
+    kept: int  # per micro-batch, for the whole backward
+    recomputed: int  # one recompute group's activations while it runs backward (full recompute)
+    tail: int  # of ``kept``, what the last stage frees before its layers run backward (final norm, head input)
+
+
+def stage_activations(spec: ModelSpec, layout: Layout, workload: Workload, stage: int, critic: bool
+                      ) -> _StageActivations:
+    """Bytes one micro-batch keeps on ``stage`` between its forward and its backward, for the actor
+    (``critic=False``) or the critic; and what a recomputed group adds while it runs backward."""
+    g = geometry(spec, layout, workload, workload.micro_batch)
+    first, last = stage == 0, stage == layout.pp - 1
+    loras = _layer_loras(spec, workload, stage_layers(spec, layout.pp, stage))
+    stream = g.stream_tokens * g.hidden * g.item  # one hidden-state tensor of the residual stream
+    rotary = g.seq * g.head_dim * 4  # megatron's float32 RoPE frequencies, kept by each checkpoint
+    kept = recomputed = 0
+    # the embedding output requires grad under recompute (mlora.models.recompute); a received stage input always
+    grad = not first or workload.recompute != "none"
+    selective = workload.recompute_modules if workload.recompute == "selective" else ()
+    if workload.recompute == "full":
+        n = workload.recompute_num_layers
+        if workload.recompute_method == "uniform":
+            kept = len(loras) // n * stream + rotary
+            groups = [loras[i:i + n] for i in range(0, len(loras), n)]
+        else:  # block: the first n layers one by one, the rest keep everything
+            kept = min(n, len(loras)) * stream + rotary
+            groups = [[lora] for lora in loras[:n]]
+            for lora in loras[n:]:
+                kept += layer_saved(g, lora, workload.attention, True)[0]
+        recomputed = max((sum(layer_saved(g, lora, workload.attention, True)[0] for lora in grp) for grp in groups),
+                         default=0)
+    else:
+        if not first and g.item != 4:
+            kept += stream  # the schedule keeps the received input; the first norm keeps a float32 copy
+        for lora in loras:
+            saved, grad = layer_saved(g, lora, workload.attention, grad, selective)
+            kept += saved
+    tail = 0
+    if last:
+        tail = g.stream_tokens * (g.hidden + 1) * 4  # final norm
+        if critic:
+            tail += g.tokens * g.hidden * g.item  # the value head's input (gathered under SP)
+    else:
+        kept += stream  # the schedule keeps this stage's output until its backward
+    return _StageActivations(kept + tail, recomputed, tail)
+
+
+def _vocab_local(spec: ModelSpec, tp: int, tp_rank: int) -> tuple[int, bool]:
+    """Columns of this rank's logits shard and whether any of them is TP padding."""
+    per = spec.padded_vocab_size(tp) // tp
+    real = max(0, min(per, spec.vocab_size - tp_rank * per))
+    return per, real < per
+
+
+@dataclass(frozen=True)
+class _Phase:
+    name: str
+    grads: int
+    activations: int
+    logits: int
+
+
+def _update_phase(spec: ModelSpec, layout: Layout, workload: Workload, stage: int, tp_rank: int, critic: bool,
+                  grads: int) -> _Phase:
+    """The peak moment of the actor's or the critic's update on one rank."""
+    g = geometry(spec, layout, workload, workload.micro_batch)
+    acts = stage_activations(spec, layout, workload, stage, critic)
+    micro_batches = workload.micro_batches if workload.micro_batches is not None else layout.pp
+    held = workload.in_flight(layout.pp, stage) * acts.kept + micro_batches * mask_bytes(g, workload.attention)
+    name = "critic" if critic else "actor"
+    backward = held - acts.tail + acts.recomputed + backward_workspace(g, workload.attention)
+    if stage == layout.pp - 1 and not critic:
+        vocab, padded = _vocab_local(spec, layout.tp, tp_rank)
+        logits = logits_training(g.batch, g.seq, vocab, g.item, padded)
+        if held + logits >= backward:
+            return _Phase(f"{name} loss", grads, held, logits)
+    return _Phase(f"{name} backward", grads, backward, 0)
+
+
+def _forward_phase(spec: ModelSpec, layout: Layout, workload: Workload, stage: int, tp_rank: int) -> _Phase:
+    """The no-grad log-prob and value passes (forward micro-batches, one at a time)."""
+    g = geometry(spec, layout, workload, workload.forward_batch)
+    rows = workload.micro_batch * (workload.micro_batches or layout.pp)
+    masks = -(-rows // workload.forward_batch) * mask_bytes(g, workload.attention)
+    logits = 0
+    if stage == layout.pp - 1:
+        vocab, padded = _vocab_local(spec, layout.tp, tp_rank)
+        logits = logits_forward_only(g.batch, g.seq, vocab, g.item, padded)
+    # the layers' temporaries and the logits never coexist: the logits come after the last layer
+    workspace = forward_workspace(g, workload.attention)
+    if logits > workspace:
+        return _Phase("forward", 0, masks, logits)
+    return _Phase("forward", 0, masks + workspace, 0)
+
+
+def engine_bytes(spec: ModelSpec, engine: Engine, lora: LoraConfig) -> int:
+    """A colocated vLLM engine's share of one GPU: its TP shard of the base (the trainer's sharding
+    functions; vLLM pads the vocabulary slightly differently), one LoRA slot of the adapter's rank,
+    and the KV cache of ``kv_tokens`` tokens (K and V of every layer for this GPU's KV heads).
+    vLLM's own activation workspace and CUDA graphs are not counted."""
+    item = _item(engine.dtype)
+    weights = base_bytes(spec, engine.tp, 1, 0, 0, engine.dtype, engine.fp8)
+    slot = adapter_bytes(spec, engine.tp, 1, lora, engine.dtype)[(0, 0)]
+    kv = engine.kv_tokens * spec.num_layers * 2 * engine.kv_heads_per_gpu(spec) * spec.head_dim * item
+    return weights + slot + kv
+
+
+def plan_memory(spec: ModelSpec, layout: Layout, workload: Workload, engine: Engine | None = None) -> MemoryPlan:
+    """Per-rank bytes of one PPO step of ``workload`` on ``layout`` (see the module docstring)."""
+    layout.check(spec)
+    workload.check(spec, layout)
+    if engine is not None:
+        engine.check(spec)
+    lora = LoraConfig(rank=workload.rank, alpha=2 * workload.rank, target_modules=workload.target_modules,
+                      exclude_modules=workload.exclude_modules)
+    per_adapter = adapter_bytes(spec, layout.tp, layout.pp, lora, workload.dtype)
+    colocated = engine_bytes(spec, engine, lora) if engine is not None else 0
+    plan = MemoryPlan(spec, layout, workload, engine)
+    for stage in range(layout.pp):
+        last = stage == layout.pp - 1
+        for tp_rank in range(layout.tp):
+            base = base_bytes(spec, layout.tp, layout.pp, stage, tp_rank, workload.dtype, workload.fp8)
+            actor = per_adapter[(stage, tp_rank)]
+            critic = actor if workload.critic else 0
+            heads = head_bytes(spec, workload.dtype) if workload.critic and last else 0
+            optimizer = 2 * (actor + critic + heads)  # AdamW: exp_avg and exp_avg_sq per trainable element
+            persistent = base + actor + critic + heads + optimizer + colocated
+            phases = [_forward_phase(spec, layout, workload, stage, tp_rank),
+                      _update_phase(spec, layout, workload, stage, tp_rank, False, actor)]
+            if workload.critic:
+                phases.append(_update_phase(spec, layout, workload, stage, tp_rank, True, critic + heads))
+            # one flat copy of the gradients for the TP/DP all-reduce (mlora.train.grads), an upper bound
+            if layout.tp * layout.dp > 1:
+                biggest = max(actor, critic + heads)
+                phases.append(_Phase("reduce", biggest, biggest, 0))
+            top = max(phases, key=lambda p: p.grads + p.activations + p.logits)
+            plan.ranks.append(RankMemory(
+                stage=stage, tp_rank=tp_rank, base=base, adapters=actor + critic, grads=top.grads,
+                optimizer=optimizer, heads=heads, activations=top.activations, logits=top.logits, engine=colocated,
+                peak=persistent + top.grads + top.activations + top.logits, phase=top.name,
+                phases={p.name: persistent + p.grads + p.activations + p.logits for p in phases}))
+    return plan

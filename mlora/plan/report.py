@@ -1,0 +1,81 @@
+"""Text for people and JSON for programs, from memory plans."""
+
+from __future__ import annotations
+
+import json
+
+from mlora.plan.fit import GIB, Fit
+from mlora.plan.memory import FIELDS, MemoryPlan
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def describe(plan: MemoryPlan) -> str:
+    """One line: model, layout and workload."""
+    spec, w, layout = plan.spec, plan.workload, plan.layout
+    micro = w.micro_batches if w.micro_batches is not None else layout.pp
+    base = f"{str(w.dtype).removeprefix('torch.')}" + (" + FP8 (torch) linears" if w.fp8 else "")
+    recompute = w.recompute + (f" ({w.recompute_method}, {w.recompute_num_layers})" if w.recompute == "full" else "")
+    engine = (f"; colocated vLLM TP{plan.engine.tp}, {plan.engine.kv_tokens:,} KV tokens" if plan.engine else "")
+    return (f"{spec.architecture}: {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {spec.vocab_size} | "
+            f"{layout} | micro-batch {w.micro_batch} x {w.seq} tokens, {micro} per update | base {base} | "
+            f"{w.attention} attention | recompute {recompute} | LoRA r {w.rank} actor"
+            + (" + critic + value head" if w.critic else "") + engine)
+
+
+def _rows(plan: MemoryPlan) -> list[tuple[str, str, object]]:
+    """Ranks of one stage with identical numbers collapse into one row (``tp 0-7``)."""
+    rows = []
+    for stage in range(plan.layout.pp):
+        ranks = [r for r in plan.ranks if r.stage == stage]
+        groups: list[list] = []
+        for r in ranks:
+            key = tuple(getattr(r, f) for f in (*FIELDS, "peak"))
+            if groups and groups[-1][0] == key:
+                groups[-1][1].append(r)
+            else:
+                groups.append([key, [r]])
+        for _, members in groups:
+            lo, hi = members[0].tp_rank, members[-1].tp_rank
+            rows.append((str(stage), str(lo) if lo == hi else f"{lo}-{hi}", members[0]))
+    return rows
+
+
+def memory_table(plan: MemoryPlan) -> str:
+    """The per-rank table, in GiB, with the peak's phase."""
+    head = ("stage", "tp", *FIELDS, "peak", "at")
+    lines = [describe(plan), "GiB per GPU (every DP replica alike):",
+             "  ".join(f"{h:>11s}" if i > 1 else f"{h:>5s}" for i, h in enumerate(head))]
+    for stage, tp, r in _rows(plan):
+        cells = [f"{stage:>5s}", f"{tp:>5s}", *(f"{_gib(getattr(r, f)):>11s}" for f in (*FIELDS, "peak"))]
+        lines.append("  ".join(cells) + f"  {r.phase}")
+    lines.append(f"peak per GPU: {plan.peak / GIB:.2f} GiB ({plan.peak:,} bytes); not counted: CUDA context, NCCL and "
+                 "cuBLAS workspaces, allocator fragmentation")
+    return "\n".join(lines)
+
+
+def memory_json(plan: MemoryPlan) -> str:
+    return json.dumps(plan.as_dict(), indent=1)
+
+
+def fit_table(fits: list[Fit], gpus: int, gpu_bytes: int, reserve: int) -> str:
+    """Fitting layouts, best first (see :mod:`mlora.plan.fit` for the order), then the others."""
+    lines = [describe(fits[0].plan).split(" | ", 2)[0] + f" on {gpus} GPUs of {gpu_bytes / GIB:g} GiB, reserve "
+             f"{reserve / GIB:g} GiB per GPU (CUDA context, NCCL, fragmentation)",
+             "best first: fewest GPUs per model replica, TP within a node, shallower pipeline, most headroom",
+             f"{'layout':>18s}  {'peak GiB':>9s}  {'free GiB':>9s}  fits  at"]
+    for f in fits:
+        worst = max(f.plan.ranks, key=lambda r: r.peak)
+        lines.append(f"{str(f.plan.layout):>18s}  {_gib(f.plan.peak):>9s}  {_gib(f.headroom):>9s}  "
+                     f"{'yes ' if f.fits else 'no  '}  stage {worst.stage} {worst.phase}")
+    return "\n".join(lines)
+
+
+def fit_json(fits: list[Fit], gpus: int, gpu_bytes: int, reserve: int) -> str:
+    return json.dumps({"gpus": gpus, "gpu_bytes": gpu_bytes, "reserve": reserve,
+                       "layouts": [{"layout": str(f.plan.layout), "tp": f.plan.layout.tp, "pp": f.plan.layout.pp,
+                                    "dp": f.plan.layout.dp, "sp": f.plan.layout.sp, "fits": f.fits,
+                                    "peak": f.plan.peak, "headroom": f.headroom, **f.plan.as_dict()} for f in fits]},
+                      indent=1)

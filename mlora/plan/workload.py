@@ -1,0 +1,145 @@
+"""What the memory planner is asked about: a mesh layout, a training workload, a colocated engine.
+
+Plain frozen dataclasses with the checks that turn bad input into clear errors; no arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mlora.models.hf_config import ModelSpec, check_layout
+
+ATTENTIONS = ("sdpa", "unfused")
+RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+RECOMPUTE_MODULES = ("core_attn", "mlp")
+FP8 = (None, "torch")
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A TP × PP × DP mesh (``sp``: megatron sequence parallelism over the TP group)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    sp: bool = False
+
+    def check(self, spec: ModelSpec) -> None:
+        """ValueError when the numbers are not positive or the model cannot be split this way."""
+        for name in ("tp", "pp", "dp"):
+            _positive(name, getattr(self, name))
+        if self.sp and self.tp == 1:
+            raise ValueError("sp=True needs tp > 1: sequence parallelism splits activations over TP ranks")
+        check_layout(spec, self.tp, self.pp)
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def __str__(self) -> str:
+        return f"TP{self.tp}xPP{self.pp}xDP{self.dp}" + ("+SP" if self.sp else "")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One PPO step as :class:`mlora.train.engine.ActorCriticEngine` runs it.
+
+    ``micro_batch`` sequences of ``seq`` tokens per micro-batch (``forward_micro_batch`` for the
+    forward-only passes, default the same); ``micro_batches`` per update and DP rank (None: at least
+    ``pp``, so the 1F1B pipeline is full). LoRA ``rank`` on ``target_modules`` for the actor and,
+    with ``critic``, the critic (+ value head). ``dtype``: compute, adapter and optimizer dtype;
+    ``fp8="torch"`` stores the four frozen linears in e4m3. ``attention`` and ``recompute*`` as in
+    :func:`mlora.from_pretrained`.
+    """
+
+    micro_batch: int = 1
+    seq: int = 4096
+    micro_batches: int | None = None
+    forward_micro_batch: int | None = None
+    rank: int = 32
+    target_modules: str | tuple[str, ...] = "all-linear"
+    exclude_modules: tuple[str, ...] | None = None
+    critic: bool = True
+    dtype: torch.dtype = torch.bfloat16
+    fp8: str | None = None
+    attention: str = "sdpa"
+    recompute: str = "none"
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+
+    def check(self, spec: ModelSpec, layout: Layout) -> None:
+        """ValueError naming the first bad field."""
+        for name in ("micro_batch", "seq", "rank", "recompute_num_layers"):
+            _positive(name, getattr(self, name))
+        for name in ("micro_batches", "forward_micro_batch"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point or self.dtype.itemsize < 2:
+            raise ValueError(f"dtype={self.dtype!r}: use torch.bfloat16, torch.float16 or torch.float32")
+        if self.fp8 not in FP8:
+            raise ValueError(f"fp8={self.fp8!r} is not planned; valid: None, 'torch' (Transformer Engine's "
+                             "memory is not modelled)")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention={self.attention!r}; valid: {', '.join(ATTENTIONS)}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute={self.recompute!r}; valid: {', '.join(RECOMPUTE)}")
+        if self.recompute_method not in RECOMPUTE_METHODS:
+            raise ValueError(f"recompute_method={self.recompute_method!r}; valid: {', '.join(RECOMPUTE_METHODS)}")
+        bad = [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]
+        if bad or not self.recompute_modules:
+            raise ValueError(f"recompute_modules={list(self.recompute_modules)!r}; valid: a non-empty list of "
+                             f"{', '.join(RECOMPUTE_MODULES)}")
+        per_stage = spec.num_layers // layout.pp
+        if self.recompute == "full" and self.recompute_method == "uniform" and per_stage % self.recompute_num_layers:
+            raise ValueError(f"recompute_num_layers={self.recompute_num_layers} must divide the {per_stage} layers "
+                             "of each pipeline stage (recompute_method=uniform)")
+
+    def in_flight(self, pp: int, stage: int) -> int:
+        """Micro-batches whose activations stage ``stage`` holds at once under 1F1B: ``pp - stage``
+        (warm-up forwards plus the one in steady state), at most the micro-batches there are."""
+        total = self.micro_batches if self.micro_batches is not None else pp
+        return min(pp - stage, total)
+
+    @property
+    def forward_batch(self) -> int:
+        return self.forward_micro_batch or self.micro_batch
+
+    def padded_seq(self, layout: Layout) -> int:
+        """Tokens per sequence inside the model: under SP the model right-pads to a multiple of TP."""
+        return -(-self.seq // layout.tp) * layout.tp if layout.sp else self.seq
+
+
+@dataclass(frozen=True)
+class Engine:
+    """A vLLM engine colocated with the trainer: ``tp`` GPUs per engine, a KV cache of ``kv_tokens``
+    tokens per engine, weights and cache in ``dtype`` (``fp8``: the engine's base in e4m3)."""
+
+    tp: int = 1
+    kv_tokens: int = 0
+    dtype: torch.dtype = torch.bfloat16
+    fp8: str | None = None
+
+    def check(self, spec: ModelSpec) -> None:
+        """vLLM's rule: TP divides the attention heads; KV heads are split, or replicated when TP
+        exceeds them (then TP must be a multiple of them)."""
+        _positive("engine_tp", self.tp)
+        if isinstance(self.kv_tokens, bool) or not isinstance(self.kv_tokens, int) or self.kv_tokens < 0:
+            raise ValueError(f"kv_tokens={self.kv_tokens!r} is invalid: it must be an integer >= 0")
+        kv = spec.num_kv_heads
+        if spec.num_heads % self.tp or (kv % self.tp if self.tp <= kv else self.tp % kv):
+            raise ValueError(f"engine_tp={self.tp} does not split num_attention_heads={spec.num_heads} / "
+                             f"num_key_value_heads={kv}")
+        if self.fp8 not in FP8:
+            raise ValueError(f"engine fp8={self.fp8!r}; valid: None, 'torch'")
+
+    def kv_heads_per_gpu(self, spec: ModelSpec) -> int:
+        return max(1, spec.num_kv_heads // self.tp)
