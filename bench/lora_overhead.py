@@ -1,6 +1,7 @@
-"""LoRA overhead: forward+backward of one Llama-7B-shaped stack of linears, three ways, side by side.
+"""LoRA overhead: forward+backward of one Llama-7B-shaped stack of linears, four ways, side by side.
 
     .venv/bin/python bench/lora_overhead.py [--tokens 2048] [--reps 3] [--isa native|avx2] [--q-only]
+                                            [--threads N] [--clock wall|cpu]
 
 - ``mlora``: megatron column/row-parallel linears with mlora's LoRA (r 32, all seven projections,
   q/k/v and gate/up as canonical adapters with one stacked A GEMM per fused layer);
@@ -26,6 +27,9 @@ the float32 GEMMs, which are MKL's ``sgemm``; ``ONEDNN_MAX_CPU_ISA=AVX2``, unuse
 stack but set for completeness). On AMD EPYC (Zen 4) MKL runs its AVX2 Zen ``sgemm`` kernel either way
 and most of torch's elementwise kernels have no AVX-512 build, so the emulation changes little there;
 the memory system (first-touch page faults of fresh buffers, bandwidth) differs more between machines.
+
+On a machine shared with other work, wall-clock best-of-N still swings by ±10%; ``--threads 1
+--clock cpu`` times this process's CPU instead, which other tenants do not inflate.
 """
 
 from __future__ import annotations
@@ -147,12 +151,12 @@ def machine() -> str:
             f"{'; emulation: ' + env if env else ''}")
 
 
-def step(fn, x) -> float:
+def step(fn, x, clock=time.perf_counter) -> float:
     x = x.detach().requires_grad_(True)
-    t0 = time.perf_counter()
+    t0 = clock()
     out = fn(x)
     out.sum().backward()
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
 def main() -> None:
@@ -162,11 +166,18 @@ def main() -> None:
     ap.add_argument("--isa", choices=("native", "avx2"), default="native",
                     help="avx2: re-run with torch, MKL and oneDNN limited to AVX2 (an AVX2-only CPU emulated)")
     ap.add_argument("--q-only", action="store_true", help="the earlier stack: k and v computed but unused")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: this process's CPU time, which other tenants of a shared machine do not inflate "
+                         "(use with --threads 1: idle threads spinning at a barrier count as CPU time)")
     args = ap.parse_args()
     if args.isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
         # the ISA is picked once, when torch/MKL load: only a fresh process can change it
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ENV})
     print(machine())
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
     torch.manual_seed(0)
     layers = mlora_stack()
     peft_model = peft_stack(args.q_only)
@@ -193,14 +204,14 @@ def main() -> None:
         step(variants[name], x)
     for rep in range(args.reps):
         for name in names[rep % len(names):] + names[:rep % len(names)]:
-            times[name].append(step(variants[name], x))
+            times[name].append(step(variants[name], x, clock))
             for p in list(peft_model.parameters()) + [p for layer in layers.values() for p in layer.parameters()]:
                 p.grad = None
     best = {k: min(v) for k, v in times.items()}
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"tokens {args.tokens}, hidden {HIDDEN}, intermediate {INTER}, r {RANK}, float32, "
           f"{torch.get_num_threads()} threads, {args.reps} reps, {'q-only' if args.q_only else 'q+k+v'} stack "
-          "(seconds per forward+backward)")
+          f"({'wall-clock' if args.clock == 'wall' else 'CPU'} seconds per forward+backward)")
     for k in names:
         print(f"  {k:6s} best {best[k]:.3f} s, median {med[k]:.3f} s   "
               f"(runs: {', '.join(f'{t:.3f}' for t in times[k])})")
