@@ -224,7 +224,9 @@ class GeneratorSection:
     gpu_memory_utilization: Optional[float] = None
     async_engine: bool = True  # SkyRL's AsyncLLMEngine switch; mlora batches every call either way
     batched: bool = True  # SkyRL's batched single-turn generation; mlora always batches
-    weight_sync: str = "disk"  # mlora: disk (lora_sync_path) | memory (shared memory, no persistent disk)
+    # mlora: disk (PEFT files in lora_sync_path) | memory (PEFT files in shared memory) | tensors (no files:
+    # each rank copies its shards into one shared-memory segment, vLLM loads the tensors; mlora.rollout.tensor_sync)
+    weight_sync: str = "disk"
     kv_cache_memory_bytes: Optional[int] = None  # mlora: KV cache cap; None: vLLM decides
     engine_init_kwargs: dict[str, Any] = field(default_factory=dict)  # more vllm.LLM arguments
     n_samples_per_prompt: int = 1  # SkyRL: 5 (GRPO groups); PPO with a critic needs one
@@ -241,6 +243,39 @@ class EnvironmentSection:
 
 
 @dataclass
+class RewardModelSection:
+    """``environment.env_class=reward_model``: a learned reward scored on the trainer's own base.
+
+    Reward of a rollout = ``model_weight`` · (reward adapter's score of prompt+response)
+    + ``rule_weight`` · (``rule_env``'s reward, when one is named)."""
+
+    adapter_path: Optional[str] = None  # a reward adapter (PEFT SEQ_CLS dir: LoRA + score head; mlora-train rm)
+    model_weight: float = 1.0  # multiplies the reward model's score
+    rule_env: Optional[str] = None  # a registered rule environment added to the score (e.g. target_token)
+    rule_weight: float = 1.0  # multiplies rule_env's reward
+
+
+@dataclass
+class PreferenceSection:
+    """mlora: the SFT, reward-model and DPO stages (``mlora-train --config-name sft | rm | dpo``).
+
+    They train one adapter on the shared base from ``data.train_data`` (TRL's columns: ``prompt`` +
+    ``response`` for SFT, ``prompt`` + ``chosen`` + ``rejected`` for rm/dpo), with the trainer's keys:
+    ``train_batch_size`` examples (pairs) per optimizer step, ``micro_train_batch_size_per_gpu`` per
+    micro-batch, ``total_steps``/``epochs``, ``policy.optimizer_config``, ``policy.model.lora`` (also the
+    reward adapter's), ``policy.model.frozen_adapter_path`` (stacked under it; part of DPO's reference),
+    the mesh, checkpoints, resume, ``eval_interval``/``eval_before_train`` on the held-out split."""
+
+    stage: Optional[str] = None  # null: the RL loop (PPO/GRPO/RLOO); sft | rm | dpo
+    beta: float = 0.1  # dpo: β of the implicit reward β·log π/π_ref (ipo: τ); must be > 0
+    label_smoothing: float = 0.0  # dpo, sigmoid: conservative DPO's ε in [0, 0.5)
+    loss_type: str = "sigmoid"  # dpo: sigmoid | ipo
+    margin: Optional[float] = None  # rm: Bradley-Terry margin subtracted from r_chosen - r_rejected
+    max_length: int = 1024  # tokens of prompt + response; longer examples are dropped (as TRL)
+    held_out_fraction: float = 0.1  # share of data.train_data held out when data.val_data is empty
+
+
+@dataclass
 class DemoSection:
     prepare: bool = False  # build the CPU demo's tiny model and prompts in `dir` if missing
     dir: str = "runs/cpu_demo_assets"
@@ -252,7 +287,9 @@ class TrainConfig:
     trainer: TrainerSection = field(default_factory=TrainerSection)
     generator: GeneratorSection = field(default_factory=GeneratorSection)
     environment: EnvironmentSection = field(default_factory=EnvironmentSection)
+    reward_model: RewardModelSection = field(default_factory=RewardModelSection)
     demo: DemoSection = field(default_factory=DemoSection)
+    preference: PreferenceSection = field(default_factory=PreferenceSection)
 
 
 SCHEMA_NAME = "mlora_schema"

@@ -21,13 +21,13 @@ LOSS_REDUCTIONS = {"token_mean": "token-mean", "sequence_mean": "seq-mean-token-
                    "seq_mean_token_sum_norm": "seq-mean-token-sum-norm"}
 POLICY_LOSS_TYPES = ("regular", "dual_clip")
 KL_CTRL_TYPES = ("fixed", "adaptive")
-WEIGHT_SYNC = ("disk", "memory")
+WEIGHT_SYNC = ("disk", "memory", "tensors")
 LOGGERS = ("console", "wandb", "tensorboard")
 BACKENDS = ("vllm",)
 RESUME_MODES = ("none", "latest", "from_path")
 
-_FILE_HANDOFF = ("mlora hands the adapter to the engines as PEFT files (generator.weight_sync=disk|memory), not by "
-                 "NCCL broadcast")
+_FILE_HANDOFF = ("mlora hands the adapter to the engines as PEFT files (generator.weight_sync=disk|memory) or as "
+                 "tensors in shared memory (tensors), not by NCCL broadcast")
 # Keys SkyRL users pass that change nothing here; each is harmless to ignore (memory or
 # throughput knobs of SkyRL's own stack), and the run says so once when one is set.
 NO_EFFECT = {
@@ -213,6 +213,116 @@ def _check_trainer(cfg: TrainConfig) -> None:
                               "(set both to the same model)")
 
 
+def _check_reward_model(cfg: TrainConfig) -> None:
+    """``reward_model.*`` (a learned reward, mlora.train.learned_reward): the adapter directory is required
+    and checked when ``environment.env_class=reward_model``; otherwise no key of the section may be set
+    (it would do nothing). Rows whose own ``env_class`` column names reward_model need it too (checked
+    when the data loads)."""
+    import math
+
+    from mlora.config.schema import RewardModelSection
+    from mlora.rollout.envs import REWARD_MODEL_ENV, registered_envs
+
+    r, default = cfg.reward_model, RewardModelSection()
+    if cfg.environment.env_class != REWARD_MODEL_ENV:
+        changed = [f"reward_model.{k}" for k in ("adapter_path", "model_weight", "rule_env", "rule_weight")
+                   if getattr(r, k) != getattr(default, k)]
+        if changed and not r.adapter_path:
+            raise ConfigError(f"{', '.join(changed)} set, but environment.env_class={cfg.environment.env_class!r}: "
+                              f"they apply to environment.env_class={REWARD_MODEL_ENV} only")
+    for key in ("model_weight", "rule_weight"):
+        if not math.isfinite(getattr(r, key)):
+            raise ConfigError(f"reward_model.{key}={getattr(r, key)} must be a finite number")
+    if r.rule_env is not None:
+        rules = [n for n in registered_envs() if n != REWARD_MODEL_ENV]
+        if r.rule_env not in rules:
+            raise ConfigError(f"reward_model.rule_env={r.rule_env!r} is not a rule environment; valid: "
+                              f"{', '.join(rules)}")
+    elif r.rule_weight != default.rule_weight:
+        raise ConfigError(f"reward_model.rule_weight={r.rule_weight} has no effect without reward_model.rule_env "
+                          "(name the rule environment to weight)")
+    if cfg.environment.env_class == REWARD_MODEL_ENV or r.adapter_path:
+        if not r.adapter_path:
+            raise ConfigError(f"environment.env_class={REWARD_MODEL_ENV} needs reward_model.adapter_path: a reward "
+                              "adapter directory (LoRA + score head) written by mlora-train --config-name rm")
+        from mlora.export.reward_adapter import read_reward_config
+
+        try:
+            read_reward_config(Path(r.adapter_path).expanduser())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"reward_model.adapter_path={r.adapter_path!r}: {exc}") from None
+
+
+PREFERENCE_STAGES = ("sft", "rm", "dpo")
+DPO_LOSS_TYPES = ("sigmoid", "ipo")
+
+
+def _check_preference(cfg: TrainConfig, world_size: int) -> None:
+    """``preference.*`` (the SFT / reward-model / DPO stages). A key of another stage may not be set (it would
+    do nothing); these stages take one optimizer step per batch, so ``trainer.policy_mini_batch_size`` is the
+    batch (set to it, or an error when set to something else)."""
+    from mlora.config.schema import PreferenceSection
+
+    p, t, default = cfg.preference, cfg.trainer, PreferenceSection()
+    if p.stage in (None, "null", "none"):
+        p.stage = None
+        changed = [f"preference.{k}" for k in ("beta", "label_smoothing", "loss_type", "margin", "max_length",
+                                               "held_out_fraction") if getattr(p, k) != getattr(default, k)]
+        if changed:
+            raise ConfigError(f"{', '.join(changed)} set, but preference.stage is null (the RL loop): they apply to "
+                              f"preference.stage={'|'.join(PREFERENCE_STAGES)} (mlora-train --config-name sft|rm|dpo)")
+        return
+    _check_choice(p.stage, PREFERENCE_STAGES, "preference.stage")
+    fresh = TrainConfig()
+    unused = sorted(_set_keys(cfg.generator, fresh.generator, set(), "generator.")
+                    | _set_keys(cfg.environment, fresh.environment, set(), "environment.")
+                    | _set_keys(cfg.trainer.algorithm, fresh.trainer.algorithm, set(), "trainer.algorithm.")
+                    | _set_keys(cfg.trainer.critic, fresh.trainer.critic, set(), "trainer.critic.")
+                    | _set_keys(cfg.reward_model, fresh.reward_model, set(), "reward_model."))
+    if unused:
+        raise ConfigError(f"{', '.join(unused[:6])}{' ...' if len(unused) > 6 else ''} set, but preference.stage="
+                          f"{p.stage} has no rollouts, environment, reward model, critic or RL algorithm: these keys "
+                          "apply to the RL loop only")
+    if p.stage == "dpo":
+        if not p.beta > 0:
+            raise ConfigError(f"preference.beta={p.beta} must be > 0 (DPO's β scales the implicit reward "
+                              "β·log π/π_ref; IPO's τ sets the target margin 1/(2τ))")
+        _check_choice(p.loss_type, DPO_LOSS_TYPES, "preference.loss_type")
+        if not 0 <= p.label_smoothing < 0.5:
+            raise ConfigError(f"preference.label_smoothing={p.label_smoothing} must be in [0, 0.5)")
+        if p.label_smoothing and p.loss_type != "sigmoid":
+            raise ConfigError(f"preference.label_smoothing={p.label_smoothing} applies to preference.loss_type=sigmoid "
+                              f"only, not {p.loss_type!r}")
+    else:
+        for key in ("beta", "label_smoothing", "loss_type"):
+            if getattr(p, key) != getattr(default, key):
+                raise ConfigError(f"preference.{key}={getattr(p, key)!r} applies to preference.stage=dpo only, not "
+                                  f"{p.stage!r}")
+    if p.margin is not None and p.stage != "rm":
+        raise ConfigError(f"preference.margin={p.margin} applies to preference.stage=rm only, not {p.stage!r}")
+    if p.max_length < 2:
+        raise ConfigError(f"preference.max_length={p.max_length} must be >= 2 (a prompt token and a response token)")
+    if not 0 <= p.held_out_fraction < 1:
+        raise ConfigError(f"preference.held_out_fraction={p.held_out_fraction} must be in [0, 1)")
+    if not cfg.data.train_data:
+        kind = "prompt, response" if p.stage == "sft" else "prompt, chosen, rejected"
+        raise ConfigError(f"preference.stage={p.stage} needs data.train_data: parquet or jsonl files with columns "
+                          f"{kind}")
+    mini = t.policy_mini_batch_size
+    if mini != t.train_batch_size and mini != TrainConfig().trainer.policy_mini_batch_size:
+        raise ConfigError(f"trainer.policy_mini_batch_size={mini}: preference.stage={p.stage} takes one optimizer "
+                          f"step per batch of trainer.train_batch_size={t.train_batch_size} examples; leave it unset")
+    t.policy_mini_batch_size = t.train_batch_size
+    mc = t.policy.megatron_config
+    model_size = (mc.tensor_model_parallel_size or 1) * (mc.pipeline_model_parallel_size or 1)
+    dp = max(1, world_size // model_size)
+    per = t.micro_train_batch_size_per_gpu * dp
+    if t.micro_train_batch_size_per_gpu >= 1 and t.train_batch_size % per:
+        raise ConfigError(f"trainer.train_batch_size={t.train_batch_size} is not divisible by "
+                          f"trainer.micro_train_batch_size_per_gpu x DP = {t.micro_train_batch_size_per_gpu} x {dp}; "
+                          f"valid batch sizes are multiples of {per}")
+
+
 def _check_resume(t) -> None:
     """``resume_mode``/``resume_path`` (SkyRL's keys). A ``from_path`` checkpoint is checked here, before any
     model loads; ``latest`` looks for one at start-up (none yet: a fresh start)."""
@@ -284,11 +394,13 @@ def finalize(cfg: TrainConfig, world_size: int, cuda: bool = False, explicit: It
     Raises :class:`ConfigError` naming the key for a value mlora cannot run with.
     """
     set_before = _set_keys(cfg, TrainConfig(), {k.lstrip("+~") for k in explicit})
+    _check_preference(cfg, world_size)
     _check_trainer(cfg)
     _resolve_generator(cfg)
     _resolve_mesh(cfg, world_size)
     _resolve_recompute(cfg.trainer)
     _check_colocation(cfg, world_size, cuda)
+    _check_reward_model(cfg)
     no_effect = {**NO_EFFECT, **({} if cuda else CPU_ONLY_NO_EFFECT)}
     return [f"{key}={_get(cfg, key)!r} has no effect in mlora: {why}" for key, why in no_effect.items()
             if key in set_before]

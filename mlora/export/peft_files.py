@@ -6,6 +6,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Iterable
 
 import torch
 
@@ -13,7 +14,7 @@ from mlora.lora.config import LoraConfig
 from mlora.lora.sites import factor_shapes
 from mlora.lora.targets import HF_PROJECTIONS, hf_module_name
 from mlora.models.checkpoint_reader import CheckpointError, CheckpointReader
-from mlora.models.safetensors_writer import SafetensorsWriter
+from mlora.models.safetensors_writer import Layout, SafetensorsWriter, TensorShard
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -93,13 +94,59 @@ def write_peft_adapter(out_dir: str | os.PathLike, tensors: dict[str, torch.Tens
     return out
 
 
+def _write_text_atomic(path: Path, text: str, fsync: bool) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_peft_adapter_sharded(out_dir: str | os.PathLike, layout: Layout, shards: Iterable[TensorShard],
+                               config: dict | None, *, root: int = 0, direct: bool | None = None,
+                               durable: bool | None = None) -> Path:
+    """Collective (every rank): write a PEFT adapter directory from shards that stay where they are.
+
+    The directory is ``out_dir`` as given on global rank ``root`` (other ranks' ``out_dir`` is
+    ignored, as it always was). ``layout`` (name -> (dtype, full shape), sorted by name as PEFT
+    writes it) must be the same on every rank: the header and every tensor's byte range follow
+    from it. ``shards`` is this rank's part of ``adapter_model.safetensors`` (nothing for ranks
+    that write nothing), consumed lazily; between them the ranks cover every byte once. Each rank
+    that sees ``root``'s file system writes its shards in place with ``pwrite``; others relay theirs to
+    ``root`` one at a time (see :mod:`mlora.export.sharded_write`; ``direct=False`` relays all).
+    ``root`` writes ``adapter_config.json`` from ``config`` (ignored elsewhere; None: none). Each
+    file appears atomically; the weights' bytes equal :func:`write_peft_adapter`'s for the
+    assembled tensors. ``durable``: fsync everything (None: only inside
+    :func:`mlora.export.sharded_write.durable_writes`, which checkpoints enter). This is the file
+    path of the trainer-to-engine hand-off: benchmarks time it on any per-rank shards.
+    """
+    from mlora.export.sharded_write import is_durable, write_safetensors_collectively
+
+    durable = is_durable(durable)
+
+    def finish(weights: Path) -> None:
+        if config is not None:
+            _write_text_atomic(weights.parent / ADAPTER_CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n",
+                               fsync=durable)
+
+    final = write_safetensors_collectively(Path(out_dir) / ADAPTER_WEIGHTS, layout, shards, root=root,
+                                           metadata={"format": "pt"}, direct=direct, finish=finish,
+                                           durable=durable)
+    return final.parent
+
+
 _UNSUPPORTED_PEFT = {
     "use_dora": (True,), "fan_in_fan_out": (True,), "bias": ("all", "lora_only"),
 }
 
 
-def read_peft_config(path: Path) -> LoraConfig:
-    """LoraConfig from a PEFT ``adapter_config.json``, rejecting features mlora cannot reproduce."""
+def read_peft_config(path: Path, modules_to_save: tuple[str, ...] = ()) -> LoraConfig:
+    """LoraConfig from a PEFT ``adapter_config.json``, rejecting features mlora cannot reproduce.
+
+    ``modules_to_save``: the whole modules the caller loads itself (the reward adapter's
+    ``score`` head, :mod:`mlora.export.reward_adapter`); any other is rejected."""
     file = path / ADAPTER_CONFIG
     if not path.is_dir():
         raise FileNotFoundError(f"adapter directory {str(path)!r} does not exist")
@@ -114,8 +161,9 @@ def read_peft_config(path: Path) -> LoraConfig:
     for key in ("rank_pattern", "alpha_pattern"):
         if raw.get(key):
             raise ValueError(f"{file}: a non-empty {key} is not supported (one rank and alpha per adapter)")
-    if raw.get("modules_to_save"):
-        raise ValueError(f"{file}: modules_to_save={raw['modules_to_save']} is not supported")
+    if raw.get("modules_to_save") and set(raw["modules_to_save"]) - set(modules_to_save):
+        raise ValueError(f"{file}: modules_to_save={raw['modules_to_save']} is not supported"
+                         + (f" (this loader takes {list(modules_to_save)})" if modules_to_save else ""))
     return LoraConfig(rank=int(raw["r"]), alpha=float(raw.get("lora_alpha", raw["r"])),
                       dropout=float(raw.get("lora_dropout", 0.0) or 0.0),
                       target_modules=raw.get("target_modules") or "all-linear",

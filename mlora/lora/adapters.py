@@ -25,14 +25,17 @@ from mlora.export.peft_files import (
     peft_modules,
     peft_tensor_name,
     read_peft_config,
-    write_peft_adapter,
+    write_peft_adapter_sharded,
 )
 from mlora.lora.config import INIT_METHODS, LoraConfig, derive_seed
 from mlora.lora.layers import DropoutKey, LoraBranch, LoraHost, LoraSite, has_tp_partial_grad, stacked_b
 from mlora.lora.sites import FACTOR_KINDS, factor_shapes, model_sites
 from mlora.lora.targets import resolve_targets
 from mlora.models.checkpoint_reader import CheckpointReader
-from mlora.models.weight_map import REPLICATED, read_shard, shard, unshard
+from mlora.models.safetensors_writer import TensorShard
+from mlora.models.weight_map import COLUMNS, REPLICATED, ROWS, read_shard, shard, unshard
+
+_SPLIT_DIM = {ROWS: 0, COLUMNS: 1}  # the dim a TP-sharded factor is cut along (weight_map.shard)
 
 
 @dataclass
@@ -280,27 +283,66 @@ class AdapterHost:
                 out[peft_tensor_name(site.layer, sub, "B")] = self._gather_tp(b, b_kind)
         return out
 
+    def adapter_layout(self, name: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """PEFT file layout of adapter ``name`` over the whole model: tensor name -> (dtype, full shape),
+        sorted by name as PEFT writes it. Derived from the config and the model's shapes alone, so
+        every rank of every stage computes the same (no communication)."""
+        self._require(name)
+        info, sites = self.adapters[name], model_sites(self.spec, self.mesh.tp)
+        layout = {}
+        for layer, sub in info.modules:
+            a_shape, b_shape = factor_shapes(sites[(layer, sub)], sub, info.config.rank)
+            layout[peft_tensor_name(layer, sub, "A")] = (self.dtype, a_shape)
+            layout[peft_tensor_name(layer, sub, "B")] = (self.dtype, b_shape)
+        return dict(sorted(layout.items()))
+
+    def adapter_shards(self, name: str) -> Iterator[TensorShard]:
+        """This rank's part of adapter ``name``'s PEFT file, one factor at a time, nothing gathered.
+
+        DP rank 0 of each stage writes; the other DP replicas hold the same values and write nothing.
+        A TP-sharded factor (B of column layers, A of row layers) is written by every TP rank, its own
+        chunk; a replicated factor by one TP rank, taken in turn so the TP ranks write alike.
+        """
+        self._require(name)
+        if self.mesh.dp_rank != 0:
+            return
+        tp, tp_rank, turn = self.mesh.tp, self.mesh.tp_rank, 0
+        for linear in self._lora_linears():
+            if name not in linear.lora:
+                continue
+            site, branch = linear.lora_site, linear.lora[name]
+            for k, sub in enumerate(branch.subs):
+                factors = (("A", branch.a_of(k), FACTOR_KINDS[site.parallel][0]),
+                           ("B", branch.lora_B[k], FACTOR_KINDS[site.parallel][1]))
+                for factor, local, kind in factors:
+                    tensor_name = peft_tensor_name(site.layer, sub, factor)
+                    if kind == REPLICATED or tp == 1:
+                        turn += 1
+                        if (turn - 1) % tp == tp_rank:  # every TP rank of the stage walks the same order
+                            yield TensorShard(tensor_name, local.detach().to(self.dtype))
+                    else:
+                        yield TensorShard(tensor_name, local.detach().to(self.dtype),
+                                          dim=_SPLIT_DIM[kind], index=tp_rank, parts=tp)
+
     def save_adapter(self, name: str, out_dir: str | os.PathLike) -> None:
         """Write adapter ``name`` as a PEFT directory (collective: call on every rank).
 
-        Gathers the factors over TP and over all pipeline stages to global rank 0, which writes
-        ``adapter_model.safetensors`` and ``adapter_config.json`` exactly as PEFT does; each file
-        appears atomically. Loads unchanged with ``PeftModel.from_pretrained`` and in vLLM.
+        The directory is ``out_dir`` as given on global rank 0. ``adapter_model.safetensors`` is one
+        file whose header every rank derives from shapes alone; rank 0 creates it at its final size,
+        then the TP ranks of DP rank 0 of every stage write their own shards of their own layers at
+        their byte offsets (no gather, no pickle: a rank's extra memory is one factor's CPU copy; a
+        rank that cannot see rank 0's file system relays its shards to rank 0 one at a time), and
+        rank 0 renames it into place and writes ``adapter_config.json``
+        (:func:`mlora.export.peft_files.write_peft_adapter_sharded`). Bytes equal what PEFT writes;
+        each file appears atomically. Loads unchanged with ``PeftModel.from_pretrained`` and in vLLM.
         """
         self._require(name)
-        tensors = self.adapter_tensors(name)
-        mine = tensors if self.mesh.tp_rank == 0 and self.mesh.dp_rank == 0 else {}
-        parts: list | None = [None] * self.mesh.world_size if self.mesh.rank == 0 else None
-        dist.gather_object(mine, parts, dst=0)
+        info = self.adapters[name]
+        config = None
         if self.mesh.rank == 0:
-            full: dict[str, torch.Tensor] = {}
-            for part in parts:
-                full.update(part)
-            info = self.adapters[name]
             config = peft_adapter_config(info.config, set(info.modules), self.spec.num_layers,
                                          str(self.hf_dir), self.spec.architecture)
-            write_peft_adapter(out_dir, {k: v.to(self.dtype) for k, v in full.items()}, config)
-        dist.barrier()
+        write_peft_adapter_sharded(out_dir, self.adapter_layout(name), self.adapter_shards(name), config, root=0)
 
     def merged_weight(self, linear: torch.nn.Module, names: list[str]) -> torch.Tensor:
         """This rank's ``W + Σ s·B·A`` of a LoRA linear for adapters ``names`` (same layout as W; an FP8

@@ -60,6 +60,28 @@ def transformer_config(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, recomput
     )
 
 
+
+def gpt_model(spec: ModelSpec, mesh, config, layer_spec, vocab_size: int):
+    """This rank's megatron ``GPTModel`` (its pipeline stage, vocab-parallel output) for ``spec`` with
+    ``layer_spec``, on the mesh's device, RoPE with transformers' own inverse frequencies (they cover
+    linear and llama3 scaling exactly; RoPE is not a parameter, so no checkpoint carries it)."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=vocab_size,
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=mesh.is_first_stage,
+        post_process=mesh.is_last_stage,
+        share_embeddings_and_output_weights=spec.tied_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
+        parallel_output=True,
+    )
+    model.rotary_pos_emb.inv_freq = hf_inv_freq(spec).to(mesh.device)
+    return model.to(mesh.device)
+
 def block_spec(config):
     """megatron's local GPT layer spec with three swaps: mlora's RMSNorm (SP-capable) in every norm
     slot, LoRA-capable parallel linears in every linear slot and, unless the config's
@@ -96,8 +118,6 @@ def build_gpt_model(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, fp8: str | 
     ``weight_scale`` per output row (see :mod:`mlora.fp8`); everything else stays in ``dtype``.
     ``fp8="te"``: Transformer Engine's layer spec with the same LoRA (:func:`mlora.fp8.te.te_block_spec`)
     and megatron's own ``fp8_autocast`` around the block with ``fp8_recipe`` (UNVERIFIED: no TE run yet)."""
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
     from mlora.lora.layers import FP8_CONFIG_ATTR
 
     recompute = recompute or Recompute()
@@ -111,21 +131,7 @@ def build_gpt_model(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, fp8: str | 
         for key, value in megatron_fp8_settings(fp8_recipe).items():
             setattr(config, key, value)
         layer_spec = te_block_spec
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec(config),
-        vocab_size=spec.padded_vocab_size(mesh.tp),
-        max_sequence_length=spec.max_position_embeddings,
-        pre_process=mesh.is_first_stage,
-        post_process=mesh.is_last_stage,
-        share_embeddings_and_output_weights=spec.tied_embeddings,
-        position_embedding_type="rope",
-        rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
-        parallel_output=True,
-    )
-    # transformers' own inverse frequencies (covers linear and llama3 scaling exactly).
-    model.rotary_pos_emb.inv_freq = hf_inv_freq(spec).to(mesh.device)
-    model.to(mesh.device)
+    model = gpt_model(spec, mesh, config, layer_spec(config), spec.padded_vocab_size(mesh.tp))
     for p in model.parameters():
         p.requires_grad_(False)
     attach_lora_sites(model, spec, mesh.tp)

@@ -105,10 +105,13 @@ class MLoraModel(AdapterHost, torch.nn.Module):
         start = self.mesh.tp_rank * per
         return start, max(start, min(start + per, self.spec.vocab_size))
 
-    def add_value_head(self, name: str = "critic", seed: int = 0, init_std: float = 0.0) -> torch.nn.Module | None:
+    def add_value_head(self, name: str = "critic", seed: int = 0, init_std: float = 0.0,
+                       bias: bool = True) -> torch.nn.Module | None:
         """A scalar head ``[hidden] -> 1`` on the last stage (None elsewhere), trainable.
 
-        Weight ~ N(0, init_std²) from ``seed`` alone (so every mesh builds the same head), bias 0.
+        Weight ~ N(0, init_std²) from ``seed`` alone (so every mesh builds the same head), bias 0
+        (``bias=False``: no bias, like HF's sequence-classification ``score`` head, which a reward
+        adapter exports to; see :mod:`mlora.export.reward_adapter`).
         The default 0 starts every value at 0: a random head's values (order 1 per token) would
         swamp small rewards in the whitened advantages until the critic caught up. Every TP rank
         holds the head whole and computes its full gradient from the same hidden states: the
@@ -121,10 +124,11 @@ class MLoraModel(AdapterHost, torch.nn.Module):
         from mlora.lora.layers import mark_tp_replicated
 
         g = torch.Generator().manual_seed(seed)
-        head = torch.nn.Linear(self.spec.hidden_size, 1, dtype=self.dtype)
+        head = torch.nn.Linear(self.spec.hidden_size, 1, bias=bias, dtype=self.dtype)
         with torch.no_grad():
             head.weight.copy_(torch.randn(head.weight.shape, generator=g, dtype=torch.float64) * init_std)
-            head.bias.zero_()
+            if bias:
+                head.bias.zero_()
         for p in head.parameters():
             mark_tp_replicated(p, partial_grad=False)
         self.heads[name] = head.to(self.mesh.device)
@@ -312,16 +316,19 @@ class MLoraModel(AdapterHost, torch.nn.Module):
                 raise
             if writer is not None:
                 writer.close()
-        # Stage layouts go to rank 0 for the index.
-        layouts: list = [None] * self.mesh.world_size
-        dist.all_gather_object(layouts, (file_name, layout) if writer_rank else None)
+        # Stage layouts (tensor name -> bytes) go to rank 0 for the index, as JSON bytes (no pickle).
+        from mlora.parallel.small_collectives import gather_json
+
+        sizes = {name: torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+                 for name, (dtype, shape) in layout.items()}
+        layouts = gather_json([file_name, sizes] if writer_rank else None, dst=0)
         if self.mesh.rank == 0:
             weight_map, total = {}, 0
             for item in filter(None, layouts):
                 fname, lay = item
-                for name, (dtype, shape) in lay.items():
+                for name, nbytes in lay.items():
                     weight_map[name] = fname
-                    total += torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+                    total += nbytes
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             tmp = out / "model.safetensors.index.json.tmp"
             tmp.write_text(json.dumps(index, indent=2))

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter",
                "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "all_to_all_single",
-               "send", "recv", "batch_isend_irecv", "barrier", "all_gather_object")
+               "send", "recv", "batch_isend_irecv", "barrier", "gather", "scatter", "all_gather_object",
+               "gather_object")
 # isend/irecv stay unpatched: P2POp checks its op against the originals; batched p2p is counted per op.
 
 

@@ -35,6 +35,9 @@ PATCHED_SITES: dict[str, tuple[str, ...]] = {
         "torch.cuda.current_device()",
         "torch.cuda.synchronize()",
     ),
+    # dist_checkpointing.save (torch_dist): the D2H preload syncs CUDA, the failure flag is a CUDA tensor.
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": ("torch.cuda.synchronize()",),
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver": ("torch.cuda.current_device()",),
 }
 # Methods that move a tensor with ``Tensor.cuda()``: run with that call as the identity.
 TENSOR_CUDA_SITES: dict[str, tuple[str, str, str]] = {

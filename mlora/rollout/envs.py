@@ -103,3 +103,29 @@ class CopyFirstEnv:
 
     def reward(self, sample: dict, response_text: str, response_ids: list[int]) -> float:
         return float(bool(response_ids) and response_ids[0] == int(sample["reward_spec"]["last_prompt_token"]))
+
+
+REWARD_MODEL_ENV = "reward_model"
+
+
+@register_env(REWARD_MODEL_ENV)
+class RewardModelEnv:
+    """A learned reward: ``reward_model.model_weight`` · the reward adapter's score of prompt+response
+    (``reward_model.adapter_path``) + ``rule_weight`` · ``rule_env``'s reward.
+
+    The score needs the model, so the trainer computes it on its own shared base after the batch is
+    built (:mod:`mlora.train.learned_reward`); this object gives the rule part, where the other
+    environments score: ``rule_weight`` · ``rule_env.reward(...)``, or 0 without a rule environment.
+    """
+
+    def __init__(self, rule_env: str | None = None, rule_weight: float = 1.0) -> None:
+        if rule_env == REWARD_MODEL_ENV:
+            raise ValueError(f"reward_model.rule_env={rule_env!r}: the rule part must be a rule environment; "
+                             f"valid: {', '.join(n for n in registered_envs() if n != REWARD_MODEL_ENV)}")
+        self.rule = make_env(rule_env) if rule_env else None
+        self.rule_weight = float(rule_weight)
+
+    def reward(self, sample: dict, response_text: str, response_ids: list[int]) -> float:
+        if self.rule is None:
+            return 0.0
+        return self.rule_weight * self.rule.reward(sample, response_text, response_ids)

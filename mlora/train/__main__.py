@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 4 -m mlora.train --config-name cpu_demo
     torchrun ... -m mlora.train trainer.policy.model.path=Qwen2.5-0.5B data.train_data="[gsm8k/train.parquet]"
+    mlora-train --config-name dpo trainer.policy.model.path=DIR data.train_data="[pairs.parquet]"   # or sft, rm
 
 The configs ship inside the package (``mlora/configs``; ``configs/`` at the repository root links
 to them), so an installed wheel finds them. Keys are checked against the typed schema
@@ -52,12 +53,18 @@ def main() -> None:
         from hydra.core.hydra_config import HydraConfig
 
         from mlora.config.validate import finalize
-        from mlora.train.loop import run
 
         cfg = OmegaConf.to_object(dict_cfg)
         explicit = [o.split("=", 1)[0] for o in HydraConfig.get().overrides.task]
         notes = finalize(cfg, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available(), explicit)
-        run(cfg, notes)
+        if cfg.preference.stage is not None:  # sft | rm | dpo (--config-name sft | rm | dpo)
+            from mlora.train.preference_loop import run_preference
+
+            run_preference(cfg, notes)
+        else:
+            from mlora.train.loop import run
+
+            run(cfg, notes)
 
     sys.argv[1:] = hydra_argv(sys.argv[1:])
     from mlora.train.preemption import Preempted

@@ -255,17 +255,28 @@ def prune(root: Path, keep: int, current: int) -> list[Path]:
 def save_checkpoint(root: Path, step: int, mesh, write: Callable[[Path], list[Path]], meta: dict,
                     keep: int = -1) -> Path:
     """Collective: every rank's ``write(temp_dir)`` writes and fsyncs the files it owns and returns
-    them; rank 0 commits. Returns the final directory (on every rank)."""
+    them; rank 0 commits. Returns the final directory (on every rank).
+
+    Each rank writes its own files (no tensor goes through another rank); the manifest's
+    ``{file: size}`` lists reach rank 0 as JSON bytes in a tensor gather (no pickle)."""
     import torch.distributed as dist
+
+    from mlora.export.sharded_write import durable_writes
+    from mlora.parallel.small_collectives import gather_json, raise_if_any_failed
 
     t0 = time.perf_counter()
     if mesh.rank == 0:
         begin(root, step)
     dist.barrier()
     tmp = temp_dir(root, step)
-    mine = {str(p.relative_to(tmp)): p.stat().st_size for p in write(tmp)}
-    parts: list | None = [None] * mesh.world_size if mesh.rank == 0 else None
-    dist.gather_object(mine, parts, dst=0)
+    error, mine = None, {}
+    try:
+        with durable_writes():  # files written by several ranks (adapters) are fsynced by each writer
+            mine = {str(p.relative_to(tmp)): p.stat().st_size for p in write(tmp)}
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it (no hang), then it is re-raised
+        error = exc
+    raise_if_any_failed(error, f"writing checkpoint {tmp}")  # the temporary directory stays invisible
+    parts = gather_json(mine, dst=0)
     final = root / f"{STEP_PREFIX}{step}"
     if mesh.rank == 0:
         files: dict[str, int] = {}

@@ -197,6 +197,29 @@ class ActorCriticEngine:
         local = self._from_last_stage(local, shape)
         return self._dp_gather(local).cpu()
 
+    # ------------------------------------------------------------------ learned reward (env_class=reward_model)
+    @torch.no_grad()
+    def reward_scores(self, batch: RolloutBatch, adapters: tuple[str, ...], head: str) -> torch.Tensor:
+        """``[B]`` float32 on every rank: scalar head ``head`` on the last token of each prompt+response
+        under ``adapters`` (a frozen reward adapter on this same base; see
+        :func:`mlora.export.reward_adapter.load_reward_adapter`). The same forward-only pass as the
+        values: micro-batches through megatron's schedule, each DP rank its slice, eval mode."""
+        from mlora.export.reward_adapter import last_token_scores
+
+        self._check_sizes(batch)
+        rows = self._dp_rows(0, batch.size)
+        mbs = self._micro_batches(batch, rows, self.cfg.micro_forward_batch_size, {})
+        module = self.model.heads[head] if self.mesh.is_last_stage else None
+
+        def fn(hidden, mb):
+            return torch.zeros(()), {"out": last_token_scores(module, hidden, mb["attention_mask"])}
+
+        with self.model.use_adapters(*adapters), self._mode(training=False):
+            outs = self.model.forward_backward(mbs, fn, forward_only=True, hidden_states=True)
+        local = torch.cat([o["out"] for o in outs]) if outs is not None else None
+        local = self._from_last_stage(local, (rows.stop - rows.start,))
+        return self._dp_gather(local).cpu()
+
     # ------------------------------------------------------------------ advantages
     def compute_advantages(self, batch: RolloutBatch, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
                            values: torch.Tensor | None) -> dict[str, torch.Tensor]:

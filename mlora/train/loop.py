@@ -3,8 +3,10 @@ evaluation, checkpoints.
 
 Every rank runs :func:`run` with the same validated :class:`~mlora.config.schema.TrainConfig`.
 Global rank 0 owns the inference engines and the logs (:class:`Rollouts`); the trainer ranks get
-each step's rollouts by broadcast. After each update the policy adapter is gathered over TP and PP
-(``save_adapter``) into the sync directory and hot-swapped into every engine.
+each step's rollouts by broadcast. After each update the policy adapter is handed to every engine
+and hot-swapped in: as PEFT files in the sync directory (``generator.weight_sync=disk|memory``,
+``save_adapter``) or as tensors that each rank copies from its own shards into one shared-memory
+segment (``weight_sync=tensors``, :mod:`mlora.rollout.tensor_sync`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,6 +37,7 @@ from mlora.train.checkpoint import (
 from mlora.train.engine import ActorCriticEngine
 from mlora.train.evaluate import evaluate
 from mlora.train.from_config import lora_config, ppo_config, recompute_kwargs, sampling_config
+from mlora.train.learned_reward import build_learned_reward, env_kwargs
 from mlora.train.metrics_log import MetricsLogger, log, setup_logging, step_line
 from mlora.train.preemption import EX_TEMPFAIL, Preempted, PreemptionGuard, clear_marker, write_marker
 from mlora.train.train_state import load_train_state, write_train_state
@@ -78,6 +81,8 @@ class Rollouts:
     def __init__(self, cfg: TrainConfig, mesh, run_dir: Path, adapter: str) -> None:
         self.cfg, self.mesh, self.adapter = cfg, mesh, adapter
         self.sync_dir = _sync_dir(cfg, adapter)
+        self.tensors = cfg.generator.weight_sync == "tensors"
+        self.handoff = None  # weight_sync=tensors: the segment, made at the first sync (it needs the model)
         self.generator = None
         self.envs: dict = {}
         self.engine_base = cfg.trainer.policy.model.path
@@ -96,6 +101,7 @@ class Rollouts:
             extra.setdefault("gpu_memory_utilization", e.gpu_memory_utilization)
         self.generator = build_engines(self.engine_base, e.num_engines, e.tensor_parallel_size, e.run_engines_locally,
                                        ship_adapter=cfg.generator.weight_sync == "memory",
+                                       tensor_lora=self.tensors,
                                        max_lora_rank=t.policy.model.lora.rank, dtype=t.dtype, seed=t.seed,
                                        kv_cache_memory_bytes=cfg.generator.kv_cache_memory_bytes, **extra)
 
@@ -103,16 +109,25 @@ class Rollouts:
         if self.cfg.generator.zero_reward_on_non_stop and gen.finish_reason != "stop":
             return 0.0
         if prompt.env_class not in self.envs:
-            self.envs[prompt.env_class] = make_env(prompt.env_class)
+            self.envs[prompt.env_class] = make_env(prompt.env_class, **env_kwargs(self.cfg, prompt.env_class))
         return self.envs[prompt.env_class].reward(prompt.row, gen.text, gen.token_ids)
 
     def sync(self, model) -> dict[str, float]:
-        """Gather the policy adapter over TP and PP into the sync directory; hot-swap it into the engines."""
+        """Hand the policy adapter to the engines (collective) and hot-swap it in: PEFT files in the sync
+        directory, or (``weight_sync=tensors``) each rank's shards copied into the shared segment."""
         t0 = time.perf_counter()
-        model.save_adapter(self.adapter, self.sync_dir)
+        if self.tensors:
+            if self.handoff is None:
+                from mlora.rollout.tensor_sync import TensorHandoff
+
+                self.handoff = TensorHandoff(model, self.adapter)
+            path = self.handoff.write()
+        else:
+            model.save_adapter(self.adapter, self.sync_dir)
         out = {"timing/adapter_gather_s": time.perf_counter() - t0}
         if self.generator is not None:
-            out["timing/adapter_swap_s"] = self.generator.update_adapter(self.sync_dir, self.adapter)
+            out["timing/adapter_swap_s"] = (self.generator.update_adapter_tensors(path, self.adapter) if self.tensors
+                                            else self.generator.update_adapter(self.sync_dir, self.adapter))
         out["timing/adapter_sync_s"] = time.perf_counter() - t0
         return out
 
@@ -126,6 +141,8 @@ class Rollouts:
             box = [(gens, rewards, time.perf_counter() - t0)]
         dist.broadcast_object_list(box, src=0)
         gens, rewards, seconds = box[0]
+        # what the learned reward (env_class=reward_model) needs of each row, scored on the trainer later
+        self.last_rows = [(prompts[g.prompt_index].env_class, g.finish_reason) for g in gens]
         return build_batch([p.token_ids for p in prompts], gens, rewards, pad_id), {"timing/generate_s": seconds}
 
     def evaluate(self, prompts: list[Prompt], step: int, run_dir: Path) -> dict[str, float]:
@@ -142,6 +159,8 @@ class Rollouts:
     def close(self) -> None:
         if self.generator is not None:
             self.generator.close()
+        if self.handoff is not None:  # after the engines: they map the segment until they end
+            self.handoff.close()
         if self.cfg.generator.weight_sync == "memory" and self.mesh.rank == 0:
             shutil.rmtree(self.sync_dir.parent, ignore_errors=True)
 
@@ -216,8 +235,12 @@ def _train(cfg: TrainConfig, notes: Sequence[str], guard: PreemptionGuard) -> di
     model = mlora.from_pretrained(t.policy.model.path, mesh, dtype=getattr(torch, t.dtype), fp8=t.fp8,
                                   fp8_recipe=t.fp8_recipe, **recompute_kwargs(t))
     engine = _build_engine(cfg, model, total_steps)
+    # the reward adapter + head, frozen on this same base (env_class=reward_model; mlora.train.learned_reward)
+    learned = build_learned_reward(cfg, model, engine, {p.env_class for p in train + val})
     start_step = _resume_state(resume, model, engine, cfg, len(train), total_steps) if resume else 0
-    saver = _Saver(cfg, mesh, model, engine, ckpt_root, len(train), total_steps)
+    # rollouts of step s sample with seed + 1000·s (+ the prompt's index): no RNG to carry
+    saver = _Saver(cfg, mesh, model, engine, ckpt_root, len(train), total_steps,
+                   extra=lambda step: {"next_sampling_seed": t.seed + (step + 1) * 1000})
     pad_id = tokenizer.pad_token_id or 0
 
     # 3. the engines, serving the initial policy adapter
@@ -246,6 +269,8 @@ def _train(cfg: TrainConfig, notes: Sequence[str], guard: PreemptionGuard) -> di
         for epoch, step, picked in epoch_batches(len(train), t.train_batch_size, t.seed, total_steps, start_step):
             sampling = sampling_config(g.sampling_params, g.n_samples_per_prompt, t.seed + step * 1000)
             batch, metrics = rollouts.collect([train[i] for i in picked], sampling, pad_id)
+            if learned is not None:  # the model-based part of the reward, on the trainer
+                metrics.update(learned.apply(batch, rollouts.last_rows))
             t0 = time.perf_counter()
             metrics.update(engine.step(batch))
             metrics["timing/train_s"] = time.perf_counter() - t0
@@ -343,26 +368,28 @@ def _resume_state(path: Path, model, engine: ActorCriticEngine, cfg: TrainConfig
 
 
 class _Saver:
-    """Writes checkpoints of the run: the collective save, what goes in (mlora.train.train_state)."""
+    """Writes checkpoints of a run: the collective save; ``write_state(dir, model, engine, loop_state,
+    config_text)`` writes what goes in (:func:`mlora.train.train_state.write_train_state` for the RL loop,
+    :func:`mlora.train.preference_state.write_preference_state` for SFT / RM / DPO); ``extra(step)`` adds
+    the loop's own entries to the loop state."""
 
-    def __init__(self, cfg: TrainConfig, mesh, model, engine: ActorCriticEngine, root: Path, n_prompts: int,
-                 total_steps: int) -> None:
+    def __init__(self, cfg: TrainConfig, mesh, model, engine, root: Path, n_prompts: int, total_steps: int,
+                 write_state: Callable = write_train_state, extra: Callable[[int], dict] | None = None) -> None:
         from omegaconf import OmegaConf
 
         self.cfg, self.mesh, self.model, self.engine, self.root = cfg, mesh, model, engine, root
         self.n_prompts, self.total_steps = n_prompts, total_steps
+        self.write_state, self.extra = write_state, extra or (lambda step: {})
         self.config_text = OmegaConf.to_yaml(OmegaConf.structured(cfg))
         self.meta = {"base_model": base_model_identity(cfg.trainer.policy.model.path)} if mesh.rank == 0 else {}
 
     def save(self, step: int, epoch: int) -> Path:
         t = self.cfg.trainer
         loop_state = {"step": step, "epoch": epoch, "total_steps": self.total_steps, "seed": t.seed,
-                      "n_prompts": self.n_prompts, "train_batch_size": t.train_batch_size,
-                      # rollouts of step s sample with seed + 1000·s (+ the prompt's index): no RNG to carry
-                      "next_sampling_seed": t.seed + (step + 1) * 1000}
+                      "n_prompts": self.n_prompts, "train_batch_size": t.train_batch_size, **self.extra(step)}
         meta = {**self.meta, "mesh": {"tp": self.mesh.tp, "pp": self.mesh.pp, "dp": self.mesh.dp}}
         return save_checkpoint(self.root, step, self.mesh,
-                               lambda d: write_train_state(d, self.model, self.engine, loop_state, self.config_text),
+                               lambda d: self.write_state(d, self.model, self.engine, loop_state, self.config_text),
                                meta, keep=t.max_ckpts_to_keep)
 
 

@@ -81,9 +81,12 @@ def _owns(piece: Piece, mesh) -> bool:
 def write_optimizer_state(path: Path, groups: dict[str, tuple[torch.optim.Optimizer, list]], mesh) -> Path | None:
     """Write the AdamW state pieces this rank owns to ``path`` (None when it owns none).
 
-    ``groups``: role ("actor", "critic") -> (optimizer, [(param, pieces)]).
+    ``groups``: role ("actor", "critic") -> (optimizer, [(param, pieces)]). Nothing is exchanged
+    with other ranks. The header is built from shapes first, then the pieces are copied to the CPU
+    and written one at a time, so a GPU rank's host memory holds one piece, not its whole state.
     """
-    tensors: dict[str, torch.Tensor] = {}
+    sources: dict[str, object] = {}  # file key -> a function giving the tensor to write
+    layout_of: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}  # file key -> what that tensor will be
     where: dict[str, dict] = {}
     for role, (opt, params) in groups.items():
         for param, pieces in params:
@@ -93,29 +96,32 @@ def write_optimizer_state(path: Path, groups: dict[str, tuple[torch.optim.Optimi
             for piece in [p for p in pieces if _owns(p, mesh)]:
                 sharded = piece.kind != REPLICATED and mesh.tp > 1
                 for field in MOMENTS:
-                    value, name = _region(state[field].detach().cpu(), piece), f"{role}/{piece.name}/{field}"
-                    key, shape, dim, start = name, list(value.shape), None, 0
+                    name = f"{role}/{piece.name}/{field}"
+                    local = _region(state[field], piece)  # a view: nothing copied yet
+                    key, shape, dim, start = name, list(local.shape), None, 0
                     if sharded:  # this TP rank's slice of the canonical tensor
                         dim = _DIM[piece.kind]
                         start = mesh.tp_rank * shape[dim]
                         shape[dim] *= mesh.tp
                         key = f"{name}@{start}"
-                    tensors[key] = value.contiguous()
+                    sources[key] = lambda t=local: t.detach().cpu().contiguous()
+                    layout_of[key] = (local.dtype, tuple(local.shape))
                     where[key] = {"tensor": name, "shape": shape, "dim": dim, "start": start}
                 # AdamW's step count (shape [1]: a count, the same on every TP rank; any copy serves)
                 name = f"{role}/{piece.name}/step"
                 key = f"{name}@tp{mesh.tp_rank}" if sharded else name
-                tensors[key] = state["step"].detach().cpu().reshape(1).to(torch.float32)
+                sources[key] = lambda t=state["step"]: t.detach().cpu().reshape(1).to(torch.float32)
+                layout_of[key] = (torch.float32, (1,))
                 where[key] = {"tensor": name, "shape": [1], "dim": None, "start": 0}
-    if not tensors:
+    if not sources:
         return None
+    names = sorted(sources)
+    layout = {n: layout_of[n] for n in names}
     path.parent.mkdir(parents=True, exist_ok=True)
-    names = sorted(tensors)
-    writer = SafetensorsWriter(path, {n: (tensors[n].dtype, tuple(tensors[n].shape)) for n in names},
-                               metadata={"format": "pt", "mlora_pieces": json.dumps(where, sort_keys=True)})
+    writer = SafetensorsWriter(path, layout, metadata={"format": "pt", "mlora_pieces": json.dumps(where, sort_keys=True)})
     try:
         for n in names:
-            writer.write(n, tensors[n])
+            writer.write(n, sources[n]())
     except BaseException:
         writer.abort()
         raise

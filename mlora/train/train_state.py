@@ -84,7 +84,7 @@ def write_train_state(directory: Path, model, engine, loop_state: dict, config_t
     is fsynced and returned (for the manifest)."""
     mesh, mine = model.mesh, []
     adapters = [n for n in (engine.policy, engine.critic) if n is not None]
-    for name in adapters:  # gathered to global rank 0, which writes the PEFT files
+    for name in adapters:  # each stage's ranks write their own shards into one PEFT file (no gather)
         model.save_adapter(name, directory / ADAPTERS / name)
         if mesh.rank == 0:
             mine += sorted((directory / ADAPTERS / name).iterdir())

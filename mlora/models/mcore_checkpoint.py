@@ -1,0 +1,584 @@
+"""HF safetensors <-> megatron-core distributed checkpoint (``torch_dist``), tensor by tensor.
+
+``hf_to_mcore`` runs on ``tp × pp`` ranks (one process when both are 1). Each rank builds a plain
+megatron ``GPTModel`` (megatron's local layer spec) for its pipeline stage, fills it with only its TP
+slices of the HF tensors (read slice by slice: :class:`~mlora.models.checkpoint_reader.CheckpointReader`),
+and megatron-core's own ``dist_checkpointing.save`` writes the model's ``sharded_state_dict()``. A rank
+holds its shard of the model, 1/(tp·pp) of it, plus one tensor being read: megatron's save takes a
+built model's tensors, as Megatron-LM's and Megatron-Bridge's converters do.
+
+The directory is what Megatron-LM's ``--load`` (``--ckpt-format torch_dist``) and Megatron-Bridge read::
+
+    OUT/latest_checkpointed_iteration.txt      "release"
+    OUT/release/metadata.json, common.pt, .metadata, __<rank>_<i>.distcp    (megatron-core)
+    OUT/release/mlora_hf/config.json, tokenizer files                      (the HF side files)
+    OUT/release/mlora_convert.json            source layout: HF files, tensor order, dtypes, vocab padding
+
+Tensor keys are the local spec's TE-compatible ones (``...linear_qkv.layer_norm_weight`` for the input
+norm, ``...linear_fc1.layer_norm_weight`` for the pre-MLP norm), decoder layers stacked on a leading axis,
+QKV grouped per query group ``[q; k; v]``, ``linear_fc1`` as ``[gate; up]``, and the vocabulary padded as
+Megatron-LM pads it: up to a multiple of ``make_vocab_size_divisible_by × tp`` (default 128 × tp). A
+dist checkpoint is layout-free: any TP×PP loads it (same padded vocabulary); ``tp``/``pp`` choose the
+padding and how many ranks write.
+
+``mcore_to_hf`` needs one process and no process group: it reads one megatron tensor (one layer's slice
+of a stacked key) at a time through torch.distributed.checkpoint, the storage layer of ``torch_dist``,
+turns it into the HF tensors and streams them into safetensors files laid out as the source was, so
+HF -> mcore -> HF is bit-identical. A checkpoint written elsewhere (Megatron-LM, Bridge) converts too
+given the HF ``config.json`` it corresponds to (``hf_config=``); it is checked tensor by tensor against it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from mlora.models.checkpoint_reader import INDEX_FILE, SAFETENSORS_DTYPES, CheckpointError, CheckpointReader
+from mlora.models.hf_config import ModelSpec, check_layout, load_hf_config, model_spec
+from mlora.models.weight_map import VOCAB, ParamMap, is_export_copy, stage_layers, stage_param_maps
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+RELEASE_DIR = "release"
+HF_SIDE_DIR = "mlora_hf"
+CONVERT_INFO = "mlora_convert.json"
+INFO_FORMAT = "mlora-mcore-convert/1"
+CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version (mcore layers, [q; k; v] per group)
+# What Megatron-LM and Megatron-Bridge record as content metadata for a model without optimizer state.
+CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+HF_SHARD_BYTES = 5 * 1024**3  # transformers' default max_shard_size, for checkpoints without a source layout
+# megatron's local layer spec stores the two norms under the TE spec's names (sharded_state_dict_keys_map).
+_NORM_KEYS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+              "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+_DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+# weights and their indexes: not copied with the side files (config, tokenizer, generation config, ...)
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", INDEX_FILE,
+                 "pytorch_model.bin.index.json")
+
+
+# ----------------------------------------------------------------------------- shared helpers
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron-LM's padding: ``vocab_size`` rounded up to a multiple of ``divisible_by × tp``."""
+    if divisible_by < 1:
+        raise ValueError(f"make_vocab_size_divisible_by={divisible_by} is invalid: it must be >= 1")
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def mcore_key(megatron_name: str) -> tuple[str, int | None]:
+    """The dist-checkpoint key of a TP1/PP1 ``GPTModel`` parameter name and its layer index (None when
+    the key is not stacked over layers): ``decoder.layers.3.input_layernorm.weight`` ->
+    ``("decoder.layers.self_attention.linear_qkv.layer_norm_weight", 3)``."""
+    prefix = "decoder.layers."
+    if not megatron_name.startswith(prefix):
+        return megatron_name, None
+    index, rest = megatron_name[len(prefix):].split(".", 1)
+    return prefix + _NORM_KEYS.get(rest, rest), int(index)
+
+
+def expected_shapes(spec: ModelSpec, padded_vocab: int) -> dict[str, tuple[int, ...]]:
+    """Global shape of every model tensor a dist checkpoint of ``spec`` holds (layers stacked first)."""
+    h, hd, L = spec.hidden_size, spec.head_dim, spec.num_layers
+    qkv = (spec.num_heads + 2 * spec.num_kv_heads) * hd
+    shapes = {"embedding.word_embeddings.weight": (padded_vocab, h),
+              "decoder.layers.self_attention.linear_qkv.layer_norm_weight": (L, h),
+              "decoder.layers.self_attention.linear_qkv.weight": (L, qkv, h),
+              "decoder.layers.self_attention.linear_proj.weight": (L, h, spec.num_heads * hd),
+              "decoder.layers.mlp.linear_fc1.layer_norm_weight": (L, h),
+              "decoder.layers.mlp.linear_fc1.weight": (L, 2 * spec.intermediate_size, h),
+              "decoder.layers.mlp.linear_fc2.weight": (L, h, spec.intermediate_size),
+              "decoder.final_layernorm.weight": (h,)}
+    if spec.qkv_bias:
+        shapes["decoder.layers.self_attention.linear_qkv.bias"] = (L, qkv)
+    if not spec.tied_embeddings:
+        shapes["output_layer.weight"] = (padded_vocab, h)
+    return shapes
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="tensor", desc=desc, disable=not enabled)
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or dtype not in _DTYPE_NAMES:
+        raise ValueError(f"dtype {name!r} is not supported; choose from "
+                         f"{', '.join(sorted(str(d).removeprefix('torch.') for d in _DTYPE_NAMES))}")
+    return dtype
+
+
+def _short(names: Iterable[str], n: int = 5) -> str:
+    names = list(names)
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+# ----------------------------------------------------------------------------- HF -> mcore
+def check_hf_checkpoint(reader: CheckpointReader, spec: ModelSpec, hf_dir: Path) -> list[ParamMap]:
+    """Every ParamMap of the whole model (TP1/PP1 names); raises when the files do not match the config
+    or hold tensors a megatron GPTModel has no place for (they could not come back on export)."""
+    maps = stage_param_maps(spec, 1, 0)
+    needed = {n for pm in maps for n in pm.hf_names}
+    missing = sorted(needed - set(reader.entries))
+    if missing:
+        raise CheckpointError(f"{hf_dir} lacks tensors the model needs: {_short(missing)}")
+    wrong = [f"{name} is {reader.entry(name).shape}, config.json implies {shape}"
+             for pm in maps for name, shape in pm.hf_shapes(spec).items() if reader.entry(name).shape != shape]
+    if wrong:
+        raise CheckpointError(f"{hf_dir} does not match its config.json: " + "; ".join(wrong[:3]))
+    extra = sorted(set(reader.entries) - needed)
+    if extra:
+        raise CheckpointError(
+            f"{hf_dir} holds tensors that a megatron GPTModel of {spec.architecture} has no place for: "
+            f"{_short(extra)}; they would be lost in the conversion")
+    return maps
+
+
+def _source_layout(reader: CheckpointReader, hf_dir: Path) -> dict[str, Any]:
+    """The HF files, their tensors in file order and the index metadata: what export reproduces."""
+    files: dict[str, list[str]] = {}
+    for name, entry in sorted(reader.entries.items(), key=lambda kv: (kv[1].file.name, kv[1].offset)):
+        files.setdefault(entry.file.name, []).append(name)
+    index = hf_dir / INDEX_FILE
+    index_metadata = json.loads(index.read_text()).get("metadata", {}) if index.is_file() else None
+    return {"hf_files": files, "hf_index_metadata": index_metadata,
+            "hf_tensors": {n: {"dtype": _DTYPE_NAMES[e.dtype], "shape": list(e.shape)}
+                           for n, e in reader.entries.items()}}
+
+
+def _read_vocab_shard(reader: CheckpointReader, name: str, spec: ModelSpec, padded: int, tp: int,
+                      tp_rank: int) -> torch.Tensor:
+    """This TP rank's rows of the padded vocabulary matrix; padding rows are zero."""
+    rows = padded // tp
+    start, stop = tp_rank * rows, (tp_rank + 1) * rows
+    real = reader.read(name, 0, min(start, spec.vocab_size), min(stop, spec.vocab_size))
+    if real.shape[0] == rows:
+        return real
+    return torch.cat([real, real.new_zeros(rows - real.shape[0], *real.shape[1:])])
+
+
+def build_plain_gpt(spec: ModelSpec, mesh: Any, dtype: torch.dtype, vocab_size: int):
+    """This rank's shard of a plain megatron ``GPTModel`` for ``spec`` (megatron's local layer spec, no
+    LoRA), parameters allocated but not initialised, with transformers' RoPE inverse frequencies."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from mlora.models.megatron_build import gpt_model, transformer_config
+
+    return gpt_model(spec, mesh, transformer_config(spec, mesh, dtype),
+                     get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size)
+
+
+def _hf_dtype(reader: CheckpointReader, hf_dir: Path) -> torch.dtype:
+    dtypes = {e.dtype for e in reader.entries.values()}
+    if len(dtypes) != 1:
+        raise CheckpointError(f"{hf_dir} mixes tensor dtypes ({', '.join(sorted(map(str, dtypes)))}); "
+                              "pass dtype= (--dtype) to choose the checkpoint's dtype")
+    return dtypes.pop()
+
+
+def _copy_side_files(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for path in sorted(src.iterdir()):
+        if path.is_file() and not path.name.endswith(_WEIGHT_FILES):
+            shutil.copyfile(path, dst / path.name)
+
+
+def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, pp: int = 1,
+                dtype: str | torch.dtype | None = None, make_vocab_size_divisible_by: int = 128,
+                progress: bool = True) -> Path:
+    """Convert the HF checkpoint in ``hf_dir`` into a megatron-core dist checkpoint in ``out_dir``.
+
+    Collective over ``tp × pp`` ranks (torchrun; one plain process when ``tp == pp == 1``): the world
+    size must equal ``tp × pp``. ``dtype`` (default: the HF tensors' own) is the stored dtype; keep it
+    for a bit-identical way back. Returns the dist checkpoint directory (``out_dir/release``).
+    Raises ValueError/CheckpointError, on every rank, for a layout that does not divide the model, a
+    non-empty ``out_dir`` or an HF checkpoint that does not match its config."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from mlora.models.fp8_checkpoint import fp8_quantization_config
+    from mlora.parallel.mesh import init_parallel
+
+    for name, value in (("tp", tp), ("pp", pp)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer")
+    hf, out = Path(hf_dir), Path(out_dir)
+    spec = model_spec(load_hf_config(hf))
+    check_layout(spec, tp, pp)
+    if fp8_quantization_config(json.loads((hf / "config.json").read_text())) is not None:
+        raise ValueError(f"{hf} is a block-quantized FP8 checkpoint (quantization_config); hf-to-mcore converts "
+                         "unquantized checkpoints (bfloat16, float16, float32) only")
+    padded = padded_vocab_size(spec.vocab_size, tp, make_vocab_size_divisible_by)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"--out {out} exists and is not an empty directory; choose a new directory")
+    world = int(os.environ.get("WORLD_SIZE", "1")) if not dist.is_initialized() else dist.get_world_size()
+    if world != tp * pp:
+        raise ValueError(f"tp={tp} × pp={pp} needs {tp * pp} ranks, this run has {world}: launch it with "
+                         f"torchrun --nproc_per_node={tp * pp} (a dist checkpoint is written by one rank per shard)")
+    with CheckpointReader(hf) as reader:
+        check_hf_checkpoint(reader, spec, hf)  # every rank checks the whole model: headers only
+        dtype = _dtype_from_name(dtype) if isinstance(dtype, str) else dtype or _hf_dtype(reader, hf)
+        layout = _source_layout(reader, hf)
+        mesh = init_parallel(tp=tp, pp=pp)
+        model = build_plain_gpt(spec, mesh, dtype, padded)
+        _fill_from_hf(model, reader, spec, mesh, padded, progress and mesh.rank == 0)
+    ckpt = out / RELEASE_DIR
+    if mesh.rank == 0:
+        ckpt.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    sharded = model.sharded_state_dict(metadata=dict(CONTENT_METADATA))
+    _check_sharded_keys(sharded, spec, mesh)
+    if mesh.rank == 0 and progress:
+        print(f"hf-to-mcore: saving with megatron-core dist_checkpointing to {ckpt}", flush=True)
+    dist_checkpointing.save({"model": sharded, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0},
+                            str(ckpt), content_metadata=dict(CONTENT_METADATA))
+    del sharded, model
+    if mesh.rank == 0:
+        import megatron.core
+
+        _copy_side_files(hf, ckpt / HF_SIDE_DIR)
+        info = {"format": INFO_FORMAT, "source": str(hf.resolve()), "architecture": spec.architecture,
+                "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                "dtype": str(dtype).removeprefix("torch."), "vocab_size": spec.vocab_size,
+                "padded_vocab_size": padded, "make_vocab_size_divisible_by": make_vocab_size_divisible_by,
+                "megatron_core": megatron.core.__version__, **layout}
+        (ckpt / CONVERT_INFO).write_text(json.dumps(info, indent=1))
+        # last: Megatron-LM only sees a checkpoint once its tracker file names it
+        (out / TRACKER_FILE).write_text(RELEASE_DIR)
+    dist.barrier()
+    return ckpt
+
+
+def _fill_from_hf(model: torch.nn.Module, reader: CheckpointReader, spec: ModelSpec, mesh: Any, padded: int,
+                  progress: bool) -> None:
+    local_layers = [layer.layer_number - 1 for layer in model.decoder.layers]
+    expected = list(stage_layers(spec, mesh.pp, mesh.pp_rank))
+    if local_layers != expected:  # our HF mapping and megatron must agree on who holds which layer
+        raise RuntimeError(f"megatron placed layers {local_layers} on stage {mesh.pp_rank}, expected {expected}")
+    params = dict(model.named_parameters())
+    maps = stage_param_maps(spec, mesh.pp, mesh.pp_rank)
+    bar = _progress(len(maps), "hf-to-mcore (rank 0's shard)", progress)
+    for pm in maps:
+        param = params.pop(pm.megatron_name)
+        if pm.kind == VOCAB:
+            shard = _read_vocab_shard(reader, pm.hf_names[0], spec, padded, mesh.tp, mesh.tp_rank)
+        else:
+            shard = pm.load(reader, spec, mesh.tp, mesh.tp_rank)
+        if shard.shape != param.shape:
+            raise CheckpointError(f"{pm.hf_names} give a shard of shape {tuple(shard.shape)} for "
+                                  f"{pm.megatron_name}, which has shape {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(shard)
+        del shard
+        bar.update(1)
+    bar.close()
+    if params:
+        raise RuntimeError(f"GPTModel parameters without an HF mapping: {sorted(params)}")
+
+
+def _check_sharded_keys(sharded: dict, spec: ModelSpec, mesh: Any) -> None:
+    """The keys megatron gives this stage's parameters must be the ones export reads (fails loudly if a
+    megatron-core release renames them)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    first = stage_layers(spec, mesh.pp, mesh.pp_rank).start
+    for pm in stage_param_maps(spec, mesh.pp, mesh.pp_rank):
+        item = sharded.get(pm.megatron_name)
+        if is_export_copy(pm, spec) or not isinstance(item, ShardedTensor):
+            continue  # tied copy (stored as the embedding) or a factory (linear_fc1: checked on export)
+        key, layer = mcore_key(pm.megatron_name)
+        if item.key != key or (layer is not None and item.global_offset[0] != first + layer):
+            raise RuntimeError(f"megatron-core stores {pm.megatron_name} as {item.key!r} at offset "
+                               f"{item.global_offset}, mlora expects {key!r} at layer {first + (layer or 0)}")
+
+
+# ----------------------------------------------------------------------------- mcore -> HF
+@dataclass(frozen=True)
+class McoreCheckpoint:
+    """A located megatron-core dist checkpoint and what is known about its source."""
+
+    directory: Path  # the dist checkpoint itself (metadata.json, .metadata, *.distcp)
+    info: dict | None  # mlora_convert.json, when written by hf_to_mcore
+    config_dir: Path  # where config.json and the other HF side files are
+
+
+def locate_mcore_checkpoint(path: str | os.PathLike, hf_config: str | os.PathLike | None = None) -> McoreCheckpoint:
+    """Find the dist checkpoint under ``path`` (a Megatron-LM save directory with
+    ``latest_checkpointed_iteration.txt``, or the ``release``/``iter_*`` directory itself) and the HF
+    config that describes it (``hf_config`` or the copy stored at conversion)."""
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"megatron checkpoint directory {str(root)!r} does not exist")
+    directory = root
+    tracker = root / TRACKER_FILE
+    if tracker.is_file() and not (root / "metadata.json").is_file():
+        text = tracker.read_text().strip()
+        directory = root / (RELEASE_DIR if text == RELEASE_DIR else f"iter_{int(text):07d}" if text.isdigit() else text)
+        if not directory.is_dir():
+            raise FileNotFoundError(f"{tracker} names {text!r} but {directory} does not exist")
+    if not (directory / "metadata.json").is_file():
+        raise CheckpointError(
+            f"{directory} is not a megatron-core dist checkpoint: no metadata.json "
+            f"(and no {TRACKER_FILE} pointing at one)")
+    backend = json.loads((directory / "metadata.json").read_text()).get("sharded_backend")
+    if backend != "torch_dist":
+        raise CheckpointError(f"{directory} uses sharded_backend {backend!r}; supported: 'torch_dist'")
+    info_path = directory / CONVERT_INFO
+    info = json.loads(info_path.read_text()) if info_path.is_file() else None
+    if info is not None and info.get("format") != INFO_FORMAT:
+        raise CheckpointError(f"{info_path} has format {info.get('format')!r}; this mlora reads {INFO_FORMAT!r}")
+    if hf_config is not None:
+        config_dir = Path(hf_config)
+    elif (directory / HF_SIDE_DIR / "config.json").is_file():
+        config_dir = directory / HF_SIDE_DIR
+    else:
+        raise CheckpointError(
+            f"{directory} holds no HF config ({HF_SIDE_DIR}/config.json: it was not written by "
+            "tools/convert_checkpoint.py); pass the HF config.json directory of its model with --hf-config")
+    return McoreCheckpoint(directory, info, config_dir)
+
+
+def _dcp_metadata(directory: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not (directory / ".metadata").is_file():
+        raise CheckpointError(f"{directory} has no .metadata: the save did not finish, or the file was removed")
+    return FileSystemReader(str(directory)).read_metadata()
+
+
+def check_shard_files(directory: Path, metadata: Any) -> None:
+    """Raise naming every ``*.distcp`` file the checkpoint's index needs that is missing or too short."""
+    needs: dict[str, tuple[int, set[str]]] = {}
+    for index, info in metadata.storage_data.items():
+        end, keys = needs.get(info.relative_path, (0, set()))
+        keys.add(index.fqn)
+        needs[info.relative_path] = (max(end, info.offset + info.length), keys)
+    missing = [f"{name} (holds {_short(sorted(keys), 3)})" for name, (_, keys) in sorted(needs.items())
+               if not (directory / name).is_file()]
+    if missing:
+        raise CheckpointError(f"dist checkpoint {directory} is missing shard files: {'; '.join(missing)}")
+    short = [f"{name} is {(directory / name).stat().st_size} bytes, its index needs {end}"
+             for name, (end, _) in sorted(needs.items()) if (directory / name).stat().st_size < end]
+    if short:
+        raise CheckpointError(f"dist checkpoint {directory} has truncated shard files: {'; '.join(short)}")
+
+
+def _model_tensors(metadata: Any) -> dict[str, Any]:
+    """Tensor entries of the model: optimizer state, RNG and megatron's ``_extra_state`` objects aside."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return {k: md for k, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata) and not k.startswith(("optimizer.", "rng_state"))}
+
+
+def check_against_config(ckpt: McoreCheckpoint, spec: ModelSpec, tensors: dict[str, Any]) -> int:
+    """Raise unless the checkpoint's tensors are exactly those of ``spec``'s GPTModel; returns the
+    padded vocabulary size. Names the config and the first mismatches."""
+    where = f"the HF config in {ckpt.config_dir} ({spec.architecture})"
+    info = ckpt.info or {}
+    if info and info.get("architecture") != spec.architecture:
+        raise CheckpointError(
+            f"{ckpt.directory} was converted from a {info.get('architecture')} checkpoint; {where} is another "
+            "architecture: pass the config of the model it was converted from")
+    emb = tensors.get("embedding.word_embeddings.weight")
+    if emb is None:
+        raise CheckpointError(f"{ckpt.directory} has no embedding.word_embeddings.weight: not a GPT checkpoint")
+    padded = int(emb.size[0])
+    if padded < spec.vocab_size:
+        raise CheckpointError(f"{ckpt.directory} has {padded} vocabulary rows; {where} says vocab_size="
+                              f"{spec.vocab_size}")
+    if info and info.get("padded_vocab_size", padded) != padded:
+        raise CheckpointError(f"{ckpt.directory} has {padded} vocabulary rows, {CONVERT_INFO} recorded "
+                              f"{info['padded_vocab_size']}")
+    expected = expected_shapes(spec, padded)
+    unexpected = sorted(set(tensors) - set(expected))
+    missing = sorted(set(expected) - set(tensors))
+    wrong = [f"{k} is {tuple(tensors[k].size)} in the checkpoint, the config implies {shape}"
+             for k, shape in expected.items() if k in tensors and tuple(tensors[k].size) != shape]
+    problems = []
+    if unexpected:
+        problems.append(f"it holds tensors {spec.architecture} has no place for: {_short(unexpected)}")
+    if missing:
+        problems.append(f"it lacks tensors {spec.architecture} needs: {_short(missing)}")
+    if wrong:
+        problems.append("; ".join(wrong[:3]))
+    if problems:
+        raise CheckpointError(
+            f"dist checkpoint {ckpt.directory} does not match {where}: " + "; ".join(problems)
+            + ". It is a checkpoint of another model or architecture, or its stored config disagrees with it")
+    return padded
+
+
+@functools.cache
+def _slice_planner_class() -> type:
+    """A torch.distributed.checkpoint load planner reading given slices of stored tensors into given
+    buffers (one process, no process group): ``requests`` maps a key to (buffer, offsets in the stored
+    tensor). Only the saved chunks that overlap a slice are read. Built once (torch imported lazily);
+    a class made per call would sit in a reference cycle holding its buffers until the next gc run."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    class SlicePlanner(DefaultLoadPlanner):
+        def __init__(self, requests: dict[str, tuple[torch.Tensor, tuple[int, ...]]]) -> None:
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+            self.requests = requests
+
+        def create_local_plan(self) -> LoadPlan:
+            items = []
+            for key, (buffer, offsets) in self.requests.items():
+                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=buffer.shape)
+                items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], [chunk])
+            return LoadPlan(items)
+
+        def lookup_tensor(self, index):
+            return self.requests[index.fqn][0]
+
+    return SlicePlanner
+
+
+class DistCheckpointReader:
+    """Slices of the tensors of a ``torch_dist`` checkpoint, one small read at a time."""
+
+    def __init__(self, directory: Path, tensors: dict[str, Any]) -> None:
+        from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
+            CachedMetadataFileSystemReader,
+        )
+
+        self.directory = directory
+        self.tensors = tensors
+        self._reader = CachedMetadataFileSystemReader(str(directory))  # the index is parsed once
+
+    def read(self, reads: dict[str, int | None]) -> dict[str, torch.Tensor]:
+        """``{key: layer}`` -> ``{key: tensor}``: the whole tensor (layer None) or layer ``layer`` of a
+        stacked one, in the stored dtype."""
+        import torch.distributed.checkpoint as dcp
+
+        requests = {}
+        for key, layer in reads.items():
+            md = self.tensors[key]
+            shape = tuple(md.size) if layer is None else tuple(md.size)[1:]
+            offsets = (0,) * len(shape) if layer is None else (layer,) + (0,) * len(shape)
+            buffer = torch.empty(shape if layer is None else (1, *shape), dtype=md.properties.dtype)
+            requests[key] = (buffer, offsets)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            dcp.load({k: b for k, (b, _) in requests.items()}, storage_reader=self._reader,
+                     planner=_slice_planner_class()(requests), no_dist=True)
+        return {k: b if reads[k] is None else b[0] for k, (b, _) in requests.items()}
+
+
+def _hf_sources(spec: ModelSpec) -> dict[str, ParamMap]:
+    """HF tensor name -> the TP1 ParamMap it comes from (the tied copy left out)."""
+    return {name: pm for pm in stage_param_maps(spec, 1, 0) if not is_export_copy(pm, spec)
+            for name in pm.hf_names}
+
+
+def _default_layout(sources: dict[str, ParamMap], spec: ModelSpec, dtype: torch.dtype) -> dict[str, list[str]]:
+    """HF file names and tensor order for a checkpoint without a recorded source layout: HF's order,
+    split into ``model-0000i-of-0000n.safetensors`` at 5 GiB like ``save_pretrained``."""
+    item = torch.empty((), dtype=dtype).element_size()
+    shapes = {n: s for pm in set(sources.values()) for n, s in pm.hf_shapes(spec).items()}
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name in sources:
+        nbytes = torch.Size(shapes[name]).numel() * item
+        if groups[-1] and size + nbytes > HF_SHARD_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    if len(groups) == 1:
+        return {"model.safetensors": groups[0]}
+    n = len(groups)
+    return {f"model-{i + 1:05d}-of-{n:05d}.safetensors": g for i, g in enumerate(groups)}
+
+
+def mcore_to_hf(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike,
+                hf_config: str | os.PathLike | None = None, progress: bool = True) -> Path:
+    """Convert a megatron-core dist checkpoint into an HF checkpoint in ``out_dir``; returns ``out_dir``.
+
+    One process, no process group; a few tensors in memory at a time. The architecture comes from
+    the HF config stored at conversion, or ``hf_config`` (a directory with ``config.json``) for a
+    checkpoint written by Megatron-LM or Megatron-Bridge. Files, tensor order, names and dtypes follow
+    the recorded source layout, so a checkpoint made by :func:`hf_to_mcore` comes back bit-identical.
+    Raises CheckpointError for missing or truncated shard files and for a checkpoint whose tensors
+    do not match the config (another architecture or size)."""
+    from mlora.models.safetensors_writer import SafetensorsWriter
+
+    out = Path(out_dir)
+    ckpt = locate_mcore_checkpoint(mcore_dir, hf_config)
+    spec = model_spec(load_hf_config(ckpt.config_dir))
+    metadata = _dcp_metadata(ckpt.directory)
+    check_shard_files(ckpt.directory, metadata)
+    tensors = _model_tensors(metadata)
+    check_against_config(ckpt, spec, tensors)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"--out {out} exists and is not an empty directory; choose a new directory")
+    if out.resolve() == ckpt.config_dir.resolve():
+        raise ValueError(f"--out {out} is the HF config directory; choose another directory")
+    sources = _hf_sources(spec)
+    info = ckpt.info or {}
+    if info:
+        files = info["hf_files"]
+        recorded = {n for names in files.values() for n in names}
+        if recorded != set(sources):
+            raise CheckpointError(f"{CONVERT_INFO} in {ckpt.directory} lists HF tensors {spec.architecture} "
+                                  f"does not produce: {_short(sorted(recorded ^ set(sources)))}")
+        dtypes = {n: SAFETENSORS_DTYPES[t["dtype"]] for n, t in info["hf_tensors"].items()}
+    else:
+        stored = tensors["embedding.word_embeddings.weight"].properties.dtype
+        files = _default_layout(sources, spec, stored)
+        dtypes = {}
+    reader = DistCheckpointReader(ckpt.directory, tensors)
+    out.mkdir(parents=True, exist_ok=True)
+    pending: dict[str, torch.Tensor] = {}  # HF tensors converted with a sibling, not yet written
+    total_bytes = 0
+    bar = _progress(len(sources), "mcore-to-hf", progress)
+    for file, names in files.items():
+        shapes = {n: s for pm in {sources[n] for n in names} for n, s in pm.hf_shapes(spec).items()}
+        layout = {}
+        for name in names:
+            key, _ = mcore_key(sources[name].megatron_name)
+            layout[name] = (dtypes.get(name, tensors[key].properties.dtype), shapes[name])
+            total_bytes += torch.Size(shapes[name]).numel() * torch.empty((), dtype=layout[name][0]).element_size()
+        writer = SafetensorsWriter(out / file, layout, metadata={"format": "pt"})
+        try:
+            for name in names:
+                if name not in pending:
+                    pending.update(_convert(sources[name], reader, spec))
+                tensor = pending.pop(name)
+                writer.write(name, tensor.to(layout[name][0]))
+                del tensor  # hold no written tensor while the next one is read
+                bar.update(1)
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close()
+    bar.close()
+    if len(files) > 1:
+        index_md = dict(info.get("hf_index_metadata") or {})
+        index_md["total_size"] = total_bytes
+        weight_map = {n: f for f, names in files.items() for n in names}
+        (out / INDEX_FILE).write_text(json.dumps({"metadata": index_md, "weight_map": dict(sorted(weight_map.items()))},
+                                                 indent=2) + "\n")
+    _copy_side_files(ckpt.config_dir, out)
+    return out
+
+
+def _convert(pm: ParamMap, reader: DistCheckpointReader, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """The HF tensors of one megatron parameter, read as its TP1 form (one layer's slice)."""
+    key, layer = mcore_key(pm.megatron_name)
+    full = reader.read({key: layer})[key]
+    if pm.kind == VOCAB:  # drop the padding rows without a copy (to_hf concatenates TP shards first)
+        return {pm.hf_names[0]: full[: spec.vocab_size]}
+    return pm.to_hf([full], spec)

@@ -1,0 +1,107 @@
+#!/usr/bin/env python
+"""HF safetensors <-> megatron-core distributed checkpoint (torch_dist: what Megatron-LM and Megatron-Bridge load).
+
+    python tools/convert_checkpoint.py hf-to-mcore --hf HF_DIR --out MCORE_DIR --tp 2 --pp 2
+    python tools/convert_checkpoint.py mcore-to-hf --mcore MCORE_DIR --out HF_DIR [--hf-config HF_DIR]
+
+hf-to-mcore builds a megatron GPTModel on tp x pp ranks, each filled with only its slices of the HF
+tensors, and saves it with megatron-core's own dist_checkpointing.save into MCORE_DIR/release
+(+ latest_checkpointed_iteration.txt = "release", so Megatron-LM's --load finds it; load with
+--ckpt-format torch_dist and the same --make-vocab-size-divisible-by). With tp x pp > 1 and no
+torchrun around it, the script relaunches itself under torchrun --standalone on this node; for
+several nodes, start it with torchrun yourself (world size = tp x pp).
+mcore-to-hf runs in one process, a few tensors in memory at a time, and reproduces the source HF files
+bit for bit (tensor names, order, files, dtypes, config and tokenizer files). For a checkpoint written by
+Megatron-LM or Megatron-Bridge, pass --hf-config with the HF config.json directory of its model.
+Llama, Qwen2 and Mistral (the architectures mlora supports).
+Exit status: 0 done, 2 bad input (the message says what and what would be valid).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+_BAD_INPUT = (ValueError, FileNotFoundError, FileExistsError)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="convert_checkpoint.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    h2m = sub.add_parser("hf-to-mcore", help="HF checkpoint -> megatron-core dist checkpoint")
+    h2m.add_argument("--hf", required=True, metavar="DIR", help="HF model directory (config.json, *.safetensors)")
+    h2m.add_argument("--out", required=True, metavar="DIR", help="new directory for the dist checkpoint")
+    h2m.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the target layout (default 1)")
+    h2m.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the target layout (default 1)")
+    h2m.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                     help="stored dtype (default: the HF tensors'; keep it for a bit-identical way back)")
+    h2m.add_argument("--make-vocab-size-divisible-by", type=int, default=128, metavar="N",
+                     help="pad the vocabulary to a multiple of N x tp, as Megatron-LM's flag of that name (default 128)")
+    h2m.add_argument("--quiet", action="store_true", help="no progress bar")
+    m2h = sub.add_parser("mcore-to-hf", help="megatron-core dist checkpoint -> HF checkpoint")
+    m2h.add_argument("--mcore", required=True, metavar="DIR",
+                     help="dist checkpoint: the save directory (with latest_checkpointed_iteration.txt) or release/, iter_*/")
+    m2h.add_argument("--out", required=True, metavar="DIR", help="new directory for the HF checkpoint")
+    m2h.add_argument("--hf-config", default=None, metavar="DIR",
+                     help="HF directory with the model's config.json (default: the copy stored by hf-to-mcore)")
+    m2h.add_argument("--quiet", action="store_true", help="no progress bar")
+    return ap
+
+
+def _relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
+    """Run this script with ``argv`` on ``nproc`` local ranks (torchrun --standalone); returns its exit status."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(Path(__file__).resolve()), *argv]
+    print(f"convert_checkpoint.py: tp x pp = {nproc} ranks: running {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return subprocess.run(cmd, env=env).returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and convert; returns the exit status."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parser().parse_args(argv)
+    rank0 = os.environ.get("RANK", "0") == "0"
+    try:
+        if args.command == "hf-to-mcore":
+            from mlora.models.hf_config import check_layout, load_hf_config, model_spec
+
+            for name in ("tp", "pp"):
+                if getattr(args, name) < 1:
+                    raise ValueError(f"--{name}={getattr(args, name)} is invalid: it must be a positive integer")
+            # check what can be checked before starting ranks: the config and the layout
+            check_layout(model_spec(load_hf_config(args.hf)), args.tp, args.pp)
+            nproc = args.tp * args.pp
+            if "WORLD_SIZE" not in os.environ and nproc > 1:
+                return _relaunch_under_torchrun(nproc, argv)
+            from mlora.models.mcore_checkpoint import hf_to_mcore
+
+            out = hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
+                              make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                              progress=not args.quiet)
+        else:
+            from mlora.models.mcore_checkpoint import mcore_to_hf
+
+            out = mcore_to_hf(args.mcore, args.out, hf_config=args.hf_config, progress=not args.quiet)
+    except _BAD_INPUT as exc:
+        if rank0:
+            print(f"convert_checkpoint.py: error: {exc}", file=sys.stderr)
+        return 2
+    if rank0:
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(code)
