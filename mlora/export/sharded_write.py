@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from mlora.models.safetensors_writer import Layout, PresizedSafetensors, TensorShard
 from mlora.parallel.small_collectives import collective_device, raise_if_any_failed
+from mlora.train.checkpoint import fsync_dir
 
 _DONE, _FAILED = -1, -2  # descriptor codes that end a relaying rank's stream
 _durable = False  # set by durable_writes(); the same on every rank when entered collectively
@@ -201,21 +202,9 @@ def write_safetensors_collectively(path: str | os.PathLike, layout: Layout, shar
             if finish is not None:
                 finish(final)
             if durable:
-                _fsync_dir(final.parent)
+                fsync_dir(final.parent)
         except Exception as exc:  # noqa: BLE001
             error = exc
     raise_if_any_failed(error, f"renaming {tmp} into place")  # nobody returns before the file is there
     return final
 
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:  # some filesystems do not open directories; their renames are durable on their own
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -208,15 +208,14 @@ def run(cfg: TrainConfig, notes: Sequence[str] = ()) -> dict:
             raise
 
 
-def _train(cfg: TrainConfig, notes: Sequence[str], guard: PreemptionGuard) -> dict:
-    from transformers import AutoTokenizer
-
-    t, g = cfg.trainer, cfg.generator
-    # 1. the mesh (and the CPU demo's tiny model and prompts)
+def start_run(cfg: TrainConfig, notes: Sequence[str], build_assets: Callable[[str], object]):
+    """What every mlora-train stage does first: the demo's assets (``demo.prepare``, rank 0, with
+    ``build_assets(demo.dir)``), the mesh, logging, the config notes, the run and checkpoint directories and
+    the checkpoint to resume from (found before the model loads: a wrong checkpoint fails fast).
+    Returns ``(mesh, run_dir, ckpt_root, resume)``."""
+    t = cfg.trainer
     if cfg.demo.prepare and int(os.environ.get("RANK", "0")) == 0:
-        from mlora.demos.rl_assets import build_demo_assets
-
-        build_demo_assets(cfg.demo.dir)
+        build_assets(cfg.demo.dir)
     mc = t.policy.megatron_config
     mesh = mlora.init_parallel(tp=mc.tensor_model_parallel_size, pp=mc.pipeline_model_parallel_size,
                                sp=mc.sequence_parallel, seed=t.seed)
@@ -226,7 +225,17 @@ def _train(cfg: TrainConfig, notes: Sequence[str], guard: PreemptionGuard) -> di
     dist.barrier()
     run_dir = Path(t.run_dir)
     ckpt_root = Path(t.ckpt_path) if t.ckpt_path else run_dir / "checkpoints"
-    resume = _find_resume(cfg, mesh, ckpt_root)  # before the model loads: a wrong checkpoint fails fast
+    return mesh, run_dir, ckpt_root, _find_resume(cfg, mesh, ckpt_root)
+
+
+def _train(cfg: TrainConfig, notes: Sequence[str], guard: PreemptionGuard) -> dict:
+    from transformers import AutoTokenizer
+
+    from mlora.demos.rl_assets import build_demo_assets
+
+    t, g = cfg.trainer, cfg.generator
+    # 1. the mesh (and the CPU demo's tiny model and prompts)
+    mesh, run_dir, ckpt_root, resume = start_run(cfg, notes, build_demo_assets)
 
     # 2. prompts, the shared base with its adapters, the PPO engine
     tokenizer = AutoTokenizer.from_pretrained(str(t.policy.model.path))

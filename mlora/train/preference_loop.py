@@ -16,14 +16,13 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
 import mlora
 from mlora.config.schema import TrainConfig
 from mlora.rollout.data import epoch_batches
 from mlora.train.from_config import lora_config, recompute_kwargs
-from mlora.train.loop import FROZEN, _find_resume, _Saver
-from mlora.train.metrics_log import MetricsLogger, log, setup_logging
+from mlora.train.loop import FROZEN, _Saver, start_run
+from mlora.train.metrics_log import MetricsLogger, log
 from mlora.train.preemption import EX_TEMPFAIL, Preempted, PreemptionGuard, clear_marker, write_marker
 from mlora.train.preference_data import Example, SequenceBatch, collate, load_examples, split_held_out
 from mlora.train.preference_engine import PreferenceConfig, PreferenceEngine
@@ -87,21 +86,10 @@ def run_preference(cfg: TrainConfig, notes: Sequence[str] = ()) -> dict:
 def _train(cfg: TrainConfig, notes: Sequence[str], guard: PreemptionGuard) -> dict:
     from transformers import AutoTokenizer
 
-    t, stage = cfg.trainer, cfg.preference.stage
-    if cfg.demo.prepare and int(os.environ.get("RANK", "0")) == 0:
-        from mlora.demos.preference_assets import build_preference_assets
+    from mlora.demos.preference_assets import build_preference_assets
 
-        build_preference_assets(cfg.demo.dir)
-    mc = t.policy.megatron_config
-    mesh = mlora.init_parallel(tp=mc.tensor_model_parallel_size, pp=mc.pipeline_model_parallel_size,
-                               sp=mc.sequence_parallel, seed=t.seed)
-    setup_logging(mesh.rank)
-    for note in notes:
-        log.info("note: %s", note)
-    dist.barrier()
-    run_dir = Path(t.run_dir)
-    ckpt_root = Path(t.ckpt_path) if t.ckpt_path else run_dir / "checkpoints"
-    resume = _find_resume(cfg, mesh, ckpt_root)
+    t, stage = cfg.trainer, cfg.preference.stage
+    mesh, run_dir, ckpt_root, resume = start_run(cfg, notes, build_preference_assets)
 
     tokenizer = AutoTokenizer.from_pretrained(str(t.policy.model.path))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
