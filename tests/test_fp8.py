@@ -18,7 +18,17 @@ import mlora
 from mlora.testing import right_padded_batch
 
 FAKE_QUANT_REL_TOL = 1e-3  # issue 11: max |diff| / max |logit| vs the fake-quant reference
-LAYOUT_KL_TOL = 1e-3  # issue 11: KL(TP1 FP8 || layout FP8) per token
+# KL(TP1 FP8 || layout FP8) per token. With row-parallel input scales over whole rows (issue 20) a layout
+# quantizes exactly as TP1 does, and most tokens' KL is float32 noise (~1e-14; per-slice scales gave ~5e-5
+# on every token). But a float32 summation-order difference (TP partial sums) that straddles an e4m3
+# rounding boundary flips one FP8 input by one step, and on these chaotic random models that flip moves
+# the tokens downstream of it (measured: tiny Mistral, 9 of 37 tokens, max 2.7e-5). So: median tiny,
+# mean <= 1e-5 (issue 20's figure), max bounded loosely (a flip's cascade, not a wrong scale).
+LAYOUT_KL_MEDIAN_TOL = 1e-10
+LAYOUT_KL_MEAN_TOL = 1e-5
+LAYOUT_KL_TOL = 1e-3  # max, issue 11's bound
+LAYOUT_GRAD_REL_TOL = 1e-2  # LoRA grads through the FP8 base vs TP1 (measured 1e-6, 2e-3 after a flip; 6e-2 before)
+ROW_PARALLEL_REL_TOL = 1e-5  # a row-parallel FP8 GEMM vs the whole one, same input: float32 summation order only
 GRAD_COSINE_MIN = 0.99  # issue 11: LoRA factor gradients, FP8 base vs bf16 base
 GRAD_COSINE_FLOOR = 0.98  # per factor, measured min 0.989 on the tiny random Llama (see the test)
 LENS = (19, 13, 5)
@@ -92,9 +102,31 @@ def test_fp8_layouts_match_tp1(layout_records):
     assert {(r["tp"], r["pp"], r["sp"]) for r in logits} == {(2, 2, False), (2, 1, True)}
     assert len(logits) == 3 * (2 + 4)
     for r in logits:
-        print(f"{r['model']} tp{r['tp']} pp{r['pp']} sp{r['sp']}: KL max {r['kl_max']:.2e} mean {r['kl_mean']:.2e}, "
+        print(f"{r['model']} tp{r['tp']} pp{r['pp']} sp{r['sp']}: KL max {r['kl_max']:.2e} mean {r['kl_mean']:.2e} "
+              f"median {r['kl_median']:.2e}, "
               f"rel {r['rel_max_diff']:.2e}, top1 {r['top1_agree']:.3f}")
+        assert r["kl_median"] <= LAYOUT_KL_MEDIAN_TOL and r["kl_mean"] <= LAYOUT_KL_MEAN_TOL, r
         assert r["kl_max"] <= LAYOUT_KL_TOL, r
+
+
+def test_fp8_row_parallel_input_scales_cover_whole_rows(layout_records):
+    """Issue 20: a row-parallel linear's input is quantized per token over the whole row (the per-slice
+    amax all-reduced MAX over TP), so its FP8 input is bit-equal to TP1's and forward and input gradient
+    (straight-through: the scale is not differentiated) equal TP1's up to float32 summation order."""
+    rows = [r for r in layout_records if r["check"] == "row_parallel"]
+    assert len(rows) == 2 * 4
+    for r in rows:
+        assert r["inputs_equal"], r
+        assert r["out_rel"] <= ROW_PARALLEL_REL_TOL and r["grad_rel"] <= ROW_PARALLEL_REL_TOL, r
+
+
+def test_fp8_layout_grads_match_tp1(layout_records):
+    grads = [r for r in layout_records if r["check"] == "grads"]
+    assert {(r["model"], r["tp"], r["pp"], r["sp"]) for r in grads} == {
+        (m, *layout) for m in ("llama", "qwen2", "mistral") for layout in ((2, 2, False), (2, 1, True))}
+    for r in grads:
+        print(f"{r['model']} tp{r['tp']} pp{r['pp']} sp{r['sp']}: LoRA grads rel {r['max_rel']:.2e} ({r['worst']})")
+        assert not r["missing"] and r["max_rel"] <= LAYOUT_GRAD_REL_TOL, r
 
 
 def test_fp8_scales_cover_whole_rows(layout_records):
@@ -131,15 +163,15 @@ def test_parameter_bytes_exact(tiny_models, mesh1, dtype):
           f"({got['base'] / plain.parameter_bytes()['base']:.3f}x)")
     assert got["base"] == expected
     assert plain.parameter_bytes()["base"] == sum(p.numel() * size for p in plain.gpt.parameters())
-    # biases (Qwen2 q/k/v), embeddings, norms stay in dtype; adapters and heads in dtype
+    # biases (Qwen2 q/k/v), embeddings, norms stay in dtype; adapters and heads are float32 masters
     assert fp8.gpt.decoder.layers[0].self_attention.linear_qkv.bias.dtype == dtype
     fp8.add_adapter("a", mlora.LoraConfig(rank=4))
     fp8.add_value_head("v")
     got = fp8.parameter_bytes()
     n_adapter = sum(p.numel() for n, p in fp8.gpt.named_parameters() if ".lora." in n)
-    assert n_adapter > 0 and got["adapters"] == n_adapter * size
-    assert got["heads"] == (fp8.spec.hidden_size + 1) * size
-    assert all(p.dtype == dtype for n, p in fp8.gpt.named_parameters() if ".lora." in n)
+    assert n_adapter > 0 and got["adapters"] == n_adapter * 4
+    assert got["heads"] == (fp8.spec.hidden_size + 1) * 4
+    assert all(p.dtype == torch.float32 for n, p in fp8.gpt.named_parameters() if ".lora." in n)
 
 
 def test_bad_fp8_value(tiny_models, mesh1):

@@ -212,3 +212,126 @@ def test_hub_fp8_checkpoint_loads(tiny_models, tmp_path):
     (fp8_dir / "config.json").write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="quant_method is 'awq'"):
         mlora.from_pretrained(fp8_dir, mesh)
+
+
+def _shard_with_index(directory):
+    """Split ``directory/model.safetensors`` into two files plus ``model.safetensors.index.json``, each
+    weight next to its ``weight_scale_inv`` (as the Hub's sharded FP8 releases are)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    tensors = load_file(directory / "model.safetensors")
+    (directory / "model.safetensors").unlink()
+    names = sorted(n for n in tensors if not n.endswith("_scale_inv"))
+    weight_map = {}
+    for i, part in enumerate((names[:len(names) // 2], names[len(names) // 2:])):
+        file = f"model-{i + 1:05d}-of-00002.safetensors"
+        chunk = {n: tensors[n] for n in part}
+        chunk.update({n + "_scale_inv": tensors[n + "_scale_inv"] for n in part if n + "_scale_inv" in tensors})
+        save_file(chunk, directory / file, {"format": "pt"})
+        weight_map.update({n: file for n in chunk})
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}))
+
+
+def _random_adapter(model_dir, out_dir, modules, rank=4, alpha=8, seed=1):
+    """A PEFT adapter for ``model_dir`` on ``modules`` with non-zero A and B; its tensors."""
+    import json
+
+    from mlora.export.peft_files import peft_adapter_config, peft_tensor_name
+    from mlora.lora.config import LoraConfig
+    from mlora.lora.sites import factor_shapes, model_sites
+    from mlora.models.hf_config import load_hf_config, model_spec
+
+    spec = model_spec(load_hf_config(model_dir))
+    sites, g = model_sites(spec, 1), torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer, proj in sorted(modules):
+        a_shape, b_shape = factor_shapes(sites[(layer, proj)], proj, rank)
+        tensors[peft_tensor_name(layer, proj, "A")] = torch.randn(a_shape, generator=g) * 0.1
+        tensors[peft_tensor_name(layer, proj, "B")] = torch.randn(b_shape, generator=g) * 0.1
+    out_dir.mkdir()
+    save_file(tensors, out_dir / "adapter_model.safetensors", {"format": "pt"})
+    cfg = peft_adapter_config(LoraConfig(rank=rank, alpha=alpha), set(modules), spec.num_layers, str(model_dir),
+                              spec.architecture)
+    (out_dir / "adapter_config.json").write_text(json.dumps(cfg))
+    return tensors
+
+
+@pytest.mark.parametrize("declared", ["float32", "bfloat16"])
+def test_merge_into_hub_fp8_checkpoint(tiny_models, tmp_path, declared):
+    """merge_adapter on a (sharded) Hub FP8 base writes an unquantized checkpoint: every FP8 weight is
+    dequantized with its block scales and stored in the declared dtype, the adapted ones carry s·B·A,
+    the scale tensors and quantization_config are gone, the index lists exactly what was written; and
+    the merged directory loads in transformers and in mlora with the logits of base + adapter."""
+    import json
+
+    from safetensors.torch import load_file
+
+    import mlora
+    from mlora.export.merge import merge_adapter
+    from mlora.export.peft_files import peft_tensor_name
+    from mlora.lora.targets import hf_module_name
+    from mlora.models.checkpoint_reader import CheckpointReader
+
+    block = (64, 64)
+    fp8_dir, _ = _to_hub_fp8(tiny_models / "llama", tmp_path, block=block)
+    config = json.loads((fp8_dir / "config.json").read_text())
+    config.pop("dtype", None)
+    config["torch_dtype"] = declared
+    (fp8_dir / "config.json").write_text(json.dumps(config))
+    source = load_file(fp8_dir / "model.safetensors")
+    _shard_with_index(fp8_dir)
+    modules = {(layer, proj) for layer in range(4) for proj in ("q_proj", "v_proj", "down_proj")}
+    lora = _random_adapter(tiny_models / "llama", tmp_path / "adapter", modules)
+    out = merge_adapter(fp8_dir, tmp_path / "adapter", tmp_path / "merged", progress=False)
+
+    dtype = getattr(torch, declared)
+    files = {file.name: load_file(file) for file in sorted(out.glob("*.safetensors"))}
+    written = {n: t for part in files.values() for n, t in part.items()}
+    scaling = 8 / 4
+    n_merged = 0
+    for name, t in source.items():
+        if name.endswith("_scale_inv"):
+            continue
+        if t.dtype != torch.float8_e4m3fn:
+            assert torch.equal(written[name], t), name
+            continue
+        assert written[name].dtype == dtype, name
+        deq = reference_dequant(t, source[name + "_scale_inv"], block)
+        layer_proj = next(((layer, proj) for layer, proj in modules if f"{hf_module_name(layer, proj)}.weight" == name),
+                          None)
+        if layer_proj is None:
+            assert torch.equal(written[name], deq.to(dtype)), name  # dequantized exactly, then one rounding
+            continue
+        delta = scaling * lora[peft_tensor_name(*layer_proj, "B")] @ lora[peft_tensor_name(*layer_proj, "A")]
+        assert delta.abs().max() > 0.1 * deq.abs().max()  # the adapter is not lost in the comparison
+        expect = (deq + delta).to(dtype).float()
+        tol = dict(rtol=2**-8, atol=1e-6) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(written[name].float(), expect, **tol)
+        n_merged += 1
+    assert n_merged == len(modules)
+    assert set(written) == {n for n in source if not n.endswith("_scale_inv")}
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == {n: file for file, part in files.items() for n in part}
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in written.values())
+    with CheckpointReader(out):  # the index and the files agree for mlora's reader too
+        pass
+
+    if declared == "float32":  # loads: transformers as is, mlora with base + adapter's logits
+        from transformers import AutoModelForCausalLM
+
+        ids = torch.randint(0, 1001, (2, 9), generator=torch.Generator().manual_seed(0))
+        hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+        with torch.no_grad():
+            hf_logits = hf(input_ids=ids).logits
+        mesh = mlora.init_parallel(tp=1, pp=1)
+        merged_logits = mlora.from_pretrained(out, mesh).logits(ids)
+        model = mlora.from_pretrained(fp8_dir, mesh)
+        model.load_adapter("a", tmp_path / "adapter")
+        with model.use_adapters("a"):
+            want = model.logits(ids)
+        torch.testing.assert_close(merged_logits, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(hf_logits, merged_logits, rtol=1e-4, atol=1e-4)

@@ -23,11 +23,32 @@ def _mlora_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor
     return logp[n - 1:n - 1 + len(tokens)].gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
+MAX_PROMPT, MAX_GENERATE = 16, 16  # the run's lengths: PROMPTS and every sampling below fit
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_models):
-    eng = LocalVLLMEngine(tiny_models / "llama", max_lora_rank=8, kv_cache_memory_bytes=64 << 20)
+    """Started as the RL loop starts one on CPU: the run's context length, all this process's cores."""
+    from mlora.rollout.cpu_threads import available_cores, engine_core_sets
+    from mlora.rollout.model_len import read_context_limit, run_max_model_len
+
+    eng = LocalVLLMEngine(tiny_models / "llama", max_lora_rank=8, kv_cache_memory_bytes=64 << 20,
+                          max_model_len=run_max_model_len(MAX_PROMPT, [MAX_GENERATE],
+                                                          read_context_limit(tiny_models / "llama")),
+                          cpu_cores=engine_core_sets(available_cores(), 1)[0])
     yield eng
     eng.close()
+
+
+def test_context_and_threads(engine):
+    """The engine runs with the derived max_model_len (not the model's 256) and one thread per core it was
+    given, whatever OMP_NUM_THREADS it inherited, waiting passively when it has several."""
+    import os
+
+    assert engine.result(engine.submit("max_model_len")) == MAX_PROMPT + MAX_GENERATE
+    cores = len(os.sched_getaffinity(0))
+    policy = os.environ.get("OMP_WAIT_POLICY", "PASSIVE" if cores > 1 else None)
+    assert engine.result(engine.submit("threads")) == {"torch": cores, "OMP_WAIT_POLICY": policy}
 
 
 def test_agreement_and_hot_swap(engine, tiny_models, peft_refs_dir, tmp_path):

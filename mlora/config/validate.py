@@ -178,7 +178,7 @@ def _check_trainer(cfg: TrainConfig) -> None:
     _check_positive(t, "trainer", ("epochs", "total_steps", "train_batch_size", "policy_mini_batch_size",
                                    "critic_mini_batch_size", "micro_forward_batch_size_per_gpu",
                                    "micro_train_batch_size_per_gpu", "update_epochs_per_batch", "max_prompt_length",
-                                   "eval_batch_size"))
+                                   "eval_batch_size", "cpu_threads"))
     for key in ("policy_mini_batch_size", "critic_mini_batch_size"):
         mini = getattr(t, key)
         if mini is not None and t.train_batch_size % mini:
@@ -186,6 +186,7 @@ def _check_trainer(cfg: TrainConfig) -> None:
     _check_resume(t)
     _check_choice(t.logger, LOGGERS, "trainer.logger")
     _check_choice(t.dtype, ("float32", "bfloat16", "float16"), "trainer.dtype")
+    _check_choice(t.lora_compute_dtype, (None, "float32", t.dtype), "trainer.lora_compute_dtype")
     _check_choice(t.fp8, (None, "torch", "te"), "trainer.fp8")
     _check_choice(t.fp8_recipe, ("delayed", "current", "mxfp8"), "trainer.fp8_recipe")
     if t.fp8_recipe != "delayed" and t.fp8 != "te":
@@ -245,10 +246,11 @@ def _check_reward_model(cfg: TrainConfig) -> None:
         if not r.adapter_path:
             raise ConfigError(f"environment.env_class={REWARD_MODEL_ENV} needs reward_model.adapter_path: a reward "
                               "adapter directory (LoRA + score head) written by mlora-train --config-name rm")
-        from mlora.export.reward_adapter import read_reward_config
+        from mlora.export.reward_adapter import read_reward_config, reward_base_adapter
 
         try:
             read_reward_config(Path(r.adapter_path).expanduser())
+            reward_base_adapter(Path(r.adapter_path).expanduser())  # the frozen adapter it was trained on
         except (OSError, ValueError) as exc:
             raise ConfigError(f"reward_model.adapter_path={r.adapter_path!r}: {exc}") from None
 

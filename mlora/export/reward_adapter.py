@@ -12,10 +12,18 @@ scores a sequence like mlora does: HF's ``score`` is ``Linear(hidden, 1, bias=Fa
 hidden state (after the final norm) of the last non-pad token. mlora's head is
 :meth:`mlora.MLoraModel.add_value_head` (``bias=False``, or a bias that stayed zero) on the last
 pipeline stage.
+
+A reward adapter trained on top of a frozen adapter (``mlora-train --config-name rm`` with
+``trainer.policy.model.frozen_adapter_path``, e.g. the SFT adapter) scores what it was trained to
+score only with that adapter stacked under it. ``mlora_reward.json`` beside the PEFT files records
+it: ``{"frozen_adapter": {"path": ..., "sha256": <hash of its adapter_model.safetensors>}}``, or
+``null`` when it was trained on the base alone; :func:`reward_base_adapter` reads and checks it. PEFT
+ignores the file (a PEFT user stacks the recorded adapter by hand).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -40,6 +48,7 @@ SCORE_MODULE = "score"
 PEFT_SEQ_CLS_HEADS = ("classifier", "score")  # what PEFT adds to modules_to_save for SEQ_CLS
 SCORE_TENSOR = "base_model.model.score.weight"  # PEFT's saved name of modules_to_save=["score"]
 TASK_TYPE = "SEQ_CLS"
+REWARD_META = "mlora_reward.json"  # what the reward adapter was trained on top of (see the module docstring)
 
 
 _HEAD_OK, _HEAD_MISSING, _HEAD_BIASED = 0.0, 1.0, 2.0
@@ -81,13 +90,67 @@ def reward_adapter_config(lora_config: dict, architecture: str) -> dict:
     return config
 
 
-def save_reward_adapter(model, adapter_name: str, head_name: str, out_dir: str | os.PathLike) -> Path:
+def adapter_identity(path: str | os.PathLike) -> dict:
+    """``{"path", "sha256"}`` of PEFT adapter directory ``path``: its absolute path and the SHA-256 of
+    its ``adapter_model.safetensors`` (the weights; adapters are small enough to hash whole)."""
+    path = Path(path).expanduser().resolve()
+    weights = path / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise FileNotFoundError(f"{str(path)!r} has no {ADAPTER_WEIGHTS}: not a PEFT adapter directory")
+    h = hashlib.sha256()
+    with open(weights, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return {"path": str(path), "sha256": h.hexdigest()}
+
+
+def write_reward_meta(out_dir: str | os.PathLike, frozen_adapter: str | os.PathLike | None) -> Path:
+    """Write ``mlora_reward.json`` into reward adapter ``out_dir`` (atomically): the frozen adapter it
+    was trained on top of (:func:`adapter_identity`), or null."""
+    out = Path(out_dir)
+    meta = {"frozen_adapter": None if frozen_adapter is None else adapter_identity(frozen_adapter)}
+    tmp = out / f".{REWARD_META}.tmp"
+    tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, out / REWARD_META)
+    return out / REWARD_META
+
+
+def reward_base_adapter(reward_dir: str | os.PathLike) -> dict | None:
+    """The frozen adapter reward adapter ``reward_dir`` was trained on top of (``{"path", "sha256"}``,
+    checked), or None: trained on the base alone, or written without ``mlora_reward.json`` (by PEFT).
+
+    Raises FileNotFoundError when the recorded adapter is gone and ValueError when its weights changed
+    (the reward would not be the one trained): both name the path and what to do."""
+    reward_dir = Path(reward_dir)
+    file = reward_dir / REWARD_META
+    if not file.is_file():
+        return None
+    recorded = json.loads(file.read_text()).get("frozen_adapter")
+    if recorded is None:
+        return None
+    path = Path(recorded["path"])
+    where = f"reward adapter {str(reward_dir)!r} was trained on top of the frozen adapter {str(path)!r}"
+    if not (path / ADAPTER_WEIGHTS).is_file():
+        raise FileNotFoundError(f"{where}, which is missing (recorded in {file}): its scores need that adapter "
+                                "under it. Put the adapter back at that path (or retrain the reward model)")
+    now = adapter_identity(path)
+    if now["sha256"] != recorded["sha256"]:
+        raise ValueError(f"{where}, whose {ADAPTER_WEIGHTS} changed since (sha256 {now['sha256'][:12]}… != "
+                         f"{recorded['sha256'][:12]}… recorded in {file}): the reward would not be the one trained. "
+                         "Restore that adapter (or retrain the reward model)")
+    return now
+
+
+def save_reward_adapter(model, adapter_name: str, head_name: str, out_dir: str | os.PathLike,
+                        frozen_adapter: str | os.PathLike | None = None) -> Path:
     """Write adapter ``adapter_name`` and scalar head ``head_name`` as a PEFT SEQ_CLS adapter
     (collective: call on every rank). Returns the directory.
 
     The LoRA factors are written by :meth:`MLoraModel.save_adapter`; global rank 0 then adds the
-    head (``base_model.model.score.weight``) and the SEQ_CLS config; each file appears atomically.
-    A head with a non-zero bias cannot be saved: HF's ``score`` has none.
+    head (``base_model.model.score.weight``), the SEQ_CLS config and ``mlora_reward.json`` naming
+    ``frozen_adapter``, the PEFT directory the reward adapter was trained on top of (None: the base
+    alone); each file appears atomically. A head with a non-zero bias cannot be saved: HF's
+    ``score`` has none.
     """
     model._require(adapter_name)
     mesh = model.mesh
@@ -104,9 +167,10 @@ def save_reward_adapter(model, adapter_name: str, head_name: str, out_dir: str |
         from safetensors.torch import load_file
 
         tensors = load_file(str(out / ADAPTER_WEIGHTS))
-        tensors[SCORE_TENSOR] = weight.to(model.dtype)
+        tensors[SCORE_TENSOR] = weight.to(model.adapter_dtype)
         config = reward_adapter_config(json.loads((out / ADAPTER_CONFIG).read_text()), model.spec.architecture)
         write_peft_adapter(out, tensors, config)
+        write_reward_meta(out, frozen_adapter)
     if mesh.world_size > 1:
         dist.barrier()
     return out

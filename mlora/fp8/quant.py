@@ -7,10 +7,21 @@ The contract (tests/test_fp8.py holds the implementation to an independent fake-
   rounded to e4m3. A row-parallel shard holds a slice of each row: each rank takes the per-row
   amax of its slice and the TP group all-reduces MAX, so no rank reads more than its slice and the
   scales do not depend on the mesh.
-- inputs: quantized dynamically per token, the same way over the features this rank holds.
+- inputs: quantized dynamically per token, ``scale = max(amax, EPS) / 448`` over the token's *whole*
+  feature row. A column-parallel input is whole on every rank (replicated after megatron's copy or
+  SP all-gather). A row-parallel input (``linear_proj``, ``linear_fc2``; with or without sequence
+  parallelism) holds a slice of the features on each TP rank: each rank takes the per-token amax of
+  its slice and the TP group all-reduces MAX -- M floats per linear, not the M x K input -- so every
+  rank quantizes with the scale TP1 would use, and FP8 logits at any TP x PP (x SP) equal TP1's up
+  to the summation order of the float32 partial products. The amax is a scale, not a function the
+  backward differentiates (straight-through: see :class:`_FP8Linear`).
 - GEMM: ``torch._scaled_mm(x_q, w_qᵀ, scale_a=[M, 1], scale_b=[1, N])`` with float32
   accumulation, output in the compute dtype. Where ``_scaled_mm`` is missing or fails, or on a
   CUDA device below compute capability 8.9, :class:`FP8Unsupported` — never a silent upcast.
+
+This is the contract of the torch backend only. Transformer Engine (``fp8="te"``, :mod:`mlora.fp8.te`)
+keeps its own recipes' semantics (per-tensor delayed / current scaling, MXFP8 blocks, ...), which are
+computed on each rank's local GEMM operands and so are not promised to be mesh independent.
 """
 
 from __future__ import annotations
@@ -100,9 +111,15 @@ def quantize_weight(w: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Te
     return _quantize(w.detach(), scale.unsqueeze(-1)), scale
 
 
-def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token quantization of ``x [M, K]``: ``(x_fp8 [M, K], scale [M, 1] float32)``."""
-    scale = _scales(x.detach().abs().amax(dim=-1, keepdim=True))
+def quantize_tokens(x: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token quantization of ``x [M, K]``: ``(x_fp8 [M, K], scale [M, 1] float32)``. ``group``: the
+    TP group over which ``x``'s features are split (a row-parallel input): the per-token amax of this
+    rank's slice is all-reduced MAX over it, so the scale covers the token's whole feature row and
+    equals the unsharded one. None: ``x`` holds whole rows."""
+    amax = x.detach().abs().amax(dim=-1, keepdim=True).float()
+    if group is not None:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    scale = _scales(amax)
     return _quantize(x.detach(), scale), scale
 
 
@@ -116,12 +133,16 @@ class _FP8Linear(torch.autograd.Function):
 
     Backward: no weight gradient (the base is frozen); the input gradient is
     ``grad @ dequantize(W)`` = ``(grad · diag(scale)) @ W_fp8`` in the gradient's dtype (the
-    dequantized weight, not an FP8 GEMM, and not the pre-quantization weight, which no longer exists)."""
+    dequantized weight, not an FP8 GEMM, and not the pre-quantization weight, which no longer exists).
+    The input's quantization, its per-token scale included (and that scale's all-reduce over the TP
+    group of a row-parallel input), is passed straight through: neither is differentiated, so the
+    backward needs no collective of its own and a row-parallel rank's input gradient is
+    ``grad @ dequantize(W_i)`` of its own slice, as without FP8."""
 
     @staticmethod
-    def forward(ctx, x, wq, sw):
+    def forward(ctx, x, wq, sw, group):
         lead = x.shape[:-1]
-        xq, sx = quantize_tokens(x.reshape(-1, x.shape[-1]))
+        xq, sx = quantize_tokens(x.reshape(-1, x.shape[-1]), group)
         out = _scaled_mm(xq, sx, wq, sw, x.dtype)
         ctx.save_for_backward(wq, sw)
         return out.view(*lead, out.shape[-1])
@@ -134,10 +155,13 @@ class _FP8Linear(torch.autograd.Function):
             # (grad · diag(sw)) @ wq == grad @ dequantize(W); e4m3 -> grad.dtype is exact, so the only
             # temporary is one copy of W in grad.dtype (dequantizing first would make a float32 one)
             gx = (grad * sw.to(grad.dtype)) @ wq.to(grad.dtype)
-        return gx, None, None
+        return gx, None, None, None
 
 
-def fp8_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, group=None) -> torch.Tensor:
     """``x @ (wq · scale)ᵀ`` with ``x`` quantized per token, through ``torch._scaled_mm``; output in
-    ``x.dtype``. See :class:`_FP8Linear` for the backward."""
-    return _FP8Linear.apply(x, wq, scale)
+    ``x.dtype``. ``group``: for a row-parallel linear, the TP group over which ``x``'s features (and
+    ``wq``'s input dim) are split, so that the per-token scale is taken over the whole row (one
+    all-reduce MAX of M floats); None (column-parallel, or TP 1): ``x`` holds whole rows. See
+    :class:`_FP8Linear` for the backward."""
+    return _FP8Linear.apply(x, wq, scale, group)

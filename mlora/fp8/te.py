@@ -47,7 +47,10 @@ Design (mirrors the local spec of :mod:`mlora.lora.layers` exactly, DESIGN princ
   adapter dtype and therefore stays outside FP8 even when the whole forward runs under
   :func:`fp8_autocast_context`. Base weights stay in the model dtype in memory (TE casts them to
   FP8 per GEMM and caches the cast across micro-batches); storing them in FP8 (TE's
-  ``fp8_model_init``) is not done here.
+  ``fp8_model_init``) is not done here. TE's recipes keep their own semantics: their scales (delayed
+  or current per-tensor scaling, MXFP8 blocks) are taken on each rank's local GEMM operands, so the
+  torch backend's mesh independence (weight and input scales over whole rows, :mod:`mlora.fp8.quant`)
+  is not promised here.
 * Core attention is megatron's ``TEDotProductAttention`` with ``attn_mask_type=arbitrary``: mlora
   passes a full boolean ``[B, 1, S, S]`` mask (causal + padding + sliding window, True = masked),
   which TE's "arbitrary" type reads as given. A ``padding_causal`` / THD path would be faster.

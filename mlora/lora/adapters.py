@@ -27,7 +27,7 @@ from mlora.export.peft_files import (
     read_peft_config,
     write_peft_adapter_sharded,
 )
-from mlora.lora.config import INIT_METHODS, LoraConfig, derive_seed
+from mlora.lora.config import INIT_METHODS, LoraConfig, derive_seed, master_dtype
 from mlora.lora.layers import DropoutKey, LoraBranch, LoraHost, LoraSite, has_tp_partial_grad, stacked_b
 from mlora.lora.sites import FACTOR_KINDS, factor_shapes, model_sites
 from mlora.lora.targets import resolve_targets
@@ -84,9 +84,20 @@ def _init_factors(cfg: LoraConfig, name: str, site: LoraSite, sub: str) -> tuple
 
 
 class AdapterHost:
-    """Adapter management for a model that has ``gpt``, ``spec``, ``mesh``, ``dtype`` and ``base_weight``."""
+    """Adapter management for a model that has ``gpt``, ``spec``, ``mesh``, ``dtype``, ``lora_compute_dtype``
+    and ``base_weight``.
+
+    Factors are held in :attr:`adapter_dtype` (float32 masters under a 16-bit base); each branch
+    computes in ``lora_compute_dtype``. Saved adapters (exports and checkpoints) hold the masters, as
+    PEFT saves its float32 adapters of a bf16 model; vLLM casts them to its own LoRA dtype on load.
+    """
 
     adapters: dict[str, AdapterInfo]
+
+    @property
+    def adapter_dtype(self) -> torch.dtype:
+        """dtype of every adapter factor (and of the scalar heads): see :func:`mlora.lora.config.master_dtype`."""
+        return master_dtype(self.dtype)
 
     def _lora_linears(self) -> Iterator[torch.nn.Module]:
         for module in self.gpt.modules():
@@ -114,9 +125,10 @@ class AdapterHost:
                 b_parts.append(b)
             device = linear.weight.device
             branch = LoraBranch(subs, cfg.rank, cfg.scaling, cfg.dropout,
-                                torch.cat(a_parts).to(device=device, dtype=self.dtype),
-                                [b.to(device=device, dtype=self.dtype) for b in b_parts], trainable,
-                                parallel=site.parallel, dropout_key=self._dropout_key(name, cfg, site))
+                                torch.cat(a_parts).to(device=device, dtype=self.adapter_dtype),
+                                [b.to(device=device, dtype=self.adapter_dtype) for b in b_parts], trainable,
+                                parallel=site.parallel, dropout_key=self._dropout_key(name, cfg, site),
+                                compute_dtype=self.lora_compute_dtype)
             branch.train(self.training)
             linear.lora[name] = branch
         self.adapters[name] = AdapterInfo(cfg, trainable, frozenset(modules))
@@ -292,8 +304,8 @@ class AdapterHost:
         layout = {}
         for layer, sub in info.modules:
             a_shape, b_shape = factor_shapes(sites[(layer, sub)], sub, info.config.rank)
-            layout[peft_tensor_name(layer, sub, "A")] = (self.dtype, a_shape)
-            layout[peft_tensor_name(layer, sub, "B")] = (self.dtype, b_shape)
+            layout[peft_tensor_name(layer, sub, "A")] = (self.adapter_dtype, a_shape)
+            layout[peft_tensor_name(layer, sub, "B")] = (self.adapter_dtype, b_shape)
         return dict(sorted(layout.items()))
 
     def adapter_shards(self, name: str) -> Iterator[TensorShard]:
@@ -319,9 +331,9 @@ class AdapterHost:
                     if kind == REPLICATED or tp == 1:
                         turn += 1
                         if (turn - 1) % tp == tp_rank:  # every TP rank of the stage walks the same order
-                            yield TensorShard(tensor_name, local.detach().to(self.dtype))
+                            yield TensorShard(tensor_name, local.detach())
                     else:
-                        yield TensorShard(tensor_name, local.detach().to(self.dtype),
+                        yield TensorShard(tensor_name, local.detach(),
                                           dim=_SPLIT_DIM[kind], index=tp_rank, parts=tp)
 
     def save_adapter(self, name: str, out_dir: str | os.PathLike) -> None:

@@ -23,6 +23,15 @@ def derive_seed(*parts: object) -> int:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & (2**63 - 1)
 
 
+def master_dtype(dtype):
+    """The dtype trainable adapters and heads are kept in on a base of ``dtype``: float32 under a
+    16-bit base (bf16 factors barely move at LoRA learning rates: most AdamW updates round away, as
+    PEFT and Megatron's float32 main parameters avoid), else the base's own."""
+    import torch
+
+    return torch.float32 if dtype.itemsize < 4 else dtype
+
+
 @dataclass(frozen=True)
 class LoraConfig:
     """One LoRA adapter's shape and scaling.

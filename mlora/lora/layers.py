@@ -149,9 +149,13 @@ class LoraBranch(torch.nn.Module):
 
     def __init__(self, subs: tuple[str, ...], rank: int, scaling: float, dropout: float,
                  lora_a: torch.Tensor, lora_b: list[torch.Tensor], trainable: bool, parallel: str = "column",
-                 dropout_key: DropoutKey | None = None) -> None:
+                 dropout_key: DropoutKey | None = None, compute_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.subs, self.rank, self.scaling = subs, rank, scaling
+        # The factors are the float32 masters under a 16-bit base; the branch computes in compute_dtype
+        # (None: the input's dtype): float32 reads a bf16 input upcast, as PEFT does; bfloat16 casts the
+        # masters down per forward, and their gradients come back float32 through the cast.
+        self.compute_dtype = compute_dtype
         self.dropout_p = float(dropout)
         self.dropout_key = dropout_key or DropoutKey(in_full=lora_a.shape[1])
         self._calls_slot = len(DROPOUT_CALLS)  # this branch's counter in DROPOUT_CALLS
@@ -174,6 +178,12 @@ class LoraBranch(torch.nn.Module):
     def dropout_calls(self, value: int) -> None:
         DROPOUT_CALLS[self._calls_slot] = value
 
+    def factors_in(self, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A and the B factors in ``dtype`` (the parameters themselves when they already are; otherwise
+        differentiable casts, so gradients reach the masters in their own dtype)."""
+        a = self.lora_A if self.lora_A.dtype == dtype else self.lora_A.to(dtype)
+        return a, [b if b.dtype == dtype else b.to(dtype) for b in self.lora_B]
+
     def a_of(self, k: int, grad: bool = False) -> torch.Tensor:
         """Projection ``k``'s A (or its gradient): rows ``k·r:(k+1)·r`` of the stacked A."""
         a = self.lora_A.grad if grad else self.lora_A
@@ -194,11 +204,13 @@ class LoraBranch(torch.nn.Module):
         Without dropout one stacked GEMM; with it each projection reads its own masked input
         (PEFT's per-module ``lora_dropout``), one GEMM each.
         """
+        a = self.factors_in(x.dtype)[0]
         if not self.dropout_active:
-            return F.linear(x, self.lora_A)
+            return F.linear(x, a)
         call, self.dropout_calls = self.dropout_calls, self.dropout_calls + 1
         masks = self.dropout_masks(x, call)
-        return torch.cat([F.linear(x * m, self.a_of(k)) for k, m in enumerate(masks)], dim=-1)
+        r = self.rank
+        return torch.cat([F.linear(x * m, a[k * r:(k + 1) * r]) for k, m in enumerate(masks)], dim=-1)
 
 
 def stacked_b(branch: LoraBranch, site: LoraSite) -> torch.Tensor:
@@ -230,10 +242,13 @@ def _block_b(bs, scaling: float, subs: tuple[str, ...], site: LoraSite) -> torch
 
 
 def lora_delta(branch: LoraBranch, x: torch.Tensor, site: LoraSite) -> torch.Tensor:
-    """The branch's contribution to the layer's local output: the A GEMM(s), one B GEMM. ``x`` is the
-    column-parallel layer's gathered input, or the row-parallel layer's slice of the features (the
-    partial then joins the layer's reduction)."""
-    return F.linear(branch.hidden(x), stacked_b(branch, site))
+    """The branch's contribution to the layer's local output: the A GEMM(s), one B GEMM, in the branch's
+    compute dtype (the caller casts it to the output's). ``x`` is the column-parallel layer's gathered
+    input, or the row-parallel layer's slice of the features (the partial then joins the layer's
+    reduction)."""
+    dtype = branch.compute_dtype or x.dtype
+    bs = branch.factors_in(dtype)[1]
+    return F.linear(branch.hidden(x.to(dtype)), _block_b(bs, branch.scaling, branch.subs, site))
 
 
 def column_input(input_: torch.Tensor, sequence_parallel: bool, group) -> torch.Tensor:
@@ -352,31 +367,40 @@ class _LoraLinear(torch.autograd.Function):
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, branches: list[LoraBranch],
-                site: LoraSite | None, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+                site: LoraSite | None, weight_scale: torch.Tensor | None = None, fp8_group=None) -> torch.Tensor:
     """``x Wᵀ + bias`` plus every branch's delta on this rank's local output (see :class:`_LoraLinear`).
 
     An FP8 weight (``weight_scale`` given: float32 per output row) multiplies through
     :func:`mlora.fp8.fp8_linear` (input quantized per token, ``torch._scaled_mm``; its input
-    gradient uses the dequantized weight); the deltas are computed from the unquantized ``x``."""
+    gradient uses the dequantized weight); the deltas are computed from the unquantized ``x``.
+    ``fp8_group``: a row-parallel input's TP group, over which the per-token scale is all-reduced."""
     if weight_scale is not None:
-        return _fp8_base_plus(x, weight, weight_scale, bias, [lora_delta(b, x, site) for b in branches])
+        return _fp8_base_plus(x, weight, weight_scale, bias, [lora_delta(b, x, site) for b in branches], fp8_group)
     if not branches:
         return F.linear(x, weight, bias)
+    if any(b.compute_dtype not in (None, x.dtype) for b in branches):
+        # a branch in another dtype than the base (float32 on bf16, PEFT's mixed precision) cannot
+        # accumulate into the base GEMM's buffer: its delta is added in the output's dtype instead
+        out = F.linear(x, weight, bias)
+        for branch in branches:
+            out = out + lora_delta(branch, x, site).to(out.dtype)
+        return out
     specs, factors = [], []
     for branch in branches:
         # with dropout each projection reads its own masked input: LoraBranch.hidden draws the masks
         given = branch.dropout_active
         specs.append((given, branch.subs, branch.rank, branch.scaling))
-        factors += [branch.hidden(x) if given else branch.lora_A, *branch.lora_B]
+        a, bs = branch.factors_in(x.dtype)
+        factors += [branch.hidden(x) if given else a, *bs]
     return _LoraLinear.apply(site, tuple(specs), x, weight, bias, *factors)
 
 
-def _fp8_base_plus(x, weight, weight_scale, bias, deltas):
+def _fp8_base_plus(x, weight, weight_scale, bias, deltas, group=None):
     from mlora.fp8.quant import fp8_linear
 
-    out = fp8_linear(x, weight, weight_scale)
+    out = fp8_linear(x, weight, weight_scale, group)
     for d in deltas:
-        out = out + d
+        out = out + d.to(out.dtype)
     return out if bias is None else out + bias
 
 
@@ -459,7 +483,9 @@ class LoraRowParallelLinear(LoraHost, tensor_parallel.RowParallelLinear):
 
     def forward(self, input_: torch.Tensor):
         # input_ is this rank's slice of the features; dropout applies this slice of the full mask
-        out = lora_linear(input_, self.weight, None, list(self._branches()), self.lora_site, self.weight_scale)
+        # FP8: the per-token input scale covers the whole row, not this rank's slice (mesh independence)
+        group = self.tp_group if self.weight_scale is not None and self.tp_group.size() > 1 else None
+        out = lora_linear(input_, self.weight, None, list(self._branches()), self.lora_site, self.weight_scale, group)
         out = row_output(out, self.sequence_parallel, self.tp_group)
         if self.skip_bias_add:
             return out, self.bias

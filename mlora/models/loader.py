@@ -9,6 +9,7 @@ from typing import Sequence
 
 import torch
 
+from mlora.lora.config import master_dtype
 from mlora.models.checkpoint_reader import CheckpointError, CheckpointReader
 from mlora.models.fp8_checkpoint import DequantizingReader, fp8_quantization_config
 from mlora.models.hf_config import check_layout, load_hf_config, model_spec
@@ -23,14 +24,19 @@ def from_pretrained(hf_dir: str | os.PathLike, mesh: Mesh, dtype: torch.dtype = 
                     fp8: str | None = None, fp8_recipe: str = "delayed", attention: str = "sdpa",
                     recompute: str = "none", recompute_method: str | None = None,
                     recompute_num_layers: int | None = None,
-                    recompute_modules: Sequence[str] | None = None) -> MLoraModel:
+                    recompute_modules: Sequence[str] | None = None,
+                    lora_compute_dtype: torch.dtype | None = None) -> MLoraModel:
     """This rank's shard of the HF model in ``hf_dir``, frozen, on ``mesh``.
 
     Supports LlamaForCausalLM, Qwen2ForCausalLM and MistralForCausalLM from safetensors
     (single file or sharded with ``model.safetensors.index.json``). Each rank reads only the
     tensors of its pipeline stage and only its TP slices of them.
 
-    ``dtype`` is the compute, adapter and head dtype. ``fp8`` says how the frozen linears
+    ``dtype`` is the compute dtype of the frozen base. Adapters and heads are held in float32 under a
+    16-bit ``dtype`` (master weights: AdamW updates of LoRA factors at real learning rates round away
+    in bf16) and in ``dtype`` otherwise; ``lora_compute_dtype`` is the dtype the LoRA branches compute
+    in (default: the adapters' own, i.e. float32 on a bf16 base, as PEFT does; ``dtype`` casts the
+    masters down per forward instead, cheaper on GPUs). ``fp8`` says how the frozen linears
     (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``) are stored and multiplied:
     None (in ``dtype``), ``"torch"`` (float8_e4m3fn, one float32 scale per output row over the whole
     unsharded row, GEMMs through ``torch._scaled_mm``; see :mod:`mlora.fp8.quant`) or ``"te"``
@@ -59,6 +65,9 @@ def from_pretrained(hf_dir: str | os.PathLike, mesh: Mesh, dtype: torch.dtype = 
     check_attention_arg(attention)
     fp8 = check_fp8_arg(fp8)
     check_adapter_dtype(dtype)
+    if lora_compute_dtype is not None and lora_compute_dtype not in (dtype, master_dtype(dtype)):
+        raise ValueError(f"lora_compute_dtype={lora_compute_dtype} on a {dtype} base: valid are "
+                         f"{master_dtype(dtype)} (the adapters' float32 masters, the default) or {dtype} (the base's)")
     if fp8 == "te":
         from mlora.fp8.te import require_te  # written alongside; fails naming the `gpu` extra without TE
 
@@ -109,7 +118,8 @@ def from_pretrained(hf_dir: str | os.PathLike, mesh: Mesh, dtype: torch.dtype = 
         if params:
             raise RuntimeError(f"parameters without an HF mapping: {sorted(params)}")
         bytes_read = reader.bytes_read
-    return MLoraModel(gpt, spec, mesh, Path(hf_dir), dtype, bytes_read=bytes_read, fp8=fp8).eval()  # like HF: eval mode
+    return MLoraModel(gpt, spec, mesh, Path(hf_dir), dtype, bytes_read=bytes_read, fp8=fp8,
+                      lora_compute_dtype=lora_compute_dtype).eval()  # like HF: eval mode
 
 
 def _load_fp8(param: torch.nn.Parameter, linear: torch.nn.Module, shard: torch.Tensor, mesh: Mesh) -> None:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from mlora.lora.adapters import AdapterHost
+from mlora.lora.config import master_dtype
 from mlora.models.attention import SDPAttention, is_right_padded, sdpa_mask
 from mlora.models.attention import attention_mask as build_attention_mask
 from mlora.models.hf_config import ModelSpec
@@ -26,6 +27,14 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
               "chat_template.jinja")
 
 
+class ScalarHead(torch.nn.Linear):
+    """A ``[hidden] -> 1`` head (value, reward score) in float32 under a 16-bit base: it trains like the
+    adapters (float32 master weights and AdamW state) and reads the hidden states upcast."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return super().forward(hidden.to(self.weight.dtype))
+
+
 class MLoraModel(AdapterHost, torch.nn.Module):
     """The frozen base of one rank (a megatron ``GPTModel`` shard), its adapters, and the facade.
 
@@ -34,8 +43,9 @@ class MLoraModel(AdapterHost, torch.nn.Module):
     """
 
     def __init__(self, gpt: torch.nn.Module, spec: ModelSpec, mesh: Mesh, hf_dir: Path, dtype: torch.dtype,
-                 bytes_read: int = 0, fp8: str | None = None) -> None:
+                 bytes_read: int = 0, fp8: str | None = None, lora_compute_dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        self.lora_compute_dtype = lora_compute_dtype or master_dtype(dtype)
         self.fp8 = fp8  # None, "torch" or "te": how the frozen linears are stored and multiplied
         self.gpt = gpt
         self.spec = spec
@@ -124,7 +134,7 @@ class MLoraModel(AdapterHost, torch.nn.Module):
         from mlora.lora.layers import mark_tp_replicated
 
         g = torch.Generator().manual_seed(seed)
-        head = torch.nn.Linear(self.spec.hidden_size, 1, bias=bias, dtype=self.dtype)
+        head = ScalarHead(self.spec.hidden_size, 1, bias=bias, dtype=self.adapter_dtype)
         with torch.no_grad():
             head.weight.copy_(torch.randn(head.weight.shape, generator=g, dtype=torch.float64) * init_std)
             if bias:

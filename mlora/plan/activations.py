@@ -13,7 +13,8 @@ that count), so they change when the layer code does. Assumptions, per term:
 - A trainable LoRA branch on a column-parallel layer saves the layer's input *after* the
   sequence-parallel all-gather (the whole sequence) and its ``x·Aᵀ`` (on an FP8 base also the block
   ``s·B`` it built); on a row-parallel layer the input slice (shared with the attention output, or
-  the MLP product).
+  the MLP product). A branch computing in float32 on a 16-bit base (the default there, as PEFT) keeps
+  its own float32 copy of the input, its ``x·Aᵀ`` and the block ``s·B`` in float32.
 - SDPA (flash kernels on GPU, the fused flash kernel on CPU) keeps q, k (after RoPE), v (a view
   of the fused QKV output, so the whole QKV output), its output and a float32 log-sum-exp per head
   and token: memory linear in the sequence. The unfused path keeps the ``[b, heads, s, s]`` float32
@@ -52,6 +53,17 @@ class Geometry:
     sp: bool
     item: int  # bytes per element of the compute dtype
     fp8: bool = False  # the frozen linears are FP8 (their LoRA takes the block-B path of lora_delta)
+    lora_item: int = 0  # bytes per element of the LoRA branches' compute dtype (0: the compute dtype's)
+
+    @property
+    def branch_item(self) -> int:
+        return self.lora_item or self.item
+
+    @property
+    def separate_branch(self) -> bool:
+        """The LoRA branches run as autograd GEMMs of their own (:func:`mlora.lora.layers.lora_delta`): on an
+        FP8 base, or in another dtype than the base (float32 branches on bf16, with their own input copy)."""
+        return self.fp8 or self.branch_item != self.item
 
     @property
     def tokens(self) -> int:
@@ -99,9 +111,18 @@ def _norm_saved(g: Geometry) -> int:
 
 
 def _lora_saved(g: Geometry, k: int, rank: int, out_width: int) -> int:
-    """A trainable branch besides its input: ``x·Aᵀ`` ``[tokens, k·r]``; on an FP8 base, whose LoRA
-    runs as two autograd GEMMs (:func:`mlora.lora.layers.lora_delta`), also the block ``s·B`` ``[out, k·r]``."""
-    return (g.tokens + (out_width if g.fp8 else 0)) * k * rank * g.item
+    """A trainable branch besides its input: ``x·Aᵀ`` ``[tokens, k·r]``; when the branch runs as two
+    autograd GEMMs (:attr:`Geometry.separate_branch`) also the block ``s·B`` ``[out, k·r]``; in the
+    branch's dtype."""
+    return (g.tokens + (out_width if g.separate_branch else 0)) * k * rank * g.branch_item
+
+
+def _branch_input(g: Geometry, width: int, kept: bool = False) -> int:
+    """The input a trainable branch's A GEMM keeps: the layer's (nothing more when ``kept`` already), or
+    its own copy in the branch dtype when that differs from the compute dtype."""
+    if g.branch_item != g.item:
+        return g.tokens * width * g.branch_item
+    return 0 if kept else g.tokens * width * g.item
 
 
 def _attention_saved(g: Geometry, attention: str, selective: bool) -> tuple[int, bool]:
@@ -133,7 +154,7 @@ def layer_saved(g: Geometry, lora: LayerLora, attention: str, input_requires_gra
         total += _norm_saved(g)
     kq = lora.k("qkv")
     if kq:
-        total += g.tokens * h * e + _lora_saved(g, kq, lora.rank, g.qkv_width)
+        total += _branch_input(g, h) + _lora_saved(g, kq, lora.rank, g.qkv_width)
     attn_grad = grad or kq > 0
     out_kept = False
     if attn_grad:
@@ -141,7 +162,7 @@ def layer_saved(g: Geometry, lora: LayerLora, attention: str, input_requires_gra
         total += saved
     ko = lora.k("proj")
     if ko:
-        total += (0 if out_kept else g.tokens * g.q_width * e) + _lora_saved(g, ko, lora.rank, h)
+        total += _branch_input(g, g.q_width, out_kept) + _lora_saved(g, ko, lora.rank, h)
     mid_grad = attn_grad or ko > 0
     if mid_grad:
         total += _norm_saved(g)
@@ -151,13 +172,13 @@ def layer_saved(g: Geometry, lora: LayerLora, attention: str, input_requires_gra
         return total, mid_grad or lora.k("fc1") > 0 or lora.k("fc2") > 0
     k1 = lora.k("fc1")
     if k1:
-        total += g.tokens * h * e + _lora_saved(g, k1, lora.rank, 2 * g.ffn)
+        total += _branch_input(g, h) + _lora_saved(g, k1, lora.rank, 2 * g.ffn)
     mlp_grad = mid_grad or k1 > 0
     if mlp_grad:
         total += g.tokens * 4 * g.ffn * e  # fc1 output [gate; up], silu(gate), up + 0 (megatron's glu)
     k2 = lora.k("fc2")
     if k2:
-        total += g.tokens * g.ffn * e + _lora_saved(g, k2, lora.rank, h)
+        total += _branch_input(g, g.ffn) + _lora_saved(g, k2, lora.rank, h)
     return total, mlp_grad or k2 > 0
 
 

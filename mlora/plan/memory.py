@@ -16,7 +16,7 @@ phase, following :meth:`mlora.train.engine.ActorCriticEngine.step`:
 4. ``reduce``: gradients flattened into one bucket for the TP/DP all-reduce.
 
 Persistent in every phase: the frozen base, both adapters, the value head, and both AdamW states
-(two moments per trainable element, in the adapter dtype: the steady state from the second step
+(two moments per trainable element, in float32 under a 16-bit base like the adapters: the steady state from the second step
 on; the first step is lower by the critic's moments during the actor update). A colocated vLLM
 engine adds its weights and KV cache. Gradients exist only inside their update (the engine sets
 them to None after each optimizer step).
@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from mlora.lora.config import LoraConfig
+from mlora.lora.config import LoraConfig, master_dtype
 from mlora.lora.targets import resolve_targets
 from mlora.models.hf_config import ModelSpec
 from mlora.models.weight_map import stage_layers
@@ -117,7 +117,8 @@ def geometry(spec: ModelSpec, layout: Layout, workload: Workload, batch: int) ->
     return Geometry(batch=batch, seq=workload.padded_seq(layout), hidden=spec.hidden_size,
                     heads=spec.num_heads // layout.tp, kv_heads=spec.num_kv_heads // layout.tp,
                     head_dim=spec.head_dim, ffn=spec.intermediate_size // layout.tp, tp=layout.tp, sp=layout.sp,
-                    item=_item(workload.dtype), fp8=workload.fp8 is not None)
+                    item=_item(workload.dtype), fp8=workload.fp8 is not None,
+                    lora_item=_item(workload.lora_compute_dtype or master_dtype(workload.dtype)))
 
 
 def _layer_loras(spec: ModelSpec, workload: Workload, layers: range) -> list[LayerLora]:
@@ -248,7 +249,8 @@ def plan_memory(spec: ModelSpec, layout: Layout, workload: Workload, engine: Eng
         engine.check(spec)
     lora = LoraConfig(rank=workload.rank, alpha=2 * workload.rank, target_modules=workload.target_modules,
                       exclude_modules=workload.exclude_modules)
-    per_adapter = adapter_bytes(spec, layout.tp, layout.pp, lora, workload.dtype)
+    # adapters, heads and their AdamW moments are float32 masters under a 16-bit base (mlora.lora.config.master_dtype)
+    per_adapter = adapter_bytes(spec, layout.tp, layout.pp, lora, master_dtype(workload.dtype))
     colocated = engine_bytes(spec, engine, lora) if engine is not None else 0
     plan = MemoryPlan(spec, layout, workload, engine)
     for stage in range(layout.pp):
@@ -257,7 +259,7 @@ def plan_memory(spec: ModelSpec, layout: Layout, workload: Workload, engine: Eng
             base = base_bytes(spec, layout.tp, layout.pp, stage, tp_rank, workload.dtype, workload.fp8)
             actor = per_adapter[(stage, tp_rank)]
             critic = actor if workload.critic else 0
-            heads = head_bytes(spec, workload.dtype) if workload.critic and last else 0
+            heads = head_bytes(spec, master_dtype(workload.dtype)) if workload.critic and last else 0
             optimizer = 2 * (actor + critic + heads)  # AdamW: exp_avg and exp_avg_sq per trainable element
             persistent = base + actor + critic + heads + optimizer + colocated
             phases = [_forward_phase(spec, layout, workload, stage, tp_rank),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from mlora.lora.config import master_dtype
 from mlora.plan.fit import GIB, Fit
 from mlora.plan.memory import FIELDS, MemoryPlan
 
@@ -22,7 +23,8 @@ def describe(plan: MemoryPlan) -> str:
     return (f"{spec.architecture}: {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {spec.vocab_size} | "
             f"{layout} | micro-batch {w.micro_batch} x {w.seq} tokens, {micro} per update | base {base} | "
             f"{w.attention} attention | recompute {recompute} | LoRA r {w.rank} actor"
-            + (" + critic + value head" if w.critic else "") + engine)
+            + (" + critic + value head" if w.critic else "")
+            + f" ({str(master_dtype(w.dtype)).removeprefix('torch.')} masters and AdamW state)" + engine)
 
 
 def _rows(plan: MemoryPlan) -> list[tuple[str, str, object]]:

@@ -55,7 +55,9 @@ class Workload:
     ``micro_batch`` sequences of ``seq`` tokens per micro-batch (``forward_micro_batch`` for the
     forward-only passes, default the same); ``micro_batches`` per update and DP rank (None: at least
     ``pp``, so the 1F1B pipeline is full). LoRA ``rank`` on ``target_modules`` for the actor and,
-    with ``critic``, the critic (+ value head). ``dtype``: compute, adapter and optimizer dtype;
+    with ``critic``, the critic (+ value head). ``dtype``: the base's compute dtype (adapters, heads and
+    AdamW moments are float32 under a 16-bit one); ``lora_compute_dtype`` the LoRA branches' (as in
+    :func:`mlora.from_pretrained`);
     ``fp8="torch"`` stores the four frozen linears in e4m3. ``attention`` and ``recompute*`` as in
     :func:`mlora.from_pretrained`.
     """
@@ -69,6 +71,7 @@ class Workload:
     exclude_modules: tuple[str, ...] | None = None
     critic: bool = True
     dtype: torch.dtype = torch.bfloat16
+    lora_compute_dtype: torch.dtype | None = None  # None: the adapters' (float32 masters under a 16-bit dtype)
     fp8: str | None = None
     attention: str = "sdpa"
     recompute: str = "none"
@@ -85,6 +88,9 @@ class Workload:
                 _positive(name, getattr(self, name))
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point or self.dtype.itemsize < 2:
             raise ValueError(f"dtype={self.dtype!r}: use torch.bfloat16, torch.float16 or torch.float32")
+        if self.lora_compute_dtype not in (None, torch.float32, self.dtype):
+            raise ValueError(f"lora_compute_dtype={self.lora_compute_dtype!r}: valid are None, torch.float32 or "
+                             f"the compute dtype {self.dtype}")
         if self.fp8 not in FP8:
             raise ValueError(f"fp8={self.fp8!r} is not planned; valid: None, 'torch' (Transformer Engine's "
                              "memory is not modelled)")

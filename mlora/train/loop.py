@@ -36,7 +36,7 @@ from mlora.train.checkpoint import (
 )
 from mlora.train.engine import ActorCriticEngine
 from mlora.train.evaluate import evaluate
-from mlora.train.from_config import lora_config, ppo_config, recompute_kwargs, sampling_config
+from mlora.train.from_config import lora_compute_dtype, lora_config, ppo_config, recompute_kwargs, sampling_config
 from mlora.train.learned_reward import build_learned_reward, env_kwargs
 from mlora.train.metrics_log import MetricsLogger, log, setup_logging, step_line
 from mlora.train.preemption import EX_TEMPFAIL, Preempted, PreemptionGuard, clear_marker, write_marker
@@ -90,20 +90,16 @@ class Rollouts:
             return
         from mlora.rollout.vllm_engine import build_engines
 
-        t, e = cfg.trainer, cfg.generator.inference_engine
-        frozen = t.policy.model.frozen_adapter_path
+        frozen = cfg.trainer.policy.model.frozen_adapter_path
         if frozen:  # the engines load the base with the frozen adapter merged, once
             from mlora.export.merge import merge_adapter
 
             self.engine_base = merge_adapter(self.engine_base, frozen, run_dir / "engine_base", progress=False)
-        extra = dict(cfg.generator.engine_init_kwargs)
-        if e.gpu_memory_utilization is not None:
-            extra.setdefault("gpu_memory_utilization", e.gpu_memory_utilization)
-        self.generator = build_engines(self.engine_base, e.num_engines, e.tensor_parallel_size, e.run_engines_locally,
-                                       ship_adapter=cfg.generator.weight_sync == "memory",
-                                       tensor_lora=self.tensors,
-                                       max_lora_rank=t.policy.model.lora.rank, dtype=t.dtype, seed=t.seed,
-                                       kv_cache_memory_bytes=cfg.generator.kv_cache_memory_bytes, **extra)
+        options = engine_options(cfg, self.engine_base, torch.cuda.is_available())
+        log.info("vLLM engines: max_model_len %d%s", options["max_model_len"],
+                 "" if options.get("engine_cores") is None else
+                 "; CPU cores per engine " + " ".join(str(c) for c in options["engine_cores"]))
+        self.generator = build_engines(self.engine_base, **options)
 
     def score(self, prompt: Prompt, gen: Generation) -> float:
         if self.cfg.generator.zero_reward_on_non_stop and gen.finish_reason != "stop":
@@ -165,6 +161,42 @@ class Rollouts:
             shutil.rmtree(self.sync_dir.parent, ignore_errors=True)
 
 
+def engine_max_model_len(cfg: TrainConfig, model_dir: str | os.PathLike) -> int:
+    """The engines' context length: ``generator.engine_init_kwargs.max_model_len`` when given, else the
+    run's longest prompt + longest response (training or evaluation sampling), capped by the model's
+    own limit (:mod:`mlora.rollout.model_len`)."""
+    from mlora.rollout.model_len import read_context_limit, run_max_model_len
+
+    explicit = cfg.generator.engine_init_kwargs.get("max_model_len")
+    if explicit is not None:
+        return int(explicit)
+    g = cfg.generator
+    return run_max_model_len(cfg.trainer.max_prompt_length, (g.sampling_params.max_generate_length,
+                                                              g.eval_sampling_params.max_generate_length),
+                             read_context_limit(model_dir))
+
+
+def engine_options(cfg: TrainConfig, engine_base: str | os.PathLike, cuda: bool) -> dict:
+    """The arguments of :func:`~mlora.rollout.vllm_engine.build_engines` for this run, after the model:
+    the engine keys, ``generator.engine_init_kwargs`` (which win), the derived ``max_model_len``
+    (:func:`engine_max_model_len`) and, for local engines on CPU, each engine's cores
+    (:func:`mlora.rollout.cpu_threads.local_engine_cores`; None when the user's ``OMP_NUM_THREADS`` decides)."""
+    from mlora.rollout.cpu_threads import local_engine_cores
+
+    t, g, e = cfg.trainer, cfg.generator, cfg.generator.inference_engine
+    extra = dict(g.engine_init_kwargs)
+    if e.gpu_memory_utilization is not None:
+        extra.setdefault("gpu_memory_utilization", e.gpu_memory_utilization)
+    extra["max_model_len"] = engine_max_model_len(cfg, engine_base)
+    local_cpu = e.run_engines_locally and not cuda
+    return dict(num_engines=e.num_engines, tensor_parallel_size=e.tensor_parallel_size,
+                run_locally=e.run_engines_locally, ship_adapter=g.weight_sync == "memory",
+                tensor_lora=g.weight_sync == "tensors",
+                engine_cores=local_engine_cores(e.num_engines) if local_cpu else None,
+                max_lora_rank=t.policy.model.lora.rank, dtype=t.dtype, seed=t.seed,
+                kv_cache_memory_bytes=g.kv_cache_memory_bytes, **extra)
+
+
 def _load_data(cfg: TrainConfig, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
     t, env = cfg.trainer, cfg.environment.env_class
     make_env(env)  # an unknown environment fails before any model is loaded
@@ -210,16 +242,27 @@ def run(cfg: TrainConfig, notes: Sequence[str] = ()) -> dict:
 
 def start_run(cfg: TrainConfig, notes: Sequence[str], build_assets: Callable[[str], object]):
     """What every mlora-train stage does first: the demo's assets (``demo.prepare``, rank 0, with
-    ``build_assets(demo.dir)``), the mesh, logging, the config notes, the run and checkpoint directories and
-    the checkpoint to resume from (found before the model loads: a wrong checkpoint fails fast).
-    Returns ``(mesh, run_dir, ckpt_root, resume)``."""
+    ``build_assets(demo.dir)``), the threads of this rank (``trainer.cpu_threads``, chosen for the
+    machine on CPU when null: :mod:`mlora.rollout.cpu_threads`), the mesh, logging, the config notes,
+    the run and checkpoint directories and the checkpoint to resume from (found before the model loads:
+    a wrong checkpoint fails fast). Returns ``(mesh, run_dir, ckpt_root, resume)``."""
+    from mlora.rollout.cpu_threads import apply_trainer_threads
+
     t = cfg.trainer
+    threads = apply_trainer_threads(t.cpu_threads, torch.cuda.is_available())
     if cfg.demo.prepare and int(os.environ.get("RANK", "0")) == 0:
         build_assets(cfg.demo.dir)
     mc = t.policy.megatron_config
     mesh = mlora.init_parallel(tp=mc.tensor_model_parallel_size, pp=mc.pipeline_model_parallel_size,
                                sp=mc.sequence_parallel, seed=t.seed)
     setup_logging(mesh.rank)
+    if threads is not None:
+        log.info("CPU threads: %d per trainer rank (%s cores, %s local ranks; trainer.cpu_threads=%s, "
+                 "OMP_NUM_THREADS=%s)%s", threads, len(os.sched_getaffinity(0)),
+                 os.environ.get("LOCAL_WORLD_SIZE", "1"), t.cpu_threads, os.environ.get("OMP_NUM_THREADS"),
+                 "" if threads == 1 or "OMP_WAIT_POLICY" in os.environ else
+                 "; the ranks' threads wait actively (libgomp's default): on a machine shared with other jobs "
+                 "export OMP_WAIT_POLICY=PASSIVE before launching or set trainer.cpu_threads=1 (bench/threads.py)")
     for note in notes:
         log.info("note: %s", note)
     dist.barrier()
@@ -242,10 +285,12 @@ def _train(cfg: TrainConfig, notes: Sequence[str], guard: PreemptionGuard) -> di
     train, val = _load_data(cfg, tokenizer)
     total_steps = t.total_steps or t.epochs * (len(train) // t.train_batch_size)
     model = mlora.from_pretrained(t.policy.model.path, mesh, dtype=getattr(torch, t.dtype), fp8=t.fp8,
-                                  fp8_recipe=t.fp8_recipe, **recompute_kwargs(t))
+                                  fp8_recipe=t.fp8_recipe, lora_compute_dtype=lora_compute_dtype(t),
+                                  **recompute_kwargs(t))
     engine = _build_engine(cfg, model, total_steps)
     # the reward adapter + head, frozen on this same base (env_class=reward_model; mlora.train.learned_reward)
-    learned = build_learned_reward(cfg, model, engine, {p.env_class for p in train + val})
+    learned = build_learned_reward(cfg, model, engine, {p.env_class for p in train + val},
+                                   run_frozen=FROZEN if t.policy.model.frozen_adapter_path else None)
     start_step = _resume_state(resume, model, engine, cfg, len(train), total_steps) if resume else 0
     # rollouts of step s sample with seed + 1000·s (+ the prompt's index): no RNG to carry
     saver = _Saver(cfg, mesh, model, engine, ckpt_root, len(train), total_steps,
@@ -333,7 +378,8 @@ def _report(cfg: TrainConfig, run_dir: Path, final: Path, engine_base) -> None:
     png = plot_metrics(run_dir / "metrics.jsonl", run_dir / "metrics.png")
     frozen = t.policy.model.frozen_adapter_path
     argv = serve_command(engine_base, {POLICY: final.resolve()}, max_lora_rank=t.policy.model.lora.rank,
-                         dtype=t.dtype, kv_cache_memory_bytes=cfg.generator.kv_cache_memory_bytes)
+                         dtype=t.dtype, kv_cache_memory_bytes=cfg.generator.kv_cache_memory_bytes,
+                         max_model_len=engine_max_model_len(cfg, engine_base))
     log.info("\nmetrics: %s\nplot: %s\nfinal adapter (PEFT): %s\n%sserve it with vLLM (OpenAI API):\n  %s",
              run_dir / "metrics.jsonl", png, final,
              f"(it applies on top of {frozen}, merged into the base in {engine_base})\n" if frozen else "",

@@ -20,7 +20,7 @@ import torch
 import mlora
 from mlora.config.schema import TrainConfig
 from mlora.rollout.data import epoch_batches
-from mlora.train.from_config import lora_config, recompute_kwargs
+from mlora.train.from_config import lora_compute_dtype, lora_config, recompute_kwargs
 from mlora.train.loop import FROZEN, _Saver, start_run
 from mlora.train.metrics_log import MetricsLogger, log
 from mlora.train.preemption import EX_TEMPFAIL, Preempted, PreemptionGuard, clear_marker, write_marker
@@ -96,7 +96,8 @@ def _train(cfg: TrainConfig, notes: Sequence[str], guard: PreemptionGuard) -> di
     train, val = _load_data(cfg, tokenizer)
     total_steps = t.total_steps or t.epochs * (len(train) // t.train_batch_size)
     model = mlora.from_pretrained(t.policy.model.path, mesh, dtype=getattr(torch, t.dtype), fp8=t.fp8,
-                                  fp8_recipe=t.fp8_recipe, **recompute_kwargs(t))
+                                  fp8_recipe=t.fp8_recipe, lora_compute_dtype=lora_compute_dtype(t),
+                                  **recompute_kwargs(t))
     frozen = t.policy.model.frozen_adapter_path
     if frozen:  # e.g. the SFT adapter under a reward model or DPO (DPO's reference is the base + it)
         model.load_adapter(FROZEN, frozen, trainable=False)
@@ -148,13 +149,7 @@ def _train(cfg: TrainConfig, notes: Sequence[str], guard: PreemptionGuard) -> di
                     log.info("preempted after step %d: checkpoint %s; exiting with %d", step, checkpoint,
                              EX_TEMPFAIL)
                 raise Preempted(step, checkpoint)
-        final = run_dir / "final_adapter"
-        if stage == "rm":
-            from mlora.export.reward_adapter import save_reward_adapter
-
-            save_reward_adapter(model, engine.adapter, engine.head, final)
-        else:
-            model.save_adapter(engine.adapter, final)
+        final = save_final_adapter(cfg, model, engine, run_dir / "final_adapter")
         if mesh.rank == 0:
             png = _plot(run_dir / "metrics.jsonl", run_dir / "metrics.png", stage)
             log.info("\nmetrics: %s\nplot: %s\nfinal %s adapter (PEFT%s): %s%s", run_dir / "metrics.jsonl", png,
@@ -165,6 +160,20 @@ def _train(cfg: TrainConfig, notes: Sequence[str], guard: PreemptionGuard) -> di
         if metrics_log is not None:
             metrics_log.close()
     return last
+
+
+def save_final_adapter(cfg: TrainConfig, model, engine: PreferenceEngine, final: Path) -> Path:
+    """The stage's trained adapter in PEFT format (collective). The reward model's is a SEQ_CLS adapter
+    with its score head that records the frozen adapter it was trained on top of
+    (``trainer.policy.model.frozen_adapter_path``): PPO stacks that one under it when scoring
+    (:mod:`mlora.train.learned_reward`), so the reward it optimises is the one trained here."""
+    if cfg.preference.stage == "rm":
+        from mlora.export.reward_adapter import save_reward_adapter
+
+        return save_reward_adapter(model, engine.adapter, engine.head, final,
+                                   frozen_adapter=cfg.trainer.policy.model.frozen_adapter_path)
+    model.save_adapter(engine.adapter, final)
+    return final
 
 
 def _evaluate(engine: PreferenceEngine, batches: list[SequenceBatch]) -> dict[str, float]:

@@ -1,5 +1,7 @@
 """torchrun worker (4 ranks): fp8="torch" logits at TP2×PP2 and TP2+SP vs TP1 FP8 logits (KL),
-weight scales and FP8 weights vs TP1 (mesh independence), save_merged of an FP8 base.
+LoRA gradients through the FP8 base vs TP1's, a row-parallel FP8 GEMM vs the whole one (per-token
+input scales over the whole row), weight scales and FP8 weights vs TP1 (mesh independence),
+save_merged of an FP8 base.
 
 Usage: torchrun --nproc_per_node 4 tests/dist/fp8_equivalence.py MODELS_DIR OUT_JSON MERGED_DIR
 Rank 0 writes the records of every rank.
@@ -11,7 +13,8 @@ import argparse
 from pathlib import Path
 
 import torch
-from common import write_records_and_exit
+import torch.distributed as dist
+from common import masked_sum_loss, merged_from_all_ranks, write_records_and_exit
 
 import mlora
 from mlora.parallel import reset_parallel
@@ -34,6 +37,55 @@ def linears(model) -> dict:
     return out
 
 
+def grad_adapter(model, path: Path) -> None:
+    """Add adapter ``g`` to a TP1 model with non-zero A *and* B (so every factor has a gradient that
+    flows back through the FP8 linears above it) and save it to ``path`` (collective)."""
+    model.add_adapter("g", mlora.LoraConfig(rank=4, alpha=8, seed=5, init_method="gaussian"))
+    gen = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for linear in model._lora_linears():  # noqa: SLF001 (the same walk on every rank)
+            for b in linear.lora["g"].lora_B:
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.05)
+    model.save_adapter("g", path)
+
+
+def row_parallel_gemm(mesh) -> dict:
+    """A row-parallel FP8 GEMM (x and W split on K over TP, partial outputs summed) vs the whole GEMM on
+    one rank, same input. The input's per-token scales must be the whole row's, so the FP8 inputs are
+    bit-equal to the slices of the whole one's and forward and input gradient differ only by float32
+    summation order. The large features sit in one rank's slice, so per-slice scales would show."""
+    from mlora.fp8.quant import fp8_linear, quantize_tokens, quantize_weight
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 256, generator=g)
+    x[:, 200:] *= 30.0
+    w, grad = torch.randn(96, 256, generator=g) * 0.05, torch.randn(37, 96, generator=g)
+    k = x.shape[1] // mesh.tp
+    part = slice(mesh.tp_rank * k, (mesh.tp_rank + 1) * k)
+    x_full, x_part = x.clone().requires_grad_(), x[:, part].clone().requires_grad_()
+    wq, sw = quantize_weight(w)
+    fp8_linear(x_full, wq, sw).backward(grad)
+    wq_part, sw_part = quantize_weight(w[:, part], mesh.tp_group)
+    y = fp8_linear(x_part, wq_part, sw_part, mesh.tp_group)
+    y.backward(grad)
+    y = y.detach().clone()
+    dist.all_reduce(y, group=mesh.tp_group)
+    want = fp8_linear(x, wq, sw)
+    xq, sx = quantize_tokens(x)
+    xq_part, sx_part = quantize_tokens(x[:, part], mesh.tp_group)
+    return dict(inputs_equal=torch.equal(sx, sx_part) and torch.equal(xq[:, part].view(torch.uint8),
+                                                                      xq_part.view(torch.uint8)),
+                out_rel=((y - want).norm() / want.norm()).item(),
+                grad_rel=((x_part.grad - x_full.grad[:, part]).norm() / x_full.grad[:, part].norm()).item())
+
+
+def lora_grads(model, ids, mask) -> dict:
+    """PEFT-layout gradients of adapter ``g`` for a summed-logits loss, on every rank (collective)."""
+    model.forward_backward([{"input_ids": ids, "attention_mask": mask}], masked_sum_loss(model, mask))
+    model.reduce_tp_replicated_grads()
+    return merged_from_all_ranks(model.adapter_tensors("g", grads=True))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("models_dir", type=Path)
@@ -48,12 +100,15 @@ def main() -> None:
         ids, mask = right_padded_batch(model.spec.vocab_size, (19, 13, 5), seed=11)  # same on every rank
         ref[name] = (ids, mask, model.logits(ids, attention_mask=mask),
                      {k: (m.weight.detach().clone(), m.weight_scale.clone()) for k, m in linears(model).items()})
+        grad_adapter(model, args.merged.parent / "grad_adapters" / name)
+        ref[name] += (lora_grads(model, ids, mask),)
         del model
     reset_parallel()
     for tp, pp, sp in LAYOUTS:
         mesh = mlora.init_parallel(tp=tp, pp=pp, sp=sp)
+        records.append(dict(check="row_parallel", tp=tp, pp=pp, sp=sp, rank=mesh.rank, **row_parallel_gemm(mesh)))
         for name in MODELS:
-            ids, mask, ref_logits, ref_w = ref[name]
+            ids, mask, ref_logits, ref_w, ref_grads = ref[name]
             model = mlora.from_pretrained(args.models_dir / name, mesh, dtype=torch.float32, fp8="torch")
             # scales are per whole row, so equal TP1's; the FP8 weights are TP1's slices
             scale_diff, weight_equal = 0.0, True
@@ -74,7 +129,7 @@ def main() -> None:
                 logp = torch.log_softmax(out[valid].double(), -1)
                 kl = (logp_ref.exp() * (logp_ref - logp)).sum(-1)
                 records.append(dict(check="logits", model=name, tp=tp, pp=pp, sp=sp, rank=mesh.rank,
-                                    kl_max=kl.max().item(), kl_mean=kl.mean().item(),
+                                    kl_max=kl.max().item(), kl_mean=kl.mean().item(), kl_median=kl.median().item(),
                                     rel_max_diff=((out - ref_logits)[valid].abs().max()
                                                   / ref_logits[valid].abs().max()).item(),
                                     top1_agree=(out[valid].argmax(-1) == ref_logits[valid].argmax(-1)).float()
@@ -96,6 +151,15 @@ def main() -> None:
                             bad.append(key)
                     records.append(dict(check="merged", model=name, same_names=sorted(src) == sorted(dst),
                                         mismatched=bad[:5]))
+            # straight-through backward: the per-token input scales are not differentiated, so with
+            # TP1's scales the gradients are TP1's up to the float32 summation order
+            model.load_adapter("g", args.merged.parent / "grad_adapters" / name, trainable=True)
+            grads = lora_grads(model, ids, mask)
+            if mesh.rank == 0:
+                rel = {k: ((grads[k] - g).norm() / g.norm()).item() for k, g in ref_grads.items() if k in grads}
+                records.append(dict(check="grads", model=name, tp=tp, pp=pp, sp=sp,
+                                    missing=sorted(set(ref_grads) ^ set(grads)), max_rel=max(rel.values()),
+                                    worst=max(rel, key=rel.get)))
             del model
         reset_parallel()
     write_records_and_exit(records, args.out)
