@@ -87,7 +87,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -101,6 +100,7 @@ if sys.platform.startswith("linux") and "MALLOC_MMAP_THRESHOLD_" not in os.envir
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from attention import cpu_model  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 
 HIDDEN, INTER, RANK, ALPHA = 4096, 11008, 32, 64
 # (name, in, [out of each sub-projection]) of one decoder layer's frozen linears
@@ -266,18 +266,6 @@ def step(layers: dict[str, Layer], x: torch.Tensor, device: torch.device) -> tup
 
 # ----------------------------------------------------------------------------------- --model: real weights
 PROMPTS_FILE = Path(__file__).resolve().parent / "prompts" / "precision_chat.json"
-
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (the platform's processor string elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def chat_batch(model_dir: str, prompts_file: str, n: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
