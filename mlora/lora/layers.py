@@ -375,15 +375,15 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     gradient uses the dequantized weight); the deltas are computed from the unquantized ``x``.
     ``fp8_group``: a row-parallel input's TP group, over which the per-token scale is all-reduced."""
     if weight_scale is not None:
-        return _fp8_base_plus(x, weight, weight_scale, bias, [lora_delta(b, x, site) for b in branches], fp8_group)
+        return _fp8_base_plus(x, weight, weight_scale, bias, _deltas(branches, x, site), fp8_group)
     if not branches:
         return F.linear(x, weight, bias)
     if any(b.compute_dtype not in (None, x.dtype) for b in branches):
         # a branch in another dtype than the base (float32 on bf16, PEFT's mixed precision) cannot
         # accumulate into the base GEMM's buffer: its delta is added in the output's dtype instead
         out = F.linear(x, weight, bias)
-        for branch in branches:
-            out = out + lora_delta(branch, x, site).to(out.dtype)
+        for d in _deltas(branches, x, site):
+            out = out + d.to(out.dtype)
         return out
     specs, factors = [], []
     for branch in branches:
@@ -393,6 +393,20 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         a, bs = branch.factors_in(x.dtype)
         factors += [branch.hidden(x) if given else a, *bs]
     return _LoraLinear.apply(site, tuple(specs), x, weight, bias, *factors)
+
+
+def _deltas(branches: list[LoraBranch], x: torch.Tensor, site: LoraSite | None) -> list[torch.Tensor]:
+    """Every branch's :func:`lora_delta`, the input cast once per compute dtype: the branches of a layer
+    (actor and critic, K experiments) then save one float32 copy of a bf16 input between them, which is
+    what ``mlora plan --memory`` counts."""
+    cast: dict[torch.dtype, torch.Tensor] = {}
+    out = []
+    for branch in branches:
+        dtype = branch.compute_dtype or x.dtype
+        if dtype not in cast:
+            cast[dtype] = x.to(dtype)
+        out.append(lora_delta(branch, cast[dtype], site))
+    return out
 
 
 def _fp8_base_plus(x, weight, weight_scale, bias, deltas, group=None):

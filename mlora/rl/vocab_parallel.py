@@ -94,6 +94,19 @@ def _check_temperature(temperature: float) -> None:
         raise ValueError(f"temperature={temperature} must be > 0 (log-probs of greedy decoding are not defined)")
 
 
+def next_token_logits(logits: torch.Tensor) -> torch.Tensor:
+    """``logits[:, :-1]`` of batch-major ``[b, s, V]`` logits that are a transposed view of megatron's
+    sequence-major ``[s, b, V]`` output, sliced through that sequence-major layout.
+
+    Same values as ``logits[:, :-1]``. The slice's backward then builds its zero-padded gradient
+    sequence-major, so the output layer's backward gets a contiguous ``[s, b, V]`` gradient and folds
+    it into one GEMM. Sliced batch-major, the gradient arrives strided and torch's CPU matmul falls
+    back to a bmm with the ``[V, h]`` weight expanded over the ``s`` batches (on SmolLM2, 4 DPO pairs
+    of 192 tokens in bf16: 10.9 GB copied, 13 s of a step).
+    """
+    return logits.transpose(0, 1)[:-1].transpose(0, 1)
+
+
 def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, vocab_valid: int,
                             group=None, with_entropy: bool = False, temperature: float = 1.0
                             ) -> tuple[torch.Tensor, torch.Tensor | None]:

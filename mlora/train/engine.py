@@ -37,7 +37,7 @@ from mlora.rl import (
 from mlora.rl.advantages import broadcast_to_tokens
 from mlora.rl.kl import apply_kl_in_reward
 from mlora.rl.masked import masked_mean, masked_sum
-from mlora.rl.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_truncation_logmass
+from mlora.rl.vocab_parallel import next_token_logits, vocab_parallel_logprobs, vocab_parallel_truncation_logmass
 from mlora.train.batch import RolloutBatch
 from mlora.train.config import PPOConfig
 from mlora.train.grads import clip_grads, finalize_grads
@@ -148,7 +148,7 @@ class ActorCriticEngine:
         """Log-probs (and entropy) of the next tokens under ``softmax(logits / temperature)``, the
         distribution the rollouts were sampled from before truncation; vocab-parallel."""
         lo, hi = self.model.vocab_shard_range()
-        return vocab_parallel_logprobs(logits[:, :-1], input_ids[:, 1:].to(logits.device), lo, hi - lo,
+        return vocab_parallel_logprobs(next_token_logits(logits), input_ids[:, 1:].to(logits.device), lo, hi - lo,
                                        self.mesh.tp_group if self.mesh.tp > 1 else None, with_entropy,
                                        self.cfg.temperature)
 
@@ -166,7 +166,7 @@ class ActorCriticEngine:
         if self._sampling_truncated:
             c, (lo, hi) = self.cfg, self.model.vocab_shard_range()
             sampled = logprob - vocab_parallel_truncation_logmass(
-                logits[:, :-1], hi - lo, self.mesh.tp_group if self.mesh.tp > 1 else None, c.temperature, c.top_k,
+                next_token_logits(logits), hi - lo, self.mesh.tp_group if self.mesh.tp > 1 else None, c.temperature, c.top_k,
                 c.top_p, c.min_p)
         return torch.stack([logprob, sampled], dim=-1)
 
