@@ -22,8 +22,8 @@ CHECKPOINT_ADAPTERS = "adapters"  # <checkpoint>/adapters/<name>/ holds PEFT-lay
 
 def _plan(args: argparse.Namespace) -> int:
     from mlora.export.plan import plan_adapter
+    from mlora.formats.hf_config import load_hf_config, model_spec
     from mlora.lora.config import LoraConfig
-    from mlora.models.hf_config import load_hf_config, model_spec
 
     model = Path(args.model)
     spec = model_spec(load_hf_config(model.parent if model.is_file() else model))
@@ -87,7 +87,7 @@ def _export_adapter(args: argparse.Namespace) -> int:
         read_peft_config,
         write_peft_adapter,
     )
-    from mlora.models.checkpoint_reader import CheckpointReader
+    from mlora.formats.checkpoint_reader import CheckpointReader
 
     src = Path(args.checkpoint) / CHECKPOINT_ADAPTERS / args.adapter
     if not src.is_dir():
@@ -98,8 +98,8 @@ def _export_adapter(args: argparse.Namespace) -> int:
     with CheckpointReader(src) as reader:
         tensors = {name: reader.read(name) for name in sorted(reader.entries)}
         if args.base:
+            from mlora.formats.hf_config import load_hf_config, model_spec
             from mlora.lora.sites import model_sites
-            from mlora.models.hf_config import load_hf_config, model_spec
 
             spec = model_spec(load_hf_config(args.base))
             modules = peft_modules(reader.entries, spec.num_layers, src)

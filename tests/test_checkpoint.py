@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from mlora.formats.durable import write_text_atomic
 from mlora.train import checkpoint as ck
 from mlora.train.checkpoint import CheckpointError
 
@@ -92,7 +93,7 @@ def test_resume_modes(tmp_path, caplog):
     # checkpoints newer than the pointer (another branch) are not "latest"
     for step in (2, 5):
         _fake_checkpoint(root, step)
-    ck.write_text_atomic(root / ck.LATEST_FILE, "2\n")
+    write_text_atomic(root / ck.LATEST_FILE, "2\n")
     assert ck.find_latest(root) == root / "global_step_2"
 
 
@@ -123,7 +124,7 @@ def _canonical(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def _rank_params(tp: int, tp_rank: int, c: dict[str, torch.Tensor]):
     """One rank's parameters (values = the canonical tensors' slices) and their pieces, as the model lays them out."""
-    from mlora.models.weight_map import COLUMNS, REPLICATED, ROWS
+    from mlora.formats.weight_map import COLUMNS, REPLICATED, ROWS
     from mlora.train.sharded_state import Piece
 
     return [

@@ -27,13 +27,13 @@ from mlora.export.peft_files import (
     read_peft_config,
     write_peft_adapter_sharded,
 )
+from mlora.formats.checkpoint_reader import CheckpointReader
+from mlora.formats.safetensors_writer import TensorShard
+from mlora.formats.weight_map import COLUMNS, REPLICATED, ROWS, read_shard, shard, unshard
 from mlora.lora.config import INIT_METHODS, LoraConfig, derive_seed, master_dtype
 from mlora.lora.layers import DropoutKey, LoraBranch, LoraHost, LoraSite, has_tp_partial_grad, stacked_b
 from mlora.lora.sites import FACTOR_KINDS, factor_shapes, model_sites
 from mlora.lora.targets import resolve_targets
-from mlora.models.checkpoint_reader import CheckpointReader
-from mlora.models.safetensors_writer import TensorShard
-from mlora.models.weight_map import COLUMNS, REPLICATED, ROWS, read_shard, shard, unshard
 
 _SPLIT_DIM = {ROWS: 0, COLUMNS: 1}  # the dim a TP-sharded factor is cut along (weight_map.shard)
 

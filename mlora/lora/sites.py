@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from mlora.formats.weight_map import COLUMNS, REPLICATED, ROWS
 from mlora.lora.layers import LoraSite
-from mlora.models.weight_map import COLUMNS, REPLICATED, ROWS
 
 # How each factor is split over TP (see mlora.lora.layers): column: A replicated, B like W;
 # row: A split on the input dim, B replicated.

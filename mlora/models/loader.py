@@ -9,14 +9,14 @@ from typing import Sequence
 
 import torch
 
+from mlora.formats.checkpoint_reader import CheckpointError, CheckpointReader
+from mlora.formats.fp8_checkpoint import DequantizingReader, fp8_quantization_config
+from mlora.formats.hf_config import check_layout, load_hf_config, model_spec
+from mlora.formats.weight_map import stage_layers, stage_param_maps
 from mlora.lora.config import master_dtype
-from mlora.models.checkpoint_reader import CheckpointError, CheckpointReader
-from mlora.models.fp8_checkpoint import DequantizingReader, fp8_quantization_config
-from mlora.models.hf_config import check_layout, load_hf_config, model_spec
 from mlora.models.megatron_build import build_gpt_model
 from mlora.models.model import MLoraModel
 from mlora.models.recompute import recompute_settings
-from mlora.models.weight_map import stage_layers, stage_param_maps
 from mlora.parallel.mesh import Mesh
 
 
@@ -81,7 +81,7 @@ def from_pretrained(hf_dir: str | os.PathLike, mesh: Mesh, dtype: torch.dtype = 
     check_layout(spec, mesh.tp, mesh.pp)
     settings = recompute_settings(recompute, recompute_method, recompute_num_layers, recompute_modules,
                                   layers_per_stage=spec.num_layers // mesh.pp)
-    # a Hub FP8 checkpoint (block-scaled e4m3): read dequantized, slice by slice (mlora.models.fp8_checkpoint)
+    # a Hub FP8 checkpoint (block-scaled e4m3): read dequantized, slice by slice (mlora.formats.fp8_checkpoint)
     quantized = fp8_quantization_config(json.loads((Path(hf_dir) / "config.json").read_text()))
     with CheckpointReader(hf_dir) as reader:  # validate the files before allocating anything
         source = reader if quantized is None else DequantizingReader(reader, quantized["weight_block_size"])

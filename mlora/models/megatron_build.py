@@ -7,9 +7,9 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from mlora.formats.hf_config import ModelSpec, hf_inv_freq
 from mlora.lora.adapters import attach_lora_sites
 from mlora.models.attention import ATTENTION_CONFIG_ATTR, SDPAttention, check_attention_arg
-from mlora.models.hf_config import ModelSpec, hf_inv_freq
 from mlora.models.norm import RMSNorm
 from mlora.models.recompute import Recompute, prepare_for_recompute
 from mlora.parallel.mesh import Mesh

@@ -12,19 +12,15 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from mlora.formats.checkpoint_reader import SIDE_FILES  # copied verbatim from the source by save_merged
+from mlora.formats.hf_config import ModelSpec
+from mlora.formats.safetensors_writer import SafetensorsWriter
+from mlora.formats.weight_map import is_export_copy, stage_param_maps
 from mlora.lora.adapters import AdapterHost
 from mlora.lora.config import master_dtype
 from mlora.models.attention import SDPAttention, is_right_padded, sdpa_mask
 from mlora.models.attention import attention_mask as build_attention_mask
-from mlora.models.hf_config import ModelSpec
-from mlora.models.safetensors_writer import SafetensorsWriter
-from mlora.models.weight_map import is_export_copy, stage_param_maps
 from mlora.parallel.mesh import Mesh
-
-# Files copied verbatim from the source checkpoint by save_merged.
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-              "chat_template.jinja")
 
 
 class ScalarHead(torch.nn.Linear):

@@ -44,10 +44,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from mlora.formats.hf_config import ModelSpec
+from mlora.formats.weight_map import stage_layers
 from mlora.lora.config import LoraConfig, master_dtype
 from mlora.lora.targets import resolve_targets
-from mlora.models.hf_config import ModelSpec
-from mlora.models.weight_map import stage_layers
 from mlora.plan.activations import (
     Geometry,
     LayerLora,

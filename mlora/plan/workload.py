@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mlora.models.hf_config import ModelSpec, check_layout
+from mlora.formats.hf_config import ModelSpec, check_layout
 
 ATTENTIONS = ("sdpa", "unfused")
 RECOMPUTE = ("none", "selective", "full")

@@ -39,17 +39,15 @@ import torch
 import torch.distributed as dist
 
 from mlora.export.peft_files import peft_adapter_config, peft_tensor_name
+from mlora.formats.dtypes import SAFETENSORS_DTYPES
+from mlora.formats.safetensors_writer import Layout, safetensors_header
+from mlora.formats.weight_map import COLUMNS, REPLICATED, ROWS
 from mlora.lora.sites import FACTOR_KINDS, factor_shapes, model_sites
 from mlora.lora.targets import HF_PROJECTIONS
-from mlora.models.safetensors_writer import Layout, safetensors_header
-from mlora.models.weight_map import COLUMNS, REPLICATED, ROWS
 
 SCHEME = "mlora-shm://"  # LoRARequest.lora_path of an adapter in a segment: mlora-shm://<segment>#<version>
 CONFIG_KEY = "mlora_peft_config"  # __metadata__ key holding adapter_config.json
 _SPLIT_DIM = {ROWS: 0, COLUMNS: 1}
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 def adapter_layout(model, name: str) -> Layout:
@@ -177,12 +175,12 @@ def parse_segment(buf: memoryview, source: str = "segment") -> tuple[dict[str, t
         raise ValueError(f"{source}: no {CONFIG_KEY!r} in the header's __metadata__ (not an mlora adapter segment)")
     layout, spans = {}, {}
     for tname, entry in header.items():
-        if entry["dtype"] not in _ST_DTYPES:
-            raise ValueError(f"{source}: tensor {tname!r} has dtype {entry['dtype']}, known: {sorted(_ST_DTYPES)}")
+        if entry["dtype"] not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{source}: tensor {tname!r} has dtype {entry['dtype']}, known: {sorted(SAFETENSORS_DTYPES)}")
         a, b = entry["data_offsets"]
         if not 0 <= a <= b <= len(buf) - 8 - hlen:
             raise ValueError(f"{source}: tensor {tname!r} spans bytes {a}..{b} beyond the segment's data")
-        layout[tname] = (_ST_DTYPES[entry["dtype"]], tuple(entry["shape"]))
+        layout[tname] = (SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]))
         spans[tname] = (8 + hlen + a, 8 + hlen + b)
     return _views(buf, spans, layout), json.loads(meta[CONFIG_KEY])
 

@@ -189,7 +189,7 @@ def planned(cfg: ProbeConfig, world: int) -> dict[tuple[int, int], dict]:
     """The memory planner's prediction for ``cfg`` on ``world`` ranks: (stage, TP rank) -> fields."""
     import torch
 
-    from mlora.models.hf_config import load_hf_config, model_spec
+    from mlora.formats.hf_config import load_hf_config, model_spec
     from mlora.plan import Layout, Workload, plan_memory
 
     spec = model_spec(load_hf_config(cfg.model))

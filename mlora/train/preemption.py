@@ -109,7 +109,7 @@ class PreemptionGuard:
 def write_marker(run_dir: Path, step: int | None, checkpoint: Path | None, signal_name: str | None) -> Path:
     """``<run_dir>/preempted.json``: {"step", "checkpoint", "signal", "time", "exit_code"}, written
     atomically; step and checkpoint are null when the run was stopped during start-up."""
-    from mlora.train.checkpoint import write_text_atomic
+    from mlora.formats.durable import write_text_atomic
 
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / MARKER

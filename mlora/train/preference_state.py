@@ -19,11 +19,12 @@ from pathlib import Path
 
 import torch
 
-from mlora.models.checkpoint_reader import CheckpointReader
-from mlora.models.safetensors_writer import SafetensorsWriter
-from mlora.models.weight_map import REPLICATED
+from mlora.formats.checkpoint_reader import CheckpointReader
+from mlora.formats.durable import fsync_file
+from mlora.formats.safetensors_writer import SafetensorsWriter
+from mlora.formats.weight_map import REPLICATED
 from mlora.train import rng_state
-from mlora.train.checkpoint import CheckpointError, fsync_file
+from mlora.train.checkpoint import CheckpointError
 from mlora.train.sharded_state import (
     OptimizerStateReader,
     Piece,

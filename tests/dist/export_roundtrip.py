@@ -87,8 +87,9 @@ def no_gather_case(models_dir: Path, work: Path, mesh) -> None:
     collective carrying adapter bytes, peak extra memory per rank measured against the rank's share."""
     from mlora.export.peft_files import peft_adapter_config, write_peft_adapter, write_peft_adapter_sharded
     from mlora.export.plan import plan_adapter
+    from mlora.formats.durable import fsync_file
     from mlora.testing.memory_probe import fix_mmap_threshold
-    from mlora.train.checkpoint import fsync_file, save_checkpoint
+    from mlora.train.checkpoint import save_checkpoint
 
     fix_mmap_threshold()  # freed tensors go back to the OS, so RSS follows tensor bytes
     w = work / "nogather"
