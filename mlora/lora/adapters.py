@@ -47,17 +47,6 @@ class AdapterInfo:
     modules: frozenset  # (layer, HF projection) pairs, over the whole model
 
 
-def attach_lora_sites(gpt: torch.nn.Module, spec, tp: int) -> None:
-    """Tell each LoRA linear of this stage where it sits: layer index, projections, output layout."""
-    sites = model_sites(spec, tp)
-    for layer in gpt.decoder.layers:
-        i = layer.layer_number - 1
-        layer.self_attention.linear_qkv.lora_site = sites[(i, "q_proj")]
-        layer.self_attention.linear_proj.lora_site = sites[(i, "o_proj")]
-        layer.mlp.linear_fc1.lora_site = sites[(i, "gate_proj")]
-        layer.mlp.linear_fc2.lora_site = sites[(i, "down_proj")]
-
-
 def _draw_a(method: str, shape: tuple[int, int], g: torch.Generator) -> torch.Tensor:
     """The full ``[rank, in]`` A for ``LoraConfig.init_method`` (float64; see LoraConfig)."""
     rank, fan_in = shape
@@ -269,9 +258,9 @@ class AdapterHost:
 
         Each TP rank holds only its part of those gradients (A of column layers and B of row
         layers depend on its output or input shard); the sum is the full gradient. The training
-        engine folds this into its once-per-step DP reduction (:mod:`mlora.train.grads`).
+        engine folds this into its once-per-step DP reduction (:mod:`mlora.lora.grads`).
         """
-        from mlora.train.grads import all_reduce_grads
+        from mlora.lora.grads import all_reduce_grads
 
         all_reduce_grads([p for p in self.parameters() if has_tp_partial_grad(p)], self.mesh.tp_group)
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from mlora.formats.hf_config import ModelSpec, hf_inv_freq
-from mlora.lora.adapters import attach_lora_sites
+from mlora.lora.sites import attach_lora_sites
 from mlora.models.attention import ATTENTION_CONFIG_ATTR, SDPAttention, check_attention_arg
 from mlora.models.norm import RMSNorm
 from mlora.models.recompute import Recompute, prepare_for_recompute

@@ -266,7 +266,7 @@ def plan_memory(spec: ModelSpec, layout: Layout, workload: Workload, engine: Eng
                       _update_phase(spec, layout, workload, stage, tp_rank, False, actor)]
             if workload.critic:
                 phases.append(_update_phase(spec, layout, workload, stage, tp_rank, True, critic + heads))
-            # one flat copy of the gradients for the TP/DP all-reduce (mlora.train.grads), an upper bound
+            # one flat copy of the gradients for the TP/DP all-reduce (mlora.lora.grads), an upper bound
             if layout.tp * layout.dp > 1:
                 biggest = max(actor, critic + heads)
                 phases.append(_Phase("reduce", biggest, biggest, 0))
