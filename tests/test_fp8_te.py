@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mlora.fp8 import te as fp8_te
+from mlora.models import te as fp8_te
 
 
 def _te_importable() -> bool:
@@ -88,9 +88,9 @@ def test_importing_the_module_never_imports_te():
                 return None
         sys.meta_path.insert(0, Watch())
         import megatron.core, mlora, mlora.fp8  # megatron probes for TE here (guarded)
-        sys.modules.pop("mlora.fp8.te", None)
+        sys.modules.pop("mlora.models.te", None)
         attempts.clear()
-        import mlora.fp8.te
+        import mlora.models.te
         assert attempts == [], attempts
         assert not any(n.split(".")[0] == "transformer_engine" for n in sys.modules)
         from megatron.core.tensor_parallel import ColumnParallelLinear

@@ -90,7 +90,7 @@ class AdapterHost:
 
     def _lora_linears(self) -> Iterator[torch.nn.Module]:
         for module in self.gpt.modules():
-            if isinstance(module, LoraHost):  # the local spec's LoRA linears and the TE spec's (mlora.fp8.te)
+            if isinstance(module, LoraHost):  # the local spec's LoRA linears and the TE spec's (mlora.models.te)
                 yield module
 
     # ------------------------------------------------------------- creation

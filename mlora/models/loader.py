@@ -69,7 +69,7 @@ def from_pretrained(hf_dir: str | os.PathLike, mesh: Mesh, dtype: torch.dtype = 
         raise ValueError(f"lora_compute_dtype={lora_compute_dtype} on a {dtype} base: valid are "
                          f"{master_dtype(dtype)} (the adapters' float32 masters, the default) or {dtype} (the base's)")
     if fp8 == "te":
-        from mlora.fp8.te import require_te  # written alongside; fails naming the `gpu` extra without TE
+        from mlora.models.te import require_te  # written alongside; fails naming the `gpu` extra without TE
 
         require_te(recipe=fp8_recipe)
     elif fp8 == "torch":
