@@ -254,7 +254,7 @@ def _install_stand_ins(set_attr) -> None:
 
 def _te_model(mlora, model_dir, mesh, set_attr):
     """``mlora.from_pretrained`` with the TE block spec (and the TE LoRA linears registered)."""
-    import mlora.lora.adapters as adapters
+    import mlora.facade.adapters as adapters
     import mlora.models.megatron_build as mb
 
     col, row = fp8_te.te_lora_linear_classes()

@@ -21,9 +21,9 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from mlora.facade.model import MLoraModel
 from mlora.lora.config import LoraConfig
 from mlora.lora.grads import clip_grads, finalize_grads
-from mlora.models.model import MLoraModel
 from mlora.rl import (
     AdaptiveKLController,
     FixedKLController,

@@ -24,9 +24,9 @@ from typing import Sequence
 import torch
 
 from mlora.export.reward_adapter import last_token_scores
+from mlora.facade.model import MLoraModel
 from mlora.lora.config import LoraConfig
 from mlora.lora.grads import clip_grads, finalize_grads
-from mlora.models.model import MLoraModel
 from mlora.rl.preference import DPO_LOSS_TYPES, bradley_terry_loss, check_dpo_args, dpo_loss, sft_nll
 from mlora.rl.vocab_parallel import next_token_logits, vocab_parallel_logprobs
 from mlora.train.engine import ActorCriticEngine

@@ -126,8 +126,8 @@ def tokens_per_s(model, ids: torch.Tensor, ctx, iters: int) -> float:
 def te_build():
     """from_pretrained builds the TE layer spec inside this context: megatron_build.block_spec is
     swapped for mlora.models.te.te_block_spec, and the adapter registry is told about the TE LoRA
-    linears (until mlora.lora.adapters recognises them itself)."""
-    import mlora.lora.adapters as adapters
+    linears (until mlora.facade.adapters recognises them itself)."""
+    import mlora.facade.adapters as adapters
     import mlora.models.megatron_build as mb
     from mlora.models.te import te_block_spec, te_lora_linear_classes
 
