@@ -144,7 +144,7 @@ def test_save_moves_no_adapter_bytes_and_stays_within_each_ranks_share(exported,
 
 def test_checkpoint_manifest_lists_every_ranks_files(exported):
     """The manifest, collected without pickle, names each rank's own file and the adapter with true sizes."""
-    from mlora.train import checkpoint as ck
+    from mlora.checkpoint import dirs as ck
 
     manifest = ck.check_complete(exported / "nogather" / "ckpt" / "global_step_1")
     assert manifest["files"] == {

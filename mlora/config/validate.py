@@ -335,7 +335,7 @@ def _check_resume(t) -> None:
         if not t.resume_path:
             raise ConfigError("trainer.resume_mode=from_path needs trainer.resume_path: a checkpoint directory "
                               "<trainer.ckpt_path>/global_step_<k>")
-        from mlora.train.checkpoint import CheckpointError, check_complete
+        from mlora.checkpoint.dirs import CheckpointError, check_complete
 
         try:
             check_complete(Path(t.resume_path).expanduser())

@@ -21,12 +21,7 @@ import torch
 import torch.distributed as dist
 
 import mlora
-from mlora.config.schema import TrainConfig
-from mlora.rollout.data import Prompt, epoch_batches, load_prompt_set
-from mlora.rollout.envs import make_env
-from mlora.rollout.generator import Generation, SamplingConfig
-from mlora.train.batch import RolloutBatch
-from mlora.train.checkpoint import (
+from mlora.checkpoint.dirs import (
     CheckpointError,
     base_model_identity,
     check_base_model,
@@ -34,13 +29,18 @@ from mlora.train.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
+from mlora.checkpoint.rl_state import load_train_state, write_train_state
+from mlora.config.schema import TrainConfig
+from mlora.rollout.data import Prompt, epoch_batches, load_prompt_set
+from mlora.rollout.envs import make_env
+from mlora.rollout.generator import Generation, SamplingConfig
+from mlora.train.batch import RolloutBatch
 from mlora.train.engine import ActorCriticEngine
 from mlora.train.evaluate import evaluate
 from mlora.train.from_config import lora_compute_dtype, lora_config, ppo_config, recompute_kwargs, sampling_config
 from mlora.train.learned_reward import build_learned_reward, env_kwargs
 from mlora.train.metrics_log import MetricsLogger, log, setup_logging, step_line
 from mlora.train.preemption import EX_TEMPFAIL, Preempted, PreemptionGuard, clear_marker, write_marker
-from mlora.train.train_state import load_train_state, write_train_state
 
 POLICY, CRITIC = "policy", "critic"  # the trainer's adapter names; the engines serve POLICY under this name
 FROZEN = "frozen"  # the name of trainer.policy.model.frozen_adapter_path's adapter
@@ -424,8 +424,8 @@ def _resume_state(path: Path, model, engine: ActorCriticEngine, cfg: TrainConfig
 
 class _Saver:
     """Writes checkpoints of a run: the collective save; ``write_state(dir, model, engine, loop_state,
-    config_text)`` writes what goes in (:func:`mlora.train.train_state.write_train_state` for the RL loop,
-    :func:`mlora.train.preference_state.write_preference_state` for SFT / RM / DPO); ``extra(step)`` adds
+    config_text)`` writes what goes in (:func:`mlora.checkpoint.rl_state.write_train_state` for the RL loop,
+    :func:`mlora.checkpoint.preference_state.write_preference_state` for SFT / RM / DPO); ``extra(step)`` adds
     the loop's own entries to the loop state."""
 
     def __init__(self, cfg: TrainConfig, mesh, model, engine, root: Path, n_prompts: int, total_steps: int,

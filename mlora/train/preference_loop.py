@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 
 import mlora
+from mlora.checkpoint.preference_state import load_preference_state, write_preference_state
 from mlora.config.schema import TrainConfig
 from mlora.rollout.data import epoch_batches
 from mlora.train.from_config import lora_compute_dtype, lora_config, recompute_kwargs
@@ -26,7 +27,6 @@ from mlora.train.metrics_log import MetricsLogger, log
 from mlora.train.preemption import EX_TEMPFAIL, Preempted, PreemptionGuard, clear_marker, write_marker
 from mlora.train.preference_data import Example, SequenceBatch, collate, load_examples, split_held_out
 from mlora.train.preference_engine import PreferenceConfig, PreferenceEngine
-from mlora.train.preference_state import load_preference_state, write_preference_state
 
 # the numbers each stage shows on the console and in the plot (TRL's names)
 HEADLINE = {"sft": ("loss",), "rm": ("loss", "accuracy", "margin"),
