@@ -114,6 +114,9 @@ def _export_adapter(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from mlora.models.attention import ATTENTION_IMPLS
+    from mlora.models.recompute import RECOMPUTE, RECOMPUTE_METHODS, RECOMPUTE_MODULES
+
     ap = argparse.ArgumentParser(prog="mlora", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
 
@@ -141,11 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--lora-compute-dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="dtype the LoRA branches compute in (default float32: the adapters' master dtype; "
                         "adapters, heads and AdamW moments are float32 under a 16-bit --dtype either way)")
-    m.add_argument("--attention", default="sdpa", choices=["sdpa", "unfused"])
-    m.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
-    m.add_argument("--recompute-method", default="uniform", choices=["uniform", "block"])
+    m.add_argument("--attention", default="sdpa", choices=ATTENTION_IMPLS)
+    m.add_argument("--recompute", default="none", choices=RECOMPUTE)
+    m.add_argument("--recompute-method", default="uniform", choices=RECOMPUTE_METHODS)
     m.add_argument("--recompute-num-layers", type=int, default=1)
-    m.add_argument("--recompute-modules", nargs="+", default=["core_attn"], choices=["core_attn", "mlp"])
+    m.add_argument("--recompute-modules", nargs="+", default=["core_attn"], choices=RECOMPUTE_MODULES)
     m.add_argument("--critic", action=argparse.BooleanOptionalAction, default=True,
                    help="a critic adapter + value head (PPO); --no-critic for GRPO/RLOO")
     m.add_argument("--engine-tp", type=int, default=None, help="a colocated vLLM engine of this TP on every GPU")
