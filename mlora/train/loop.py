@@ -224,8 +224,11 @@ def _build_engine(cfg: TrainConfig, model, total_steps: int) -> ActorCriticEngin
                              critic_lora=lora_config(t.critic.model.lora, t.seed))
 
 
-def run(cfg: TrainConfig, notes: Sequence[str] = ()) -> dict:
+def run(cfg: TrainConfig, notes: Sequence[str] = (), build_assets: Callable[[str], object] | None = None) -> dict:
     """Train; returns the last step's metrics (on every rank).
+
+    ``build_assets(demo.dir)``: what ``demo.prepare`` builds (the entry point passes the CPU demo's,
+    :func:`mlora.demos.rl_assets.build_demo_assets`; see :func:`start_run`).
 
     SIGTERM / SIGUSR1 during the run: the ranks agree to stop after the current step, save a
     checkpoint, write ``<run_dir>/preempted.json`` (rank 0), release the engines and raise
@@ -233,22 +236,25 @@ def run(cfg: TrainConfig, notes: Sequence[str] = ()) -> dict:
     """
     with PreemptionGuard() as guard:
         try:
-            return _train(cfg, notes, guard)
+            return _train(cfg, notes, guard, build_assets)
         except Preempted as stop:
             if stop.step is None and int(os.environ.get("RANK", "0")) == 0:  # stopped during start-up
                 write_marker(Path(cfg.trainer.run_dir), None, None, guard.received)
             raise
 
 
-def start_run(cfg: TrainConfig, notes: Sequence[str], build_assets: Callable[[str], object]):
+def start_run(cfg: TrainConfig, notes: Sequence[str], build_assets: Callable[[str], object] | None):
     """What every mlora-train stage does first: the demo's assets (``demo.prepare``, rank 0, with
-    ``build_assets(demo.dir)``), the threads of this rank (``trainer.cpu_threads``, chosen for the
+    ``build_assets(demo.dir)``, which the entry point passes in: training imports no demo), the threads of this rank (``trainer.cpu_threads``, chosen for the
     machine on CPU when null: :mod:`mlora.rollout.cpu_threads`), the mesh, logging, the config notes,
     the run and checkpoint directories and the checkpoint to resume from (found before the model loads:
     a wrong checkpoint fails fast). Returns ``(mesh, run_dir, ckpt_root, resume)``."""
     from mlora.rollout.cpu_threads import apply_trainer_threads
 
     t = cfg.trainer
+    if cfg.demo.prepare and build_assets is None:
+        raise ValueError("demo.prepare=true: the demo's assets are built by the entry point (mlora-train); "
+                         "pass build_assets (e.g. mlora.demos.rl_assets.build_demo_assets) or set demo.prepare=false")
     threads = apply_trainer_threads(t.cpu_threads, torch.cuda.is_available())
     if cfg.demo.prepare and int(os.environ.get("RANK", "0")) == 0:
         build_assets(cfg.demo.dir)
@@ -271,14 +277,13 @@ def start_run(cfg: TrainConfig, notes: Sequence[str], build_assets: Callable[[st
     return mesh, run_dir, ckpt_root, _find_resume(cfg, mesh, ckpt_root)
 
 
-def _train(cfg: TrainConfig, notes: Sequence[str], guard: PreemptionGuard) -> dict:
+def _train(cfg: TrainConfig, notes: Sequence[str], guard: PreemptionGuard,
+           build_assets: Callable[[str], object] | None) -> dict:
     from transformers import AutoTokenizer
-
-    from mlora.demos.rl_assets import build_demo_assets
 
     t, g = cfg.trainer, cfg.generator
     # 1. the mesh (and the CPU demo's tiny model and prompts)
-    mesh, run_dir, ckpt_root, resume = start_run(cfg, notes, build_demo_assets)
+    mesh, run_dir, ckpt_root, resume = start_run(cfg, notes, build_assets)
 
     # 2. prompts, the shared base with its adapters, the PPO engine
     tokenizer = AutoTokenizer.from_pretrained(str(t.policy.model.path))
