@@ -22,16 +22,36 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from mlora.formats.durable import fsync_dir, is_durable
 from mlora.formats.safetensors_writer import Layout, PresizedSafetensors, TensorShard
+from mlora.formats.weight_map import COLUMNS, REPLICATED, ROWS
 from mlora.parallel.small_collectives import collective_device, raise_if_any_failed
 
 _DONE, _FAILED = -1, -2  # descriptor codes that end a relaying rank's stream
+_SPLIT_DIM = {ROWS: 0, COLUMNS: 1}  # the dim a TP-sharded tensor is cut along (weight_map.shard)
+
+
+def select_shards(shards: Iterable[tuple[str, torch.Tensor, str]], tp: int, tp_rank: int, dp_rank: int = 0
+                  ) -> Iterator[TensorShard]:
+    """What this rank writes of its ``shards`` ((tensor name, local tensor, TP kind) in an order the
+    TP ranks of a stage share) when the ranks write one file together: nothing on DP ranks other than
+    0 (the replicas hold the same values); a TP-sharded tensor (ROWS, COLUMNS) by every TP rank, its
+    own chunk; a replicated one (or any at TP 1) by one TP rank, taken in turn so the TP ranks write alike."""
+    if dp_rank != 0:
+        return
+    turn = 0
+    for name, local, kind in shards:
+        if kind == REPLICATED or tp == 1:
+            turn += 1
+            if (turn - 1) % tp == tp_rank:  # every TP rank of the stage walks the same order
+                yield TensorShard(name, local)
+        else:
+            yield TensorShard(name, local, dim=_SPLIT_DIM[kind], index=tp_rank, parts=tp)
 def _broadcast_target(path: Path | None, token: bytes, ok: bool, root: int) -> tuple[bool, str, bytes]:
     """``root``'s (ok, absolute path, token) on every rank, as int64/uint8 tensors."""
     device = collective_device()
