@@ -215,22 +215,15 @@ def _rss_peak_reset() -> int:
     import ctypes
     import gc
 
+    from mlora.testing.proc_status import reset_peak, rss
+
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except OSError:
         pass
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_kb("VmRSS") * 1024
-
-
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
+    reset_peak()
+    return rss("VmRSS")
 
 
 def _engine(conn, layout: dict) -> None:
@@ -288,6 +281,7 @@ def _handoff_worker(rank: int, port: int, reps: int, sync_dir: str, paths: tuple
     from mlora.export.peft_files import write_peft_adapter
     from mlora.formats.safetensors_writer import PresizedSafetensors, TensorShard
     from mlora.rollout.tensor_sync import SegmentHandoff, select_pieces
+    from mlora.testing.proc_status import rss
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP * PP)
@@ -377,7 +371,7 @@ def _handoff_worker(rank: int, port: int, reps: int, sync_dir: str, paths: tuple
             sent = run[path]()
             seconds = time.perf_counter() - t0
             dist.barrier()
-            peak = _status_kb("VmHWM") * 1024 - base
+            peak = rss("VmHWM") - base
             if rep:
                 times[path].append(seconds)
                 peaks[path].append(peak)

@@ -57,7 +57,8 @@ def _measured(fn):
     """``fn()`` under no_object_collectives and collective accounting: (peak extra RSS bytes, collective
     bytes, ops, seconds, os.fsync calls). RSS is trimmed and the high-water mark reset first (see mlora.testing.memory_probe)."""
     from mlora.parallel.accounting import count_collectives, summarize
-    from mlora.testing.memory_probe import reset_peak, rss, trim
+    from mlora.testing.memory_probe import trim
+    from mlora.testing.proc_status import reset_peak, rss
 
     trim()
     dist.barrier()  # after the trim: a slow trim on one rank would count as save time on the others
