@@ -86,9 +86,9 @@ def llama70b_adapter(materialize: bool = True):
 
     from mlora.export.peft_files import peft_adapter_config
     from mlora.export.plan import plan_adapter
+    from mlora.formats.hf_config import model_spec
     from mlora.lora.config import LoraConfig
     from mlora.lora.targets import resolve_targets
-    from mlora.models.hf_config import model_spec
 
     cfg = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
@@ -190,9 +190,9 @@ def _rank_shards(spec, lora, tp: int, pp: int, tp_rank: int, pp_rank: int) -> li
     import zlib
 
     from mlora.export.peft_files import peft_tensor_name
+    from mlora.formats.weight_map import REPLICATED, shard
     from mlora.lora.sites import FACTOR_KINDS, factor_shapes, model_sites
     from mlora.lora.targets import HF_PROJECTIONS, resolve_targets
-    from mlora.models.weight_map import REPLICATED, shard
 
     sites = model_sites(spec, tp)
     per_stage = spec.num_layers // pp
@@ -215,22 +215,15 @@ def _rss_peak_reset() -> int:
     import ctypes
     import gc
 
+    from mlora.testing.proc_status import reset_peak, rss
+
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except OSError:
         pass
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_kb("VmRSS") * 1024
-
-
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
+    reset_peak()
+    return rss("VmRSS")
 
 
 def _engine(conn, layout: dict) -> None:
@@ -286,8 +279,9 @@ def _handoff_worker(rank: int, port: int, reps: int, sync_dir: str, paths: tuple
     import torch.distributed as dist
 
     from mlora.export.peft_files import write_peft_adapter
-    from mlora.models.safetensors_writer import PresizedSafetensors, TensorShard
+    from mlora.formats.safetensors_writer import PresizedSafetensors, TensorShard
     from mlora.rollout.tensor_sync import SegmentHandoff, select_pieces
+    from mlora.testing.proc_status import rss
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP * PP)
@@ -321,7 +315,7 @@ def _handoff_worker(rank: int, port: int, reps: int, sync_dir: str, paths: tuple
         return sent
 
     def today() -> float | None:
-        from mlora.models.weight_map import REPLICATED, unshard
+        from mlora.formats.weight_map import REPLICATED, unshard
 
         tensors = {}
         for name, local, kind in shards:  # adapter_tensors: every factor gathered over TP
@@ -377,7 +371,7 @@ def _handoff_worker(rank: int, port: int, reps: int, sync_dir: str, paths: tuple
             sent = run[path]()
             seconds = time.perf_counter() - t0
             dist.barrier()
-            peak = _status_kb("VmHWM") * 1024 - base
+            peak = rss("VmHWM") - base
             if rep:
                 times[path].append(seconds)
                 peaks[path].append(peak)

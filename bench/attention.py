@@ -31,15 +31,6 @@ from pathlib import Path
 VARIANTS = {"fused": "sdpa", "unfused": "unfused"}
 
 
-def _status(field: str) -> int:
-    """A ``VmRSS``/``VmHWM`` line of /proc/self/status, in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (the platform's processor string elsewhere)."""
     try:
@@ -69,6 +60,7 @@ def run_variant(variant: str, seq: int, reps: int, model_dir: Path) -> dict:
     import torch
 
     import mlora
+    from mlora.testing.proc_status import reset_peak, rss
 
     mesh = mlora.init_parallel(tp=1, pp=1)
     model = mlora.from_pretrained(model_dir, mesh, attention=VARIANTS[variant])
@@ -88,11 +80,10 @@ def run_variant(variant: str, seq: int, reps: int, model_dir: Path) -> dict:
 
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    start = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak-RSS counter to the current RSS
+    start = rss("VmRSS")
+    reset_peak()  # the peak-RSS counter := the current RSS
     step()
-    peak = _status("VmHWM") - start
+    peak = rss("VmHWM") - start
     wall, cpu = [], []
     for _ in range(reps):
         t0, c0 = time.perf_counter(), time.process_time()

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from shared_base_memory import _status, build_model  # noqa: E402
+from shared_base_memory import build_model  # noqa: E402
 
 VARIANTS = ("base", "shared", "explicit")
 
@@ -50,15 +50,15 @@ def run_variant(variant: str, model_dir: Path) -> dict:
     import torch
 
     import mlora
+    from mlora.testing.proc_status import reset_peak, rss
     from mlora.train.preference_engine import PreferenceConfig, PreferenceEngine
 
     mesh = mlora.init_parallel(tp=1, pp=1)
     batch = _pairs(32000)
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    start = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak-RSS counter
+    start = rss("VmRSS")
+    reset_peak()  # the peak-RSS counter := the current RSS
     out: dict = {"variant": variant}
     if variant == "base":
         model = mlora.from_pretrained(model_dir, mesh)
@@ -83,7 +83,7 @@ def run_variant(variant: str, model_dir: Path) -> dict:
     del batch
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed activations back, so "resident" is memory in use
-    out.update(resident=_status("VmRSS") - start, peak=_status("VmHWM") - start,
+    out.update(resident=rss("VmRSS") - start, peak=rss("VmHWM") - start,
                parameters=sum(p.numel() for p in model.parameters()))
     torch.set_num_threads(torch.get_num_threads())  # keep `torch` referenced until the end
     return out

@@ -51,9 +51,9 @@ HIDDEN, INTER, HEADS, RANK, ALPHA = 4096, 11008, 32, 32, 64
 def mlora_stack(seed: int = 0):
     """The four megatron LoRA linears of one layer at TP 1, with adapter ``policy``."""
     import mlora
+    from mlora.formats.hf_config import ModelSpec
     from mlora.lora.layers import LoraBranch, LoraColumnParallelLinear, LoraRowParallelLinear
     from mlora.lora.sites import model_sites
-    from mlora.models.hf_config import ModelSpec
     from mlora.models.megatron_build import transformer_config
 
     mesh = mlora.init_parallel(tp=1, pp=1)

@@ -208,16 +208,6 @@ def forward(layers: dict[str, Layer], x: torch.Tensor) -> torch.Tensor:
     return layers["fc2"](F.silu(gate) * up)
 
 
-def _proc_status() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                key, val = line.split(":")
-                out[key] = int(val.split()[0]) * 1024
-    return out
-
-
 class PeakMemory:
     """Peak bytes of one step above the memory resident before it (CPU: RSS high-water; CUDA: allocator)."""
 
@@ -231,9 +221,10 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self.before = torch.cuda.memory_allocated()
         elif self.cpu_ok:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset VmHWM to the current RSS
-            self.before = _proc_status()["VmRSS"]
+            from mlora.testing.proc_status import reset_peak, rss
+
+            reset_peak()  # VmHWM := the current RSS
+            self.before = rss("VmRSS")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -241,7 +232,9 @@ class PeakMemory:
             torch.cuda.synchronize()
             self.peak = torch.cuda.max_memory_allocated() - self.before
         elif self.cpu_ok:
-            self.peak = _proc_status()["VmHWM"] - self.before
+            from mlora.testing.proc_status import rss
+
+            self.peak = rss("VmHWM") - self.before
         else:
             self.peak = float("nan")
 

@@ -30,15 +30,6 @@ from pathlib import Path
 VARIANTS = ("base", "shared", "separate")
 
 
-def _status(field: str) -> int:
-    """A ``VmRSS``/``VmHWM`` line of /proc/self/status, in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def build_model(path: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -62,6 +53,7 @@ def run_variant(variant: str, model_dir: Path) -> dict:
     import torch
 
     import mlora
+    from mlora.testing.proc_status import reset_peak, rss
 
     mesh = mlora.init_parallel(tp=1, pp=1)
     g = torch.Generator().manual_seed(0)
@@ -72,9 +64,8 @@ def run_variant(variant: str, model_dir: Path) -> dict:
 
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    start = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak-RSS counter
+    start = rss("VmRSS")
+    reset_peak()  # the peak-RSS counter := the current RSS
     n_params = 0
     if variant == "base":
         model = mlora.from_pretrained(model_dir, mesh)
@@ -108,7 +99,7 @@ def run_variant(variant: str, model_dir: Path) -> dict:
         n_params = sum(p.numel() for m in models for p in m.parameters())
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed activations back, so "resident" is memory in use
-    return {"variant": variant, "resident": _status("VmRSS") - start, "peak": _status("VmHWM") - start,
+    return {"variant": variant, "resident": rss("VmRSS") - start, "peak": rss("VmHWM") - start,
             "parameters": n_params}
 
 

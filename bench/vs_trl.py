@@ -130,7 +130,8 @@ class Phases:
         self.last = time.perf_counter()
 
     def memory(self) -> None:
-        from mlora.testing.memory_probe import reset_peak, rss, trim
+        from mlora.testing.memory_probe import trim
+        from mlora.testing.proc_status import reset_peak, rss
 
         trim()
         self.resident = rss()
@@ -146,7 +147,7 @@ class Phases:
             self.seconds[name] = self.seconds.get(name, 0.0) + now - self.last
             self.last = now
         elif self.mode == "mem":
-            from mlora.testing.memory_probe import reset_peak, rss
+            from mlora.testing.proc_status import reset_peak, rss
 
             self.peaks[name] = max(self.peaks.get(name, 0), rss("VmHWM"))
             reset_peak()
@@ -303,7 +304,8 @@ def _imports() -> None:
 
 def memory_worker(lib: str, stage: str, dtype: str, model_dir: Path, checkpointing: bool, work: Path) -> dict:
     """A warm-up step, then one step with the peak read per phase; bytes above the imported interpreter."""
-    from mlora.testing.memory_probe import fix_mmap_threshold, rss, trim
+    from mlora.testing.memory_probe import fix_mmap_threshold, trim
+    from mlora.testing.proc_status import rss
 
     fix_mmap_threshold()
     _imports()

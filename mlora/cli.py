@@ -22,8 +22,8 @@ CHECKPOINT_ADAPTERS = "adapters"  # <checkpoint>/adapters/<name>/ holds PEFT-lay
 
 def _plan(args: argparse.Namespace) -> int:
     from mlora.export.plan import plan_adapter
+    from mlora.formats.hf_config import load_hf_config, model_spec
     from mlora.lora.config import LoraConfig
-    from mlora.models.hf_config import load_hf_config, model_spec
 
     model = Path(args.model)
     spec = model_spec(load_hf_config(model.parent if model.is_file() else model))
@@ -87,7 +87,7 @@ def _export_adapter(args: argparse.Namespace) -> int:
         read_peft_config,
         write_peft_adapter,
     )
-    from mlora.models.checkpoint_reader import CheckpointReader
+    from mlora.formats.checkpoint_reader import CheckpointReader
 
     src = Path(args.checkpoint) / CHECKPOINT_ADAPTERS / args.adapter
     if not src.is_dir():
@@ -98,8 +98,8 @@ def _export_adapter(args: argparse.Namespace) -> int:
     with CheckpointReader(src) as reader:
         tensors = {name: reader.read(name) for name in sorted(reader.entries)}
         if args.base:
+            from mlora.formats.hf_config import load_hf_config, model_spec
             from mlora.lora.sites import model_sites
-            from mlora.models.hf_config import load_hf_config, model_spec
 
             spec = model_spec(load_hf_config(args.base))
             modules = peft_modules(reader.entries, spec.num_layers, src)
@@ -114,6 +114,9 @@ def _export_adapter(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from mlora.models.attention import ATTENTION_IMPLS
+    from mlora.models.recompute import RECOMPUTE, RECOMPUTE_METHODS, RECOMPUTE_MODULES
+
     ap = argparse.ArgumentParser(prog="mlora", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
 
@@ -141,11 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--lora-compute-dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="dtype the LoRA branches compute in (default float32: the adapters' master dtype; "
                         "adapters, heads and AdamW moments are float32 under a 16-bit --dtype either way)")
-    m.add_argument("--attention", default="sdpa", choices=["sdpa", "unfused"])
-    m.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
-    m.add_argument("--recompute-method", default="uniform", choices=["uniform", "block"])
+    m.add_argument("--attention", default="sdpa", choices=ATTENTION_IMPLS)
+    m.add_argument("--recompute", default="none", choices=RECOMPUTE)
+    m.add_argument("--recompute-method", default="uniform", choices=RECOMPUTE_METHODS)
     m.add_argument("--recompute-num-layers", type=int, default=1)
-    m.add_argument("--recompute-modules", nargs="+", default=["core_attn"], choices=["core_attn", "mlp"])
+    m.add_argument("--recompute-modules", nargs="+", default=["core_attn"], choices=RECOMPUTE_MODULES)
     m.add_argument("--critic", action=argparse.BooleanOptionalAction, default=True,
                    help="a critic adapter + value head (PPO); --no-critic for GRPO/RLOO")
     m.add_argument("--engine-tp", type=int, default=None, help="a colocated vLLM engine of this TP on every GPU")

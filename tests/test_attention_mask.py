@@ -113,7 +113,7 @@ def test_bad_attention_value_names_the_valid_ones(tiny_models, mesh1):
 def test_no_square_mask_without_padding_or_window(model, monkeypatch):
     """Unpadded and right-padded batches (Llama: no window) reach the layers with no mask, and the
     [b, 1, s, s] builder is never called, in inference and in a LoRA forward+backward."""
-    import mlora.models.model as model_module
+    import mlora.facade.model as model_module
 
     def no_full_mask(*args, **kwargs):
         raise AssertionError("the full [b, 1, s, s] mask was built")
@@ -143,7 +143,7 @@ def test_no_square_mask_without_padding_or_window(model, monkeypatch):
 def test_window_mask_is_built_once_and_small(tiny_models, mesh1, monkeypatch):
     """Mistral (window 8): sequences up to the window need no mask; longer ones one [1, 1, s, s]
     mask shared by every micro-batch; left padding the full [b, 1, s, s]."""
-    import mlora.models.model as model_module
+    import mlora.facade.model as model_module
 
     model = mlora.from_pretrained(tiny_models / "mistral", mesh1)
     window = model.spec.sliding_window

@@ -14,8 +14,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mlora.train import checkpoint as ck
-from mlora.train.checkpoint import CheckpointError
+from mlora.checkpoint import dirs as ck
+from mlora.checkpoint.dirs import CheckpointError
+from mlora.formats.durable import write_text_atomic
 
 BASE = {"base_model": {"path": "/nowhere", "sha256": "0"}}
 
@@ -92,7 +93,7 @@ def test_resume_modes(tmp_path, caplog):
     # checkpoints newer than the pointer (another branch) are not "latest"
     for step in (2, 5):
         _fake_checkpoint(root, step)
-    ck.write_text_atomic(root / ck.LATEST_FILE, "2\n")
+    write_text_atomic(root / ck.LATEST_FILE, "2\n")
     assert ck.find_latest(root) == root / "global_step_2"
 
 
@@ -123,8 +124,8 @@ def _canonical(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def _rank_params(tp: int, tp_rank: int, c: dict[str, torch.Tensor]):
     """One rank's parameters (values = the canonical tensors' slices) and their pieces, as the model lays them out."""
-    from mlora.models.weight_map import COLUMNS, REPLICATED, ROWS
-    from mlora.train.sharded_state import Piece
+    from mlora.checkpoint.optim_state import Piece
+    from mlora.formats.weight_map import COLUMNS, REPLICATED, ROWS
 
     return [
         (torch.cat([c["q.A"], c["k.A"]]), [Piece("q.A", REPLICATED, (0, 4)), Piece("k.A", REPLICATED, (4, 8))]),
@@ -138,7 +139,7 @@ def _rank_params(tp: int, tp_rank: int, c: dict[str, torch.Tensor]):
 @pytest.mark.parametrize("save_tp,load_tp", [(2, 1), (1, 4), (4, 2)])
 def test_optimizer_pieces_reshard(tmp_path, save_tp, load_tp):
     """Moments saved by the owners on one TP size are read back exactly on another (DP replicas write nothing)."""
-    from mlora.train.sharded_state import OptimizerStateReader, load_optimizer_state, write_optimizer_state
+    from mlora.checkpoint.optim_state import OptimizerStateReader, load_optimizer_state, write_optimizer_state
 
     avg, sq = _canonical(1), _canonical(2)
     for dp_rank in (0, 1):
@@ -165,7 +166,7 @@ def test_optimizer_pieces_reshard(tmp_path, save_tp, load_tp):
 
 
 def test_optimizer_pieces_missing_file(tmp_path):
-    from mlora.train.sharded_state import OptimizerStateReader, load_optimizer_state, write_optimizer_state
+    from mlora.checkpoint.optim_state import OptimizerStateReader, load_optimizer_state, write_optimizer_state
 
     for t in range(2):
         params = _rank_params(2, t, _canonical(0))

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mlora.models.checkpoint_reader import CheckpointError, CheckpointReader
+from mlora.formats.checkpoint_reader import CheckpointError, CheckpointReader
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import run_records
 
-from mlora.models.checkpoint_reader import CheckpointError
+from mlora.formats.checkpoint_reader import CheckpointError
 from mlora.models.mcore_checkpoint import (
     CONVERT_INFO,
     HF_SIDE_DIR,
@@ -63,7 +63,7 @@ def test_tp2pp2_checkpoint_loads_into_megatron_gpt_at_tp1_with_hf_logits(convert
     from transformers import AutoModelForCausalLM
 
     import mlora
-    from mlora.models.hf_config import load_hf_config, model_spec
+    from mlora.formats.hf_config import load_hf_config, model_spec
     from mlora.models.mcore_checkpoint import build_plain_gpt
 
     ckpt = converted / name / RELEASE_DIR
@@ -153,7 +153,7 @@ def test_single_process_tp1_round_trip(tiny_models, tmp_path):
 _MEASURE = """
 import gc, sys
 from mlora.models.mcore_checkpoint import mcore_to_hf
-from mlora.models.hf_config import load_hf_config, model_spec
+from mlora.formats.hf_config import load_hf_config, model_spec
 import megatron.core.dist_checkpointing, torch.distributed.checkpoint, tqdm
 model_spec(load_hf_config(sys.argv[3]))  # every import the conversion needs, done before measuring
 def status(key):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import mlora
-from mlora.models.checkpoint_reader import CheckpointError
+from mlora.formats.checkpoint_reader import CheckpointError
 from mlora.parallel import Mesh
 
 

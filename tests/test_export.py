@@ -144,7 +144,7 @@ def test_save_moves_no_adapter_bytes_and_stays_within_each_ranks_share(exported,
 
 def test_checkpoint_manifest_lists_every_ranks_files(exported):
     """The manifest, collected without pickle, names each rank's own file and the adapter with true sizes."""
-    from mlora.train import checkpoint as ck
+    from mlora.checkpoint import dirs as ck
 
     manifest = ck.check_complete(exported / "nogather" / "ckpt" / "global_step_1")
     assert manifest["files"] == {
@@ -175,7 +175,7 @@ def test_presized_file_from_shards_equals_the_streamed_file(tmp_path, dtype):
     bytes of the one-process writer (and of safetensors itself); every byte is written once."""
     from safetensors.torch import save_file
 
-    from mlora.models.safetensors_writer import PresizedSafetensors, TensorShard
+    from mlora.formats.safetensors_writer import PresizedSafetensors, TensorShard
 
     g = torch.Generator().manual_seed(0)
     tensors = {n: torch.randn(shape, generator=g).to(dtype) for n, shape in
@@ -195,7 +195,7 @@ def test_presized_file_from_shards_equals_the_streamed_file(tmp_path, dtype):
 
 
 def test_presized_file_rejects_bad_shards(tmp_path):
-    from mlora.models.safetensors_writer import PresizedSafetensors, TensorShard
+    from mlora.formats.safetensors_writer import PresizedSafetensors, TensorShard
 
     file = PresizedSafetensors({"w": (torch.float32, (4, 6))})
     with pytest.raises(ValueError, match=r"'x' is not in this file's layout"):

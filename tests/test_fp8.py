@@ -191,7 +191,7 @@ def test_te_without_transformer_engine(tiny_models, mesh1):
         pytest.skip("Transformer Engine is installed")
     except ImportError:
         pass
-    with pytest.raises(ImportError, match="gpu"):  # mlora.fp8.te names the `gpu` extra
+    with pytest.raises(ImportError, match="gpu"):  # mlora.models.te names the `gpu` extra
         mlora.from_pretrained(tiny_models / "llama", mesh1, fp8="te")
 
 

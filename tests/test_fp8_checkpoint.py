@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mlora.models.checkpoint_reader import CheckpointError, CheckpointReader
-from mlora.models.fp8_checkpoint import fp8_quantization_config, is_block_quantized, read_dequantized
+from mlora.formats.checkpoint_reader import CheckpointError, CheckpointReader
+from mlora.formats.fp8_checkpoint import fp8_quantization_config, is_block_quantized, read_dequantized
 
 FP8_MAX = 448.0
 BLOCK = (128, 128)
@@ -240,9 +240,9 @@ def _random_adapter(model_dir, out_dir, modules, rank=4, alpha=8, seed=1):
     import json
 
     from mlora.export.peft_files import peft_adapter_config, peft_tensor_name
+    from mlora.formats.hf_config import load_hf_config, model_spec
     from mlora.lora.config import LoraConfig
     from mlora.lora.sites import factor_shapes, model_sites
-    from mlora.models.hf_config import load_hf_config, model_spec
 
     spec = model_spec(load_hf_config(model_dir))
     sites, g = model_sites(spec, 1), torch.Generator().manual_seed(seed)
@@ -272,8 +272,8 @@ def test_merge_into_hub_fp8_checkpoint(tiny_models, tmp_path, declared):
     import mlora
     from mlora.export.merge import merge_adapter
     from mlora.export.peft_files import peft_tensor_name
+    from mlora.formats.checkpoint_reader import CheckpointReader
     from mlora.lora.targets import hf_module_name
-    from mlora.models.checkpoint_reader import CheckpointReader
 
     block = (64, 64)
     fp8_dir, _ = _to_hub_fp8(tiny_models / "llama", tmp_path, block=block)

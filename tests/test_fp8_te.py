@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mlora.fp8 import te as fp8_te
+from mlora.models import te as fp8_te
 
 
 def _te_importable() -> bool:
@@ -88,9 +88,9 @@ def test_importing_the_module_never_imports_te():
                 return None
         sys.meta_path.insert(0, Watch())
         import megatron.core, mlora, mlora.fp8  # megatron probes for TE here (guarded)
-        sys.modules.pop("mlora.fp8.te", None)
+        sys.modules.pop("mlora.models.te", None)
         attempts.clear()
-        import mlora.fp8.te
+        import mlora.models.te
         assert attempts == [], attempts
         assert not any(n.split(".")[0] == "transformer_engine" for n in sys.modules)
         from megatron.core.tensor_parallel import ColumnParallelLinear
@@ -254,7 +254,7 @@ def _install_stand_ins(set_attr) -> None:
 
 def _te_model(mlora, model_dir, mesh, set_attr):
     """``mlora.from_pretrained`` with the TE block spec (and the TE LoRA linears registered)."""
-    import mlora.lora.adapters as adapters
+    import mlora.facade.adapters as adapters
     import mlora.models.megatron_build as mb
 
     col, row = fp8_te.te_lora_linear_classes()

@@ -169,7 +169,7 @@ def _run_config(path: Path, target: str, alpha=ALPHA, dim=R) -> None:
 def ckpts(tiny_models, tmp_path_factory):
     """Known adapters and their Bridge checkpoints: performant (run dir, stacked layers) and
     canonical (iteration dir, one key per layer)."""
-    from mlora.models.hf_config import load_hf_config, model_spec
+    from mlora.formats.hf_config import load_hf_config, model_spec
 
     base = tiny_models / "llama"
     spec = model_spec(load_hf_config(base))

@@ -13,7 +13,7 @@ import torch
 
 import mlora
 from mlora.export.peft_files import peft_adapter_config
-from mlora.lora.adapters import _draw_a
+from mlora.facade.adapters import _draw_a
 from mlora.lora.config import INIT_METHODS, derive_seed
 
 L = 4

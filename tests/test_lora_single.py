@@ -9,8 +9,8 @@ import torch
 from peft_refs import random_peft_adapter
 
 import mlora
+from mlora.formats.checkpoint_reader import CheckpointError
 from mlora.lora.targets import resolve_targets
-from mlora.models.checkpoint_reader import CheckpointError
 
 L = 4
 

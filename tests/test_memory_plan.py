@@ -12,8 +12,8 @@ import torch
 
 import mlora
 from mlora.cli import main as cli
+from mlora.formats.hf_config import load_hf_config, model_spec
 from mlora.lora.targets import resolve_targets
-from mlora.models.hf_config import load_hf_config, model_spec
 from mlora.plan import Layout, Workload, fit_layouts, plan_memory
 from mlora.plan.activations import Geometry, LayerLora, layer_saved
 from mlora.plan.memory import SITE_OF, geometry

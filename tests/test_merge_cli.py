@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mlora.export.peft_files import peft_adapter_config, peft_tensor_name
+from mlora.formats.hf_config import load_hf_config, model_spec
 from mlora.lora.config import LoraConfig
 from mlora.lora.sites import factor_shapes, model_sites
 from mlora.lora.targets import HF_PROJECTIONS, hf_module_name
-from mlora.models.hf_config import load_hf_config, model_spec
 
 R, ALPHA = 8, 16
 
@@ -71,7 +71,7 @@ def test_merge_is_correct_and_streams(big, tmp_path):
     out = tmp_path / "merged"
     interpreter, _ = _peak_rss(
         "import mlora.cli, mlora.export.merge\n"
-        f"from mlora.models.hf_config import load_hf_config, model_spec; model_spec(load_hf_config({str(base)!r}))")
+        f"from mlora.formats.hf_config import load_hf_config, model_spec; model_spec(load_hf_config({str(base)!r}))")
     peak, err = _peak_rss(f"import mlora.cli; assert mlora.cli.main(['merge', '--base', {str(base)!r}, "
                           f"'--adapter', {str(adapter)!r}, '--out', {str(out)!r}]) == 0")
     assert "merge: 100%" in err  # progress bar
@@ -126,7 +126,7 @@ def test_export_adapter_from_checkpoint(big, tmp_path):
 
 def test_adapter_for_a_deeper_base_is_rejected(tmp_path):
     from mlora.export.peft_files import peft_modules
-    from mlora.models.checkpoint_reader import CheckpointError
+    from mlora.formats.checkpoint_reader import CheckpointError
 
     names = [peft_tensor_name(9, "q_proj", f) for f in "AB"]
     with pytest.raises(CheckpointError, match="adapter has layer 9, the base has only 4 layers"):

@@ -126,9 +126,9 @@ def test_bad_lora_compute_dtype(tiny_models, mesh1):
 def test_resume_from_bf16_checkpoint_is_exact(tiny_models, mesh1, tmp_path):
     """Train 3 steps, checkpoint, train 3 more; a fresh model that loads the checkpoint and trains 3
     steps ends bit-identical (adapters, value head, AdamW state), through the RL checkpoint writer."""
+    from mlora.checkpoint.rl_state import load_train_state, write_train_state
     from mlora.train.config import PPOConfig
     from mlora.train.engine import ActorCriticEngine
-    from mlora.train.train_state import load_train_state, write_train_state
 
     cfg = PPOConfig(actor_lr=LR, critic_lr=LR, lr_schedule="constant", critic_lr_schedule="constant")
 

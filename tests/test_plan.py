@@ -7,8 +7,8 @@ import torch
 
 from mlora.cli import main as cli
 from mlora.export.plan import plan_adapter
+from mlora.formats.hf_config import load_hf_config, model_spec
 from mlora.lora.config import LoraConfig
-from mlora.models.hf_config import load_hf_config, model_spec
 
 
 @pytest.fixture(scope="module")

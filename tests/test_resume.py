@@ -167,7 +167,7 @@ def test_multinode_matches_single_node_and_preempts(runs):
     ckpt = tmp / "multinode" / "checkpoints" / "global_step_2"
     assert runs["marker"]["step"] == 2 and runs["marker"]["checkpoint"] == str(ckpt.resolve())
     assert runs["marker"]["signal"] == "SIGTERM" and runs["marker"]["exit_code"] == 75
-    from mlora.train.checkpoint import check_complete
+    from mlora.checkpoint.dirs import check_complete
 
     assert check_complete(ckpt)["step"] == 2  # interval 0: only the preemption saved
     signalled, other = runs["multinode_logs"]
@@ -207,8 +207,8 @@ def test_damaged_checkpoints_and_other_base(runs, tmp_path, caplog):
     checkpoint is refused on another base model."""
     import logging
 
+    from mlora.checkpoint.dirs import CheckpointError, check_base_model, check_complete, resolve_resume
     from mlora.testing import build_tiny_model
-    from mlora.train.checkpoint import CheckpointError, check_base_model, check_complete, resolve_resume
 
     root = tmp_path / "checkpoints"
     shutil.copytree(runs["tmp"] / "ref" / "checkpoints", root)

@@ -96,7 +96,7 @@ def _edit(src: Path, dst: Path, edit) -> Path:
 
 def test_bad_reward_adapters(reward_model, tmp_path):
     from mlora.export.reward_adapter import SCORE_TENSOR, load_reward_adapter, save_reward_adapter
-    from mlora.models.checkpoint_reader import CheckpointError
+    from mlora.formats.checkpoint_reader import CheckpointError
 
     good = save_reward_adapter(reward_model, "rm", "rm", tmp_path / "good")
     hidden = reward_model.spec.hidden_size

@@ -23,7 +23,7 @@ import pytest
 import torch
 from conftest import run_records
 
-from mlora.models.gguf_convert import PROVENANCE, GGUFMissing, check_gguf, gguf_to_hf
+from mlora.formats.gguf_convert import PROVENANCE, GGUFMissing, check_gguf, gguf_to_hf
 
 REL_TOL = 1e-5  # float32; measured ~1e-7 (TP1, PP2) and ~1e-6 (TP3)
 PROMPTS = ("What is 12 + 7? Answer with the number only.", "Name a primary colour.",
@@ -70,7 +70,7 @@ def _relative(max_abs_diff: float, ref_max_abs: float) -> float:
 def test_converted_directory_is_a_plain_hf_llama(smollm2):
     from transformers import AutoTokenizer
 
-    from mlora.models.hf_config import load_hf_config, model_spec
+    from mlora.formats.hf_config import load_hf_config, model_spec
 
     files = {p.name for p in smollm2.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", PROVENANCE} <= files

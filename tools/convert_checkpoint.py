@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
         if args.command == "hf-to-mcore":
-            from mlora.models.hf_config import check_layout, load_hf_config, model_spec
+            from mlora.formats.hf_config import check_layout, load_hf_config, model_spec
 
             for name in ("tp", "pp"):
                 if getattr(args, name) < 1:
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                               make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                               progress=not args.quiet)
         elif args.command == "gguf-to-hf":
-            from mlora.models.gguf_convert import GGUFMissing, gguf_to_hf
+            from mlora.formats.gguf_convert import GGUFMissing, gguf_to_hf
 
             try:
                 out = gguf_to_hf(args.gguf, args.out, dtype=args.dtype, progress=not args.quiet)

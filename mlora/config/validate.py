@@ -12,7 +12,11 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Iterable
 
+from mlora.checkpoint.dirs import RESUME_MODES
 from mlora.config.schema import TrainConfig
+from mlora.rl.advantages import ADVANTAGE_ESTIMATORS
+from mlora.rl.kl import KL_CONTROLLERS, KL_ESTIMATORS
+from mlora.rl.preference import DPO_LOSS_TYPES
 
 STRATEGIES = ("megatron",)
 REFUSED_STRATEGIES = ("fsdp", "fsdp2", "deepspeed")
@@ -20,11 +24,9 @@ SCHEDULERS = ("constant_with_warmup", "constant", "cosine")
 LOSS_REDUCTIONS = {"token_mean": "token-mean", "sequence_mean": "seq-mean-token-mean",
                    "seq_mean_token_sum_norm": "seq-mean-token-sum-norm"}
 POLICY_LOSS_TYPES = ("regular", "dual_clip")
-KL_CTRL_TYPES = ("fixed", "adaptive")
 WEIGHT_SYNC = ("disk", "memory", "tensors")
 LOGGERS = ("console", "wandb", "tensorboard")
 BACKENDS = ("vllm",)
-RESUME_MODES = ("none", "latest", "from_path")
 
 _FILE_HANDOFF = ("mlora hands the adapter to the engines as PEFT files (generator.weight_sync=disk|memory) or as "
                  "tensors in shared memory (tensors), not by NCCL broadcast")
@@ -192,11 +194,11 @@ def _check_trainer(cfg: TrainConfig) -> None:
     if t.fp8_recipe != "delayed" and t.fp8 != "te":
         raise ConfigError(f"trainer.fp8_recipe={t.fp8_recipe!r} applies to trainer.fp8=te only (trainer.fp8="
                           f"{t.fp8!r})")
-    _check_choice(a.advantage_estimator, ("gae", "grpo", "rloo"), "trainer.algorithm.advantage_estimator")
+    _check_choice(a.advantage_estimator, ADVANTAGE_ESTIMATORS, "trainer.algorithm.advantage_estimator")
     _check_choice(a.loss_reduction, tuple(LOSS_REDUCTIONS), "trainer.algorithm.loss_reduction")
     _check_choice(a.policy_loss_type, POLICY_LOSS_TYPES, "trainer.algorithm.policy_loss_type")
-    _check_choice(a.kl_estimator_type, ("k1", "k2", "k3", "abs"), "trainer.algorithm.kl_estimator_type")
-    _check_choice(a.kl_ctrl.type, KL_CTRL_TYPES, "trainer.algorithm.kl_ctrl.type")
+    _check_choice(a.kl_estimator_type, KL_ESTIMATORS, "trainer.algorithm.kl_estimator_type")
+    _check_choice(a.kl_ctrl.type, KL_CONTROLLERS, "trainer.algorithm.kl_ctrl.type")
     if a.loss_reduction == "seq_mean_token_sum_norm" and a.max_seq_len is None:
         a.max_seq_len = t.max_prompt_length + cfg.generator.sampling_params.max_generate_length
     for role in ("policy", "critic"):
@@ -256,7 +258,6 @@ def _check_reward_model(cfg: TrainConfig) -> None:
 
 
 PREFERENCE_STAGES = ("sft", "rm", "dpo")
-DPO_LOSS_TYPES = ("sigmoid", "ipo")
 
 
 def _check_preference(cfg: TrainConfig, world_size: int) -> None:
@@ -335,7 +336,7 @@ def _check_resume(t) -> None:
         if not t.resume_path:
             raise ConfigError("trainer.resume_mode=from_path needs trainer.resume_path: a checkpoint directory "
                               "<trainer.ckpt_path>/global_step_<k>")
-        from mlora.train.checkpoint import CheckpointError, check_complete
+        from mlora.checkpoint.dirs import CheckpointError, check_complete
 
         try:
             check_complete(Path(t.resume_path).expanduser())

@@ -39,7 +39,7 @@ def aligned_targets(model_dir: Path, seed: int) -> list[int]:
     would need a direction the RMS-normed hidden state cannot reach)."""
     import torch
 
-    from mlora.models.checkpoint_reader import CheckpointReader
+    from mlora.formats.checkpoint_reader import CheckpointReader
 
     with CheckpointReader(model_dir) as reader:
         head = reader.read("lm_head.weight").float()

@@ -43,13 +43,15 @@ from typing import Callable, Iterator
 import torch
 
 from mlora.export.peft_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, peft_adapter_config, peft_tensor_name
+from mlora.formats.dtypes import SAFETENSORS_DTYPES
+from mlora.formats.hf_config import ModelSpec, load_hf_config, model_spec
+from mlora.formats.safetensors_writer import SafetensorsWriter
+from mlora.formats.weight_map import FC1, QKV, ParamMap
 from mlora.lora.config import LoraConfig
 from mlora.lora.sites import factor_shapes, model_sites
-from mlora.models.hf_config import ModelSpec, load_hf_config, model_spec
-from mlora.models.safetensors_writer import SafetensorsWriter
-from mlora.models.weight_map import FC1, QKV, ParamMap
 
 RUN_CONFIG = "run_config.yaml"
+_FACTOR_DTYPES = ("F64", "F32", "F16", "BF16")  # the safetensors dtypes a LoRA factor may have
 TRACKER = "latest_checkpointed_iteration.txt"
 
 # Bridge module -> the HF projections it carries, in its fused order.
@@ -232,7 +234,7 @@ class TorchSource(AdapterSource):
 
 
 def _safetensors_dtype(name: str, path: Path, key: str) -> torch.dtype:
-    table = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    table = {n: SAFETENSORS_DTYPES[n] for n in _FACTOR_DTYPES}
     if name not in table:
         raise BridgeCheckpointError(f"{path}: tensor {key!r} has dtype {name}; LoRA factors must be one of "
                                     f"{', '.join(table)}")
@@ -458,7 +460,7 @@ def _cut(tensor: torch.Tensor, cut: str | None, spec: ModelSpec) -> torch.Tensor
         t = int(proj)
         rows = tensor.shape[0]
         return tensor.reshape(2, t, rows // (2 * t), -1).transpose(0, 1).reshape(rows, -1).contiguous()
-    if kind == "qkv":  # de-interleave Megatron's per-query-group QKV rows (mlora.models.weight_map)
+    if kind == "qkv":  # de-interleave Megatron's per-query-group QKV rows (mlora.formats.weight_map)
         parts = ParamMap("lora_B", ("q_proj", "k_proj", "v_proj"), QKV).to_hf([tensor], spec)
     else:  # [gate; up]
         parts = ParamMap("lora_B", ("gate_proj", "up_proj"), FC1).to_hf([tensor], spec)

@@ -5,7 +5,7 @@ Peak memory is a few tensors, not the model: each base tensor is read, merged in
 The output keeps the input's file layout (which tensor goes in which file), side files (config,
 tokenizer) and an index (``model.safetensors.index.json``) that lists exactly the tensors written.
 
-A Hub FP8 base (block-quantized e4m3 with ``weight_scale_inv``, :mod:`mlora.models.fp8_checkpoint`)
+A Hub FP8 base (block-quantized e4m3 with ``weight_scale_inv``, :mod:`mlora.formats.fp8_checkpoint`)
 is written as a plain, *unquantized* checkpoint: every FP8 weight -- merged or not -- is dequantized
 with its block scales (``fp8 · scale`` exactly, in float32), the merged ones get ``s·B·A`` added in
 float32, and all are stored in the checkpoint's declared ``torch_dtype`` (bfloat16 for the Hub's
@@ -36,13 +36,12 @@ from mlora.export.peft_files import (
     peft_tensor_name,
     read_peft_config,
 )
+from mlora.formats.checkpoint_reader import INDEX_FILE, SIDE_FILES, CheckpointError, CheckpointReader
+from mlora.formats.fp8_checkpoint import SCALE_SUFFIX, fp8_quantization_config, read_dequantized
+from mlora.formats.hf_config import load_hf_config, model_spec
+from mlora.formats.safetensors_writer import Layout, SafetensorsWriter
 from mlora.lora.sites import model_sites
 from mlora.lora.targets import hf_module_name
-from mlora.models.checkpoint_reader import INDEX_FILE, CheckpointError, CheckpointReader
-from mlora.models.fp8_checkpoint import SCALE_SUFFIX, fp8_quantization_config, read_dequantized
-from mlora.models.hf_config import load_hf_config, model_spec
-from mlora.models.model import SIDE_FILES
-from mlora.models.safetensors_writer import Layout, SafetensorsWriter
 
 _DECLARED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

@@ -10,11 +10,11 @@ from typing import Iterable
 
 import torch
 
+from mlora.formats.checkpoint_reader import CheckpointError, CheckpointReader
+from mlora.formats.safetensors_writer import Layout, SafetensorsWriter, TensorShard
 from mlora.lora.config import LoraConfig
 from mlora.lora.sites import factor_shapes
 from mlora.lora.targets import HF_PROJECTIONS, hf_module_name
-from mlora.models.checkpoint_reader import CheckpointError, CheckpointReader
-from mlora.models.safetensors_writer import Layout, SafetensorsWriter, TensorShard
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -119,10 +119,11 @@ def write_peft_adapter_sharded(out_dir: str | os.PathLike, layout: Layout, shard
     ``root`` writes ``adapter_config.json`` from ``config`` (ignored elsewhere; None: none). Each
     file appears atomically; the weights' bytes equal :func:`write_peft_adapter`'s for the
     assembled tensors. ``durable``: fsync everything (None: only inside
-    :func:`mlora.export.sharded_write.durable_writes`, which checkpoints enter). This is the file
+    :func:`mlora.formats.durable.durable_writes`, which checkpoints enter). This is the file
     path of the trainer-to-engine hand-off: benchmarks time it on any per-rank shards.
     """
-    from mlora.export.sharded_write import is_durable, write_safetensors_collectively
+    from mlora.export.sharded_write import write_safetensors_collectively
+    from mlora.formats.durable import is_durable
 
     durable = is_durable(durable)
 

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 import torch
 
 from mlora.export.peft_files import peft_tensor_name
+from mlora.formats.hf_config import ModelSpec, check_layout
+from mlora.formats.weight_map import shard
 from mlora.lora.config import LoraConfig
 from mlora.lora.sites import FACTOR_KINDS, factor_shapes, model_sites
 from mlora.lora.targets import HF_PROJECTIONS, resolve_targets
-from mlora.models.hf_config import ModelSpec, check_layout
-from mlora.models.weight_map import shard
 
 
 @dataclass

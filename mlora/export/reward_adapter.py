@@ -40,9 +40,9 @@ from mlora.export.peft_files import (
     read_peft_config,
     write_peft_adapter,
 )
+from mlora.formats.checkpoint_reader import CheckpointError, CheckpointReader
+from mlora.formats.weight_map import read_shard
 from mlora.lora.sites import FACTOR_KINDS, model_sites
-from mlora.models.checkpoint_reader import CheckpointError, CheckpointReader
-from mlora.models.weight_map import read_shard
 
 SCORE_MODULE = "score"
 PEFT_SEQ_CLS_HEADS = ("classifier", "score")  # what PEFT adds to modules_to_save for SEQ_CLS

@@ -11,7 +11,7 @@ Protocol (collective over the default group; ``root`` is one global rank):
    node, a node-local disk) relays its shards to ``root`` point to point, one shard at a time,
    and ``root`` writes them: the bytes cross the network once and ``root`` holds one shard.
    ``direct=False`` relays every rank (for targets known to be local to ``root``).
-3. Every writer fsyncs (when durable: inside :func:`durable_writes`, e.g. a checkpoint; the per-step
+3. Every writer fsyncs (when durable: inside :func:`mlora.formats.durable.durable_writes`, e.g. a checkpoint; the per-step
    hand-off to the engines needs visibility, not durability, and skips it); an 8-byte all-reduce makes any rank's failure an error on every rank;
    ``root`` renames the file into place (atomic), runs ``finish`` (e.g. the adapter config), and a
    last all-reduce keeps every rank in until the file is visible.
@@ -19,7 +19,6 @@ Protocol (collective over the default group; ``root`` is one global rank):
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 from pathlib import Path
@@ -28,31 +27,31 @@ from typing import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from mlora.models.safetensors_writer import Layout, PresizedSafetensors, TensorShard
+from mlora.formats.durable import fsync_dir, is_durable
+from mlora.formats.safetensors_writer import Layout, PresizedSafetensors, TensorShard
+from mlora.formats.weight_map import COLUMNS, REPLICATED, ROWS
 from mlora.parallel.small_collectives import collective_device, raise_if_any_failed
-from mlora.train.checkpoint import fsync_dir
 
 _DONE, _FAILED = -1, -2  # descriptor codes that end a relaying rank's stream
-_durable = False  # set by durable_writes(); the same on every rank when entered collectively
+_SPLIT_DIM = {ROWS: 0, COLUMNS: 1}  # the dim a TP-sharded tensor is cut along (weight_map.shard)
 
 
-@contextlib.contextmanager
-def durable_writes() -> Iterator[None]:
-    """Inside the block, collective writes fsync their data and directories (checkpoints); enter it
-    on every rank (:func:`mlora.train.checkpoint.save_checkpoint` does)."""
-    global _durable
-    previous, _durable = _durable, True
-    try:
-        yield
-    finally:
-        _durable = previous
-
-
-def is_durable(durable: bool | None = None) -> bool:
-    """``durable`` if given, else whether a :func:`durable_writes` block is active."""
-    return _durable if durable is None else durable
-
-
+def select_shards(shards: Iterable[tuple[str, torch.Tensor, str]], tp: int, tp_rank: int, dp_rank: int = 0
+                  ) -> Iterator[TensorShard]:
+    """What this rank writes of its ``shards`` ((tensor name, local tensor, TP kind) in an order the
+    TP ranks of a stage share) when the ranks write one file together: nothing on DP ranks other than
+    0 (the replicas hold the same values); a TP-sharded tensor (ROWS, COLUMNS) by every TP rank, its
+    own chunk; a replicated one (or any at TP 1) by one TP rank, taken in turn so the TP ranks write alike."""
+    if dp_rank != 0:
+        return
+    turn = 0
+    for name, local, kind in shards:
+        if kind == REPLICATED or tp == 1:
+            turn += 1
+            if (turn - 1) % tp == tp_rank:  # every TP rank of the stage walks the same order
+                yield TensorShard(name, local)
+        else:
+            yield TensorShard(name, local, dim=_SPLIT_DIM[kind], index=tp_rank, parts=tp)
 def _broadcast_target(path: Path | None, token: bytes, ok: bool, root: int) -> tuple[bool, str, bytes]:
     """``root``'s (ok, absolute path, token) on every rank, as int64/uint8 tensors."""
     device = collective_device()
@@ -153,7 +152,7 @@ def write_safetensors_collectively(path: str | os.PathLike, layout: Layout, shar
     keeps one shard's CPU copy in memory). ``direct``: None (each rank checks whether it sees the
     file), False (relay every shard to ``root``). ``finish(final_path)`` runs on ``root`` after the
     rename, before the last agreement (its failure is every rank's error). ``durable``: fsync data
-    and directory (None: inside :func:`durable_writes` only).
+    and directory (None: inside :func:`mlora.formats.durable.durable_writes` only).
     """
     durable = is_durable(durable)
     rank = dist.get_rank()

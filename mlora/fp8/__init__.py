@@ -3,7 +3,7 @@
 ``fp8="torch"``: the frozen linears (``linear_qkv``, ``linear_proj``, ``linear_fc1``,
 ``linear_fc2``) hold ``torch.float8_e4m3fn`` weights with one float32 scale per output row
 (amax/448 over the whole unsharded row) and multiply inputs quantized per token through
-``torch._scaled_mm`` (:mod:`mlora.fp8.quant`). ``fp8="te"``: Transformer Engine (:mod:`mlora.fp8.te`,
+``torch._scaled_mm`` (:mod:`mlora.fp8.quant`). ``fp8="te"``: Transformer Engine (:mod:`mlora.models.te`,
 imported lazily: TE is optional and a broken TE install breaks ``import megatron.core``).
 """
 

@@ -19,7 +19,7 @@ The contract (tests/test_fp8.py holds the implementation to an independent fake-
   accumulation, output in the compute dtype. Where ``_scaled_mm`` is missing or fails, or on a
   CUDA device below compute capability 8.9, :class:`FP8Unsupported` — never a silent upcast.
 
-This is the contract of the torch backend only. Transformer Engine (``fp8="te"``, :mod:`mlora.fp8.te`)
+This is the contract of the torch backend only. Transformer Engine (``fp8="te"``, :mod:`mlora.models.te`)
 keeps its own recipes' semantics (per-tensor delayed / current scaling, MXFP8 blocks, ...), which are
 computed on each rank's local GEMM operands and so are not promised to be mesh independent.
 """

@@ -1,4 +1,4 @@
-"""LoRA on column- and row-parallel linears: config, layers, adapter registry, target resolution."""
+"""LoRA on column- and row-parallel linears: config, layers, sites, target resolution, TP-partial gradients."""
 
 from mlora.lora.config import LoraConfig
 from mlora.lora.layers import LoraColumnParallelLinear, LoraRowParallelLinear

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import torch
+
+from mlora.formats.weight_map import COLUMNS, REPLICATED, ROWS
 from mlora.lora.layers import LoraSite
-from mlora.models.weight_map import COLUMNS, REPLICATED, ROWS
 
 # How each factor is split over TP (see mlora.lora.layers): column: A replicated, B like W;
 # row: A split on the input dim, B replicated.
@@ -37,3 +39,14 @@ def model_sites(spec, tp: int) -> dict[tuple[int, str], LoraSite]:
             for sub in site.subs:
                 sites[(i, sub)] = site
     return sites
+
+
+def attach_lora_sites(gpt: torch.nn.Module, spec, tp: int) -> None:
+    """Tell each LoRA linear of this stage where it sits: layer index, projections, output layout."""
+    sites = model_sites(spec, tp)
+    for layer in gpt.decoder.layers:
+        i = layer.layer_number - 1
+        layer.self_attention.linear_qkv.lora_site = sites[(i, "q_proj")]
+        layer.self_attention.linear_proj.lora_site = sites[(i, "o_proj")]
+        layer.mlp.linear_fc1.lora_site = sites[(i, "gate_proj")]
+        layer.mlp.linear_fc2.lora_site = sites[(i, "down_proj")]

@@ -1,6 +1,2 @@
-"""HF config -> megatron model, per-rank sharded loading, the MLoraModel facade."""
-
-from mlora.models.loader import from_pretrained
-from mlora.models.model import MLoraModel
-
-__all__ = ["MLoraModel", "from_pretrained"]
+"""HF config -> megatron model: layer spec, attention, recompute, per-rank sharded loading, the TE spec,
+megatron-core dist checkpoints. The user-facing :class:`mlora.MLoraModel` is in :mod:`mlora.facade`."""

@@ -1,64 +1,46 @@
-"""from_pretrained: build this rank's megatron shard and fill it from an HF checkpoint."""
+"""Build this rank's megatron shard and fill it from an HF checkpoint (what :func:`mlora.from_pretrained` wraps)."""
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
+from mlora.formats.checkpoint_reader import CheckpointError, CheckpointReader
+from mlora.formats.fp8_checkpoint import DequantizingReader, fp8_quantization_config
+from mlora.formats.hf_config import ModelSpec, check_layout, load_hf_config, model_spec
+from mlora.formats.weight_map import stage_layers, stage_param_maps
 from mlora.lora.config import master_dtype
-from mlora.models.checkpoint_reader import CheckpointError, CheckpointReader
-from mlora.models.fp8_checkpoint import DequantizingReader, fp8_quantization_config
-from mlora.models.hf_config import check_layout, load_hf_config, model_spec
 from mlora.models.megatron_build import build_gpt_model
-from mlora.models.model import MLoraModel
 from mlora.models.recompute import recompute_settings
-from mlora.models.weight_map import stage_layers, stage_param_maps
 from mlora.parallel.mesh import Mesh
 
 
-def from_pretrained(hf_dir: str | os.PathLike, mesh: Mesh, dtype: torch.dtype = torch.float32,
-                    fp8: str | None = None, fp8_recipe: str = "delayed", attention: str = "sdpa",
-                    recompute: str = "none", recompute_method: str | None = None,
-                    recompute_num_layers: int | None = None,
-                    recompute_modules: Sequence[str] | None = None,
-                    lora_compute_dtype: torch.dtype | None = None) -> MLoraModel:
-    """This rank's shard of the HF model in ``hf_dir``, frozen, on ``mesh``.
+@dataclass
+class LoadedShard:
+    """What :func:`load_shard` built: this rank's megatron ``GPTModel`` shard, the model spec, the
+    checkpoint bytes this rank read and the FP8 backend (None, "torch" or "te")."""
 
-    Supports LlamaForCausalLM, Qwen2ForCausalLM and MistralForCausalLM from safetensors
-    (single file or sharded with ``model.safetensors.index.json``). Each rank reads only the
-    tensors of its pipeline stage and only its TP slices of them.
+    gpt: torch.nn.Module
+    spec: ModelSpec
+    bytes_read: int
+    fp8: str | None
 
-    ``dtype`` is the compute dtype of the frozen base. Adapters and heads are held in float32 under a
-    16-bit ``dtype`` (master weights: AdamW updates of LoRA factors at real learning rates round away
-    in bf16) and in ``dtype`` otherwise; ``lora_compute_dtype`` is the dtype the LoRA branches compute
-    in (default: the adapters' own, i.e. float32 on a bf16 base, as PEFT does; ``dtype`` casts the
-    masters down per forward instead, cheaper on GPUs). ``fp8`` says how the frozen linears
-    (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``) are stored and multiplied:
-    None (in ``dtype``), ``"torch"`` (float8_e4m3fn, one float32 scale per output row over the whole
-    unsharded row, GEMMs through ``torch._scaled_mm``; see :mod:`mlora.fp8.quant`) or ``"te"``
-    (Transformer Engine, GPU; ``fp8_recipe`` delayed | current | mxfp8; unverified: no TE run has
-    happened yet). With ``"torch"`` each linear is quantized as soon as its shard is read.
 
-    ``attention`` is the core attention of the local spec: ``"sdpa"`` (default; torch's fused
-    ``scaled_dot_product_attention``, no ``[b, 1, s, s]`` mask unless the batch has left padding or
-    a sliding window shorter than the sequence; see :mod:`mlora.models.attention`) or ``"unfused"``
-    (megatron's ``DotProductAttention`` with the full boolean mask: scores materialised; the
-    reference). ``fp8="te"`` uses Transformer Engine's core attention whatever ``attention`` says.
-    Logits at padding positions are unspecified (as in HF) and may differ between the two.
-
-    ``recompute`` is megatron's activation recompute in training mode, a property of the build shared
-    by every adapter (actor and critic ride on this one base): ``"none"`` (keep every activation),
-    ``"selective"`` (recompute ``recompute_modules`` of each layer: ``core_attn`` by default, ``mlp``)
-    or ``"full"`` (keep only the input of each group of layers and rerun it in backward;
-    ``recompute_method`` ``"uniform"`` (default: groups of ``recompute_num_layers``, default 1, which
-    must divide the layers of a stage) or ``"block"`` (the first ``recompute_num_layers`` layers of each
-    stage)). Gradients equal those without recompute, LoRA dropout included; see
-    :mod:`mlora.models.recompute`.
-    """
+def load_shard(hf_dir: str | os.PathLike, mesh: Mesh, dtype: torch.dtype = torch.float32,
+               fp8: str | None = None, fp8_recipe: str = "delayed", attention: str = "sdpa",
+               recompute: str = "none", recompute_method: str | None = None,
+               recompute_num_layers: int | None = None,
+               recompute_modules: Sequence[str] | None = None,
+               lora_compute_dtype: torch.dtype | None = None) -> LoadedShard:
+    """This rank's frozen megatron shard of the HF model in ``hf_dir`` on ``mesh``, filled from the
+    checkpoint: every argument is checked before any I/O, each rank reads only its stage's tensors and
+    its TP slices of them. The arguments are :func:`mlora.from_pretrained`'s (which wraps the result in
+    :class:`mlora.MLoraModel`); ``lora_compute_dtype`` is only checked here."""
     from mlora.fp8.quant import check_adapter_dtype, check_fp8_arg
     from mlora.models.attention import check_attention_arg
 
@@ -69,7 +51,7 @@ def from_pretrained(hf_dir: str | os.PathLike, mesh: Mesh, dtype: torch.dtype = 
         raise ValueError(f"lora_compute_dtype={lora_compute_dtype} on a {dtype} base: valid are "
                          f"{master_dtype(dtype)} (the adapters' float32 masters, the default) or {dtype} (the base's)")
     if fp8 == "te":
-        from mlora.fp8.te import require_te  # written alongside; fails naming the `gpu` extra without TE
+        from mlora.models.te import require_te  # written alongside; fails naming the `gpu` extra without TE
 
         require_te(recipe=fp8_recipe)
     elif fp8 == "torch":
@@ -81,7 +63,7 @@ def from_pretrained(hf_dir: str | os.PathLike, mesh: Mesh, dtype: torch.dtype = 
     check_layout(spec, mesh.tp, mesh.pp)
     settings = recompute_settings(recompute, recompute_method, recompute_num_layers, recompute_modules,
                                   layers_per_stage=spec.num_layers // mesh.pp)
-    # a Hub FP8 checkpoint (block-scaled e4m3): read dequantized, slice by slice (mlora.models.fp8_checkpoint)
+    # a Hub FP8 checkpoint (block-scaled e4m3): read dequantized, slice by slice (mlora.formats.fp8_checkpoint)
     quantized = fp8_quantization_config(json.loads((Path(hf_dir) / "config.json").read_text()))
     with CheckpointReader(hf_dir) as reader:  # validate the files before allocating anything
         source = reader if quantized is None else DequantizingReader(reader, quantized["weight_block_size"])
@@ -118,8 +100,7 @@ def from_pretrained(hf_dir: str | os.PathLike, mesh: Mesh, dtype: torch.dtype = 
         if params:
             raise RuntimeError(f"parameters without an HF mapping: {sorted(params)}")
         bytes_read = reader.bytes_read
-    return MLoraModel(gpt, spec, mesh, Path(hf_dir), dtype, bytes_read=bytes_read, fp8=fp8,
-                      lora_compute_dtype=lora_compute_dtype).eval()  # like HF: eval mode
+    return LoadedShard(gpt, spec, bytes_read, fp8)
 
 
 def _load_fp8(param: torch.nn.Parameter, linear: torch.nn.Module, shard: torch.Tensor, mesh: Mesh) -> None:

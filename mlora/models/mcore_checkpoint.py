@@ -2,7 +2,7 @@
 
 ``hf_to_mcore`` runs on ``tp × pp`` ranks (one process when both are 1). Each rank builds a plain
 megatron ``GPTModel`` (megatron's local layer spec) for its pipeline stage, fills it with only its TP
-slices of the HF tensors (read slice by slice: :class:`~mlora.models.checkpoint_reader.CheckpointReader`),
+slices of the HF tensors (read slice by slice: :class:`~mlora.formats.checkpoint_reader.CheckpointReader`),
 and megatron-core's own ``dist_checkpointing.save`` writes the model's ``sharded_state_dict()``. A rank
 holds its shard of the model, 1/(tp·pp) of it, plus one tensor being read: megatron's save takes a
 built model's tensors, as Megatron-LM's and Megatron-Bridge's converters do.
@@ -41,9 +41,10 @@ from typing import Any, Iterable
 
 import torch
 
-from mlora.models.checkpoint_reader import INDEX_FILE, SAFETENSORS_DTYPES, CheckpointError, CheckpointReader
-from mlora.models.hf_config import ModelSpec, check_layout, load_hf_config, model_spec
-from mlora.models.weight_map import VOCAB, ParamMap, is_export_copy, stage_layers, stage_param_maps
+from mlora.formats.checkpoint_reader import INDEX_FILE, CheckpointError, CheckpointReader
+from mlora.formats.dtypes import SAFETENSORS_DTYPES, SAFETENSORS_NAMES
+from mlora.formats.hf_config import ModelSpec, check_layout, load_hf_config, model_spec
+from mlora.formats.weight_map import VOCAB, ParamMap, is_export_copy, stage_layers, stage_param_maps
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 RELEASE_DIR = "release"
@@ -57,7 +58,6 @@ HF_SHARD_BYTES = 5 * 1024**3  # transformers' default max_shard_size, for checkp
 # megatron's local layer spec stores the two norms under the TE spec's names (sharded_state_dict_keys_map).
 _NORM_KEYS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
               "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
-_DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 # weights and their indexes: not copied with the side files (config, tokenizer, generation config, ...)
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", INDEX_FILE,
                  "pytorch_model.bin.index.json")
@@ -110,9 +110,9 @@ def _progress(total: int, desc: str, enabled: bool):
 
 def _dtype_from_name(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype) or dtype not in _DTYPE_NAMES:
+    if not isinstance(dtype, torch.dtype) or dtype not in SAFETENSORS_NAMES:
         raise ValueError(f"dtype {name!r} is not supported; choose from "
-                         f"{', '.join(sorted(str(d).removeprefix('torch.') for d in _DTYPE_NAMES))}")
+                         f"{', '.join(sorted(str(d).removeprefix('torch.') for d in SAFETENSORS_NAMES))}")
     return dtype
 
 
@@ -150,7 +150,7 @@ def _source_layout(reader: CheckpointReader, hf_dir: Path) -> dict[str, Any]:
     index = hf_dir / INDEX_FILE
     index_metadata = json.loads(index.read_text()).get("metadata", {}) if index.is_file() else None
     return {"hf_files": files, "hf_index_metadata": index_metadata,
-            "hf_tensors": {n: {"dtype": _DTYPE_NAMES[e.dtype], "shape": list(e.shape)}
+            "hf_tensors": {n: {"dtype": SAFETENSORS_NAMES[e.dtype], "shape": list(e.shape)}
                            for n, e in reader.entries.items()}}
 
 
@@ -204,7 +204,7 @@ def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int =
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from mlora.models.fp8_checkpoint import fp8_quantization_config
+    from mlora.formats.fp8_checkpoint import fp8_quantization_config
     from mlora.parallel.mesh import init_parallel
 
     for name, value in (("tp", tp), ("pp", pp)):
@@ -513,7 +513,7 @@ def mcore_to_hf(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike,
     the recorded source layout, so a checkpoint made by :func:`hf_to_mcore` comes back bit-identical.
     Raises CheckpointError for missing or truncated shard files and for a checkpoint whose tensors
     do not match the config (another architecture or size)."""
-    from mlora.models.safetensors_writer import SafetensorsWriter
+    from mlora.formats.safetensors_writer import SafetensorsWriter
 
     out = Path(out_dir)
     ckpt = locate_mcore_checkpoint(mcore_dir, hf_config)

@@ -7,9 +7,9 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from mlora.lora.adapters import attach_lora_sites
+from mlora.formats.hf_config import ModelSpec, hf_inv_freq
+from mlora.lora.sites import attach_lora_sites
 from mlora.models.attention import ATTENTION_CONFIG_ATTR, SDPAttention, check_attention_arg
-from mlora.models.hf_config import ModelSpec, hf_inv_freq
 from mlora.models.norm import RMSNorm
 from mlora.models.recompute import Recompute, prepare_for_recompute
 from mlora.parallel.mesh import Mesh
@@ -116,7 +116,7 @@ def build_gpt_model(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, fp8: str | 
 
     ``fp8="torch"``: the LoRA linears allocate their weights in float8_e4m3fn with a float32
     ``weight_scale`` per output row (see :mod:`mlora.fp8`); everything else stays in ``dtype``.
-    ``fp8="te"``: Transformer Engine's layer spec with the same LoRA (:func:`mlora.fp8.te.te_block_spec`)
+    ``fp8="te"``: Transformer Engine's layer spec with the same LoRA (:func:`mlora.models.te.te_block_spec`)
     and megatron's own ``fp8_autocast`` around the block with ``fp8_recipe`` (UNVERIFIED: no TE run yet)."""
     from mlora.lora.layers import FP8_CONFIG_ATTR
 
@@ -126,7 +126,7 @@ def build_gpt_model(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, fp8: str | 
     setattr(config, ATTENTION_CONFIG_ATTR, check_attention_arg(attention))
     layer_spec = block_spec
     if fp8 == "te":
-        from mlora.fp8.te import megatron_fp8_settings, te_block_spec
+        from mlora.models.te import megatron_fp8_settings, te_block_spec
 
         for key, value in megatron_fp8_settings(fp8_recipe).items():
             setattr(config, key, value)

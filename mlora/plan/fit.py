@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlora.models.hf_config import ModelSpec
+from mlora.formats.hf_config import ModelSpec
 from mlora.plan.memory import MemoryPlan, plan_memory
 from mlora.plan.workload import Engine, Layout, Workload
 

@@ -44,10 +44,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from mlora.formats.hf_config import ModelSpec
+from mlora.formats.weight_map import stage_layers
 from mlora.lora.config import LoraConfig, master_dtype
 from mlora.lora.targets import resolve_targets
-from mlora.models.hf_config import ModelSpec
-from mlora.models.weight_map import stage_layers
 from mlora.plan.activations import (
     Geometry,
     LayerLora,
@@ -266,7 +266,7 @@ def plan_memory(spec: ModelSpec, layout: Layout, workload: Workload, engine: Eng
                       _update_phase(spec, layout, workload, stage, tp_rank, False, actor)]
             if workload.critic:
                 phases.append(_update_phase(spec, layout, workload, stage, tp_rank, True, critic + heads))
-            # one flat copy of the gradients for the TP/DP all-reduce (mlora.train.grads), an upper bound
+            # one flat copy of the gradients for the TP/DP all-reduce (mlora.lora.grads), an upper bound
             if layout.tp * layout.dp > 1:
                 biggest = max(actor, critic + heads)
                 phases.append(_Phase("reduce", biggest, biggest, 0))

@@ -1,6 +1,6 @@
 """Exact bytes of the frozen base, the adapters and the heads on each (pipeline stage, TP rank).
 
-No weights are read: every shard shape comes from :meth:`mlora.models.weight_map.ParamMap.load`, the
+No weights are read: every shard shape comes from :meth:`mlora.formats.weight_map.ParamMap.load`, the
 function the loader uses, run on meta tensors (a reader that returns meta slices of the shapes the
 HF config implies), and adapter shards from :func:`mlora.export.plan.plan_adapter`, which cuts
 factors with the live model's ``shard``. So these numbers equal ``MLoraModel.parameter_bytes()``.
@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from mlora.export.plan import plan_adapter
+from mlora.formats.hf_config import ModelSpec
+from mlora.formats.weight_map import ParamMap, stage_param_maps
 from mlora.fp8.quant import FP8_DTYPE, FP8_LINEARS
 from mlora.lora.config import LoraConfig
-from mlora.models.hf_config import ModelSpec
-from mlora.models.weight_map import ParamMap, stage_param_maps
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class _MetaEntry:
 
 
 class MetaReader:
-    """The reading interface of :class:`mlora.models.checkpoint_reader.CheckpointReader`, backed by
+    """The reading interface of :class:`mlora.formats.checkpoint_reader.CheckpointReader`, backed by
     the shapes an HF config implies: ``read`` returns meta tensors, so nothing is allocated."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> None:

@@ -9,12 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from mlora.models.hf_config import ModelSpec, check_layout
+from mlora.formats.hf_config import ModelSpec, check_layout
+from mlora.models.attention import ATTENTION_IMPLS
+from mlora.models.recompute import RECOMPUTE, RECOMPUTE_METHODS, RECOMPUTE_MODULES
 
-ATTENTIONS = ("sdpa", "unfused")
-RECOMPUTE = ("none", "selective", "full")
-RECOMPUTE_METHODS = ("uniform", "block")
-RECOMPUTE_MODULES = ("core_attn", "mlp")
 FP8 = (None, "torch")
 
 
@@ -94,8 +92,8 @@ class Workload:
         if self.fp8 not in FP8:
             raise ValueError(f"fp8={self.fp8!r} is not planned; valid: None, 'torch' (Transformer Engine's "
                              "memory is not modelled)")
-        if self.attention not in ATTENTIONS:
-            raise ValueError(f"attention={self.attention!r}; valid: {', '.join(ATTENTIONS)}")
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention={self.attention!r}; valid: {', '.join(ATTENTION_IMPLS)}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute={self.recompute!r}; valid: {', '.join(RECOMPUTE)}")
         if self.recompute_method not in RECOMPUTE_METHODS:

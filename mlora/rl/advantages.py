@@ -6,6 +6,8 @@ import torch
 
 from mlora.rl.masked import masked_whiten
 
+ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo")
+
 
 def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
                    lam: float = 0.95, whiten: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

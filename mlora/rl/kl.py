@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
+KL_CONTROLLERS = ("fixed", "adaptive")  # FixedKLController, AdaptiveKLController
 
 
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: str = "k3") -> torch.Tensor:

@@ -3,7 +3,7 @@
 Pure tensor functions in the style of :mod:`mlora.rl.losses`: sequence log-probs or rewards in,
 per-example losses (and the quantities trainers log) out. Reductions over a batch are the
 caller's, so that a batch split into micro-batches and data-parallel ranks can be normalised by
-the global count (see :mod:`mlora.train.grads`).
+the global count (see :mod:`mlora.lora.grads`).
 """
 
 from __future__ import annotations

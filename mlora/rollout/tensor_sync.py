@@ -31,45 +31,19 @@ import json
 import socket
 import struct
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 
 import torch
 import torch.distributed as dist
 
-from mlora.export.peft_files import peft_adapter_config, peft_tensor_name
-from mlora.lora.sites import FACTOR_KINDS, factor_shapes, model_sites
-from mlora.lora.targets import HF_PROJECTIONS
-from mlora.models.safetensors_writer import Layout, safetensors_header
-from mlora.models.weight_map import COLUMNS, REPLICATED, ROWS
+from mlora.export.sharded_write import select_shards
+from mlora.formats.dtypes import SAFETENSORS_DTYPES
+from mlora.formats.safetensors_writer import Layout, TensorShard, safetensors_header
 
 SCHEME = "mlora-shm://"  # LoRARequest.lora_path of an adapter in a segment: mlora-shm://<segment>#<version>
 CONFIG_KEY = "mlora_peft_config"  # __metadata__ key holding adapter_config.json
-_SPLIT_DIM = {ROWS: 0, COLUMNS: 1}
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-
-
-def adapter_layout(model, name: str) -> Layout:
-    """Name -> (dtype, full PEFT shape) of every tensor of adapter ``name`` over the whole model, in
-    layer then projection order; the same on every rank (from the spec and the adapter's config)."""
-    info = model.adapters[name]
-    sites = model_sites(model.spec, model.mesh.tp)
-    layout: Layout = {}
-    for layer, proj in sorted(info.modules, key=lambda m: (m[0], HF_PROJECTIONS.index(m[1]))):
-        a, b = factor_shapes(sites[(layer, proj)], proj, info.config.rank)
-        layout[peft_tensor_name(layer, proj, "A")] = (model.dtype, a)
-        layout[peft_tensor_name(layer, proj, "B")] = (model.dtype, b)
-    return layout
-
-
-def adapter_peft_config(model, name: str) -> dict:
-    """The ``adapter_config.json`` that ``save_adapter`` writes for adapter ``name``."""
-    info = model.adapters[name]
-    return peft_adapter_config(info.config, set(info.modules), model.spec.num_layers, str(model.hf_dir),
-                               model.spec.architecture)
 
 
 def lora_scaling(config: dict) -> float:
@@ -177,12 +151,12 @@ def parse_segment(buf: memoryview, source: str = "segment") -> tuple[dict[str, t
         raise ValueError(f"{source}: no {CONFIG_KEY!r} in the header's __metadata__ (not an mlora adapter segment)")
     layout, spans = {}, {}
     for tname, entry in header.items():
-        if entry["dtype"] not in _ST_DTYPES:
-            raise ValueError(f"{source}: tensor {tname!r} has dtype {entry['dtype']}, known: {sorted(_ST_DTYPES)}")
+        if entry["dtype"] not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{source}: tensor {tname!r} has dtype {entry['dtype']}, known: {sorted(SAFETENSORS_DTYPES)}")
         a, b = entry["data_offsets"]
         if not 0 <= a <= b <= len(buf) - 8 - hlen:
             raise ValueError(f"{source}: tensor {tname!r} spans bytes {a}..{b} beyond the segment's data")
-        layout[tname] = (_ST_DTYPES[entry["dtype"]], tuple(entry["shape"]))
+        layout[tname] = (SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]))
         spans[tname] = (8 + hlen + a, 8 + hlen + b)
     return _views(buf, spans, layout), json.loads(meta[CONFIG_KEY])
 
@@ -247,40 +221,22 @@ class SegmentWriter:
                 pass
 
 
-def local_shards(model, name: str) -> Iterator[tuple[str, torch.Tensor, str]]:
-    """(PEFT name, this rank's shard, sharding kind) of every factor of ``name`` on this rank, in the
-    order of this stage's LoRA linears (the same on every TP rank of the stage)."""
-    for linear in model._lora_linears():  # noqa: SLF001 (the adapter host's own walk over its linears)
-        if name not in linear.lora:
-            continue
-        site, branch = linear.lora_site, linear.lora[name]
-        a_kind, b_kind = FACTOR_KINDS[site.parallel]
-        for k, sub in enumerate(branch.subs):
-            yield peft_tensor_name(site.layer, sub, "A"), branch.a_of(k).detach(), a_kind
-            yield peft_tensor_name(site.layer, sub, "B"), branch.lora_B[k].detach(), b_kind
+def _pieces(shards: Iterable[TensorShard]) -> list[tuple[str, torch.Tensor, int, int]]:
+    """(name, shard, split dim or -1 for whole, chunk index) of each of ``shards``."""
+    return [(s.name, s.tensor, -1 if s.dim is None else s.dim, s.index) for s in shards]
 
 
 def select_pieces(shards: Iterable[tuple[str, torch.Tensor, str]], tp: int, tp_rank: int, dp_rank: int = 0
                   ) -> list[tuple[str, torch.Tensor, int, int]]:
     """What this rank writes of its ``shards`` ((PEFT name, shard, kind), in an order the stage's TP ranks
-    share): (name, shard, split dim or -1 for whole, chunk index). Replica 0 of data parallelism only;
-    a replicated factor by one TP rank, round-robin over the stage's factors."""
-    if dp_rank != 0:
-        return []
-    out = []
-    for i, (tname, local, kind) in enumerate(shards):
-        if kind == REPLICATED or tp == 1:
-            if i % tp == tp_rank:
-                out.append((tname, local, -1, 0))
-        else:
-            out.append((tname, local, _SPLIT_DIM[kind], tp_rank))
-    return out
+    share), as (name, shard, split dim or -1 for whole, chunk index): the choice every collective write of
+    an adapter makes (:func:`mlora.export.sharded_write.select_shards`)."""
+    return _pieces(select_shards(shards, tp, tp_rank, dp_rank))
 
 
 def my_pieces(model, name: str) -> list[tuple[str, torch.Tensor, int, int]]:
-    """:func:`select_pieces` of this rank's shards of adapter ``name``."""
-    mesh = model.mesh
-    return select_pieces(local_shards(model, name), mesh.tp, mesh.tp_rank, mesh.dp_rank)
+    """This rank's pieces of adapter ``name``: the shards ``save_adapter`` writes (``model.adapter_shards``)."""
+    return _pieces(model.adapter_shards(name))
 
 
 def _place(seg: SegmentWriter, tname: str, dim: int, index: int, parts: int, shard: torch.Tensor,
@@ -411,8 +367,9 @@ class TensorHandoff(SegmentHandoff):
 
     def __init__(self, model, name: str, remote_ranks: Iterable[int] | None = None) -> None:
         self.model, self.name = model, name
-        super().__init__(adapter_layout(model, name), adapter_peft_config(model, name), model.mesh.tp,
-                         model.mesh.device, remote_ranks)
+        # the segment holds the adapter in the base's dtype, tensors in layer order
+        super().__init__(model.adapter_layout(name, dtype=model.dtype, order="layer"), model.adapter_peft_config(name),
+                         model.mesh.tp, model.mesh.device, remote_ranks)
 
     def write(self) -> str:
         """This rank's shards of the adapter into the segment; see :meth:`SegmentHandoff.write_pieces`."""

@@ -39,6 +39,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from mlora.testing.proc_status import reset_peak, rss
+
 
 @dataclass(frozen=True)
 class ProbeConfig:
@@ -58,15 +60,6 @@ class ProbeConfig:
     extra: dict = field(default_factory=dict)  # further from_pretrained keywords (attention, fp8, dtype by name)
 
 
-def rss(field_name: str = "VmRSS") -> int:
-    """A ``VmRSS`` / ``VmHWM`` line of /proc/self/status, in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field_name} not in /proc/self/status")
-
-
 def trim() -> None:
     """Collect garbage and hand freed heap pages back to the OS, so RSS is memory in use."""
     gc.collect()
@@ -81,12 +74,6 @@ def fix_mmap_threshold(threshold: int = PROBE_MMAP_THRESHOLD) -> None:
     """Make glibc return every freed block of ``threshold`` bytes or more to the OS (see the module docstring)."""
     if ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, threshold) != 1:
         raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed")
-
-
-def reset_peak() -> None:
-    """VmHWM := VmRSS (Linux ≥ 4.0)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def model_kwargs(cfg: ProbeConfig) -> dict:
@@ -189,7 +176,7 @@ def planned(cfg: ProbeConfig, world: int) -> dict[tuple[int, int], dict]:
     """The memory planner's prediction for ``cfg`` on ``world`` ranks: (stage, TP rank) -> fields."""
     import torch
 
-    from mlora.models.hf_config import load_hf_config, model_spec
+    from mlora.formats.hf_config import load_hf_config, model_spec
     from mlora.plan import Layout, Workload, plan_memory
 
     spec = model_spec(load_hf_config(cfg.model))

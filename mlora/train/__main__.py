@@ -57,14 +57,17 @@ def main() -> None:
         cfg = OmegaConf.to_object(dict_cfg)
         explicit = [o.split("=", 1)[0] for o in HydraConfig.get().overrides.task]
         notes = finalize(cfg, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available(), explicit)
+        # demo.prepare: the stage's demo assets, built on rank 0 at the start of the run (start_run)
         if cfg.preference.stage is not None:  # sft | rm | dpo (--config-name sft | rm | dpo)
+            from mlora.demos.preference_assets import build_preference_assets
             from mlora.train.preference_loop import run_preference
 
-            run_preference(cfg, notes)
+            run_preference(cfg, notes, build_assets=build_preference_assets)
         else:
+            from mlora.demos.rl_assets import build_demo_assets
             from mlora.train.loop import run
 
-            run(cfg, notes)
+            run(cfg, notes, build_assets=build_demo_assets)
 
     sys.argv[1:] = hydra_argv(sys.argv[1:])
     from mlora.train.preemption import Preempted

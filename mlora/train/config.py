@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlora.rl.kl import KL_ESTIMATORS
+from mlora.rl.advantages import ADVANTAGE_ESTIMATORS
+from mlora.rl.kl import KL_CONTROLLERS, KL_ESTIMATORS
 from mlora.rl.losses import LOSS_AGG_MODES
 from mlora.rollout.generator import check_truncation
 from mlora.train.optim import LR_SCHEDULES
-
-ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo")
 
 
 @dataclass
@@ -71,8 +70,8 @@ class PPOConfig:
             raise ValueError(f"unknown loss aggregation mode {self.loss_agg_mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
-        if self.kl_ctrl not in ("fixed", "adaptive"):
-            raise ValueError(f"unknown kl_ctrl {self.kl_ctrl!r}; valid: fixed, adaptive")
+        if self.kl_ctrl not in KL_CONTROLLERS:
+            raise ValueError(f"unknown kl_ctrl {self.kl_ctrl!r}; valid: {', '.join(KL_CONTROLLERS)}")
         for name in ("lr_schedule", "critic_lr_schedule"):
             if getattr(self, name) not in LR_SCHEDULES:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; valid: {', '.join(LR_SCHEDULES)}")

@@ -4,7 +4,7 @@ Actor = base (+ frozen stacked adapters) + ``policy``; critic = the same + ``cri
 head; reference = the base with the RL adapters off. All passes run through megatron's
 pipeline schedule in micro-batches; each DP rank takes its slice of every mini-batch; losses
 are normalised by global counts so that the plain sum of gradients over micro-batches and DP
-ranks is the gradient of the mini-batch loss (see :mod:`mlora.train.grads`).
+ranks is the gradient of the mini-batch loss (see :mod:`mlora.lora.grads`).
 
 Every log-prob and entropy (old, new, reference) is of ``softmax(logits / temperature)``, the
 distribution the rollouts were drawn from (``PPOConfig.temperature``, as verl and SkyRL do); the
@@ -21,8 +21,9 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from mlora.facade.model import MLoraModel
 from mlora.lora.config import LoraConfig
-from mlora.models.model import MLoraModel
+from mlora.lora.grads import clip_grads, finalize_grads
 from mlora.rl import (
     AdaptiveKLController,
     FixedKLController,
@@ -40,7 +41,6 @@ from mlora.rl.masked import masked_mean, masked_sum
 from mlora.rl.vocab_parallel import next_token_logits, vocab_parallel_logprobs, vocab_parallel_truncation_logmass
 from mlora.train.batch import RolloutBatch
 from mlora.train.config import PPOConfig
-from mlora.train.grads import clip_grads, finalize_grads
 from mlora.train.optim import build_optimizer
 
 

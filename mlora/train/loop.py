@@ -21,12 +21,7 @@ import torch
 import torch.distributed as dist
 
 import mlora
-from mlora.config.schema import TrainConfig
-from mlora.rollout.data import Prompt, epoch_batches, load_prompt_set
-from mlora.rollout.envs import make_env
-from mlora.rollout.generator import Generation, SamplingConfig
-from mlora.train.batch import RolloutBatch
-from mlora.train.checkpoint import (
+from mlora.checkpoint.dirs import (
     CheckpointError,
     base_model_identity,
     check_base_model,
@@ -34,13 +29,18 @@ from mlora.train.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
+from mlora.checkpoint.rl_state import load_train_state, write_train_state
+from mlora.config.schema import TrainConfig
+from mlora.rollout.data import Prompt, epoch_batches, load_prompt_set
+from mlora.rollout.envs import make_env
+from mlora.rollout.generator import Generation, SamplingConfig
+from mlora.train.batch import RolloutBatch
 from mlora.train.engine import ActorCriticEngine
 from mlora.train.evaluate import evaluate
 from mlora.train.from_config import lora_compute_dtype, lora_config, ppo_config, recompute_kwargs, sampling_config
 from mlora.train.learned_reward import build_learned_reward, env_kwargs
 from mlora.train.metrics_log import MetricsLogger, log, setup_logging, step_line
 from mlora.train.preemption import EX_TEMPFAIL, Preempted, PreemptionGuard, clear_marker, write_marker
-from mlora.train.train_state import load_train_state, write_train_state
 
 POLICY, CRITIC = "policy", "critic"  # the trainer's adapter names; the engines serve POLICY under this name
 FROZEN = "frozen"  # the name of trainer.policy.model.frozen_adapter_path's adapter
@@ -224,8 +224,11 @@ def _build_engine(cfg: TrainConfig, model, total_steps: int) -> ActorCriticEngin
                              critic_lora=lora_config(t.critic.model.lora, t.seed))
 
 
-def run(cfg: TrainConfig, notes: Sequence[str] = ()) -> dict:
+def run(cfg: TrainConfig, notes: Sequence[str] = (), build_assets: Callable[[str], object] | None = None) -> dict:
     """Train; returns the last step's metrics (on every rank).
+
+    ``build_assets(demo.dir)``: what ``demo.prepare`` builds (the entry point passes the CPU demo's,
+    :func:`mlora.demos.rl_assets.build_demo_assets`; see :func:`start_run`).
 
     SIGTERM / SIGUSR1 during the run: the ranks agree to stop after the current step, save a
     checkpoint, write ``<run_dir>/preempted.json`` (rank 0), release the engines and raise
@@ -233,22 +236,25 @@ def run(cfg: TrainConfig, notes: Sequence[str] = ()) -> dict:
     """
     with PreemptionGuard() as guard:
         try:
-            return _train(cfg, notes, guard)
+            return _train(cfg, notes, guard, build_assets)
         except Preempted as stop:
             if stop.step is None and int(os.environ.get("RANK", "0")) == 0:  # stopped during start-up
                 write_marker(Path(cfg.trainer.run_dir), None, None, guard.received)
             raise
 
 
-def start_run(cfg: TrainConfig, notes: Sequence[str], build_assets: Callable[[str], object]):
+def start_run(cfg: TrainConfig, notes: Sequence[str], build_assets: Callable[[str], object] | None):
     """What every mlora-train stage does first: the demo's assets (``demo.prepare``, rank 0, with
-    ``build_assets(demo.dir)``), the threads of this rank (``trainer.cpu_threads``, chosen for the
+    ``build_assets(demo.dir)``, which the entry point passes in: training imports no demo), the threads of this rank (``trainer.cpu_threads``, chosen for the
     machine on CPU when null: :mod:`mlora.rollout.cpu_threads`), the mesh, logging, the config notes,
     the run and checkpoint directories and the checkpoint to resume from (found before the model loads:
     a wrong checkpoint fails fast). Returns ``(mesh, run_dir, ckpt_root, resume)``."""
     from mlora.rollout.cpu_threads import apply_trainer_threads
 
     t = cfg.trainer
+    if cfg.demo.prepare and build_assets is None:
+        raise ValueError("demo.prepare=true: the demo's assets are built by the entry point (mlora-train); "
+                         "pass build_assets (e.g. mlora.demos.rl_assets.build_demo_assets) or set demo.prepare=false")
     threads = apply_trainer_threads(t.cpu_threads, torch.cuda.is_available())
     if cfg.demo.prepare and int(os.environ.get("RANK", "0")) == 0:
         build_assets(cfg.demo.dir)
@@ -271,14 +277,13 @@ def start_run(cfg: TrainConfig, notes: Sequence[str], build_assets: Callable[[st
     return mesh, run_dir, ckpt_root, _find_resume(cfg, mesh, ckpt_root)
 
 
-def _train(cfg: TrainConfig, notes: Sequence[str], guard: PreemptionGuard) -> dict:
+def _train(cfg: TrainConfig, notes: Sequence[str], guard: PreemptionGuard,
+           build_assets: Callable[[str], object] | None) -> dict:
     from transformers import AutoTokenizer
-
-    from mlora.demos.rl_assets import build_demo_assets
 
     t, g = cfg.trainer, cfg.generator
     # 1. the mesh (and the CPU demo's tiny model and prompts)
-    mesh, run_dir, ckpt_root, resume = start_run(cfg, notes, build_demo_assets)
+    mesh, run_dir, ckpt_root, resume = start_run(cfg, notes, build_assets)
 
     # 2. prompts, the shared base with its adapters, the PPO engine
     tokenizer = AutoTokenizer.from_pretrained(str(t.policy.model.path))
@@ -424,8 +429,8 @@ def _resume_state(path: Path, model, engine: ActorCriticEngine, cfg: TrainConfig
 
 class _Saver:
     """Writes checkpoints of a run: the collective save; ``write_state(dir, model, engine, loop_state,
-    config_text)`` writes what goes in (:func:`mlora.train.train_state.write_train_state` for the RL loop,
-    :func:`mlora.train.preference_state.write_preference_state` for SFT / RM / DPO); ``extra(step)`` adds
+    config_text)`` writes what goes in (:func:`mlora.checkpoint.rl_state.write_train_state` for the RL loop,
+    :func:`mlora.checkpoint.preference_state.write_preference_state` for SFT / RM / DPO); ``extra(step)`` adds
     the loop's own entries to the loop state."""
 
     def __init__(self, cfg: TrainConfig, mesh, model, engine, root: Path, n_prompts: int, total_steps: int,

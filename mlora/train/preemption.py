@@ -4,7 +4,7 @@ exit with 75 (EX_TEMPFAIL, "try again"), after rank 0 wrote ``<run_dir>/preempte
 A signal may reach only some ranks (or reach them during different steps), so the ranks agree:
 each step ends with one all-reduce (MAX) of "was I signalled?", and all stop after the same step.
 The handlers only set a flag, never raise: a second signal during the save changes nothing, and
-the checkpoint becomes visible by an atomic rename anyway (:mod:`mlora.train.checkpoint`).
+the checkpoint becomes visible by an atomic rename anyway (:mod:`mlora.checkpoint.dirs`).
 
 The handlers are installed by the trainer entry (:func:`mlora.train.loop.run`, through
 :class:`PreemptionGuard`), never at import, and the previous handlers come back when a run ends
@@ -109,7 +109,7 @@ class PreemptionGuard:
 def write_marker(run_dir: Path, step: int | None, checkpoint: Path | None, signal_name: str | None) -> Path:
     """``<run_dir>/preempted.json``: {"step", "checkpoint", "signal", "time", "exit_code"}, written
     atomically; step and checkpoint are null when the run was stopped during start-up."""
-    from mlora.train.checkpoint import write_text_atomic
+    from mlora.formats.durable import write_text_atomic
 
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / MARKER

@@ -3,7 +3,7 @@
 One engine, three losses; the machinery is the PPO engine's (:class:`~mlora.train.engine.ActorCriticEngine`):
 micro-batches through ``model.forward_backward`` at any TP×PP×DP, vocab-parallel log-probs, losses
 normalised by global counts so that the plain sum of gradients over micro-batches and DP ranks is
-the gradient of the batch loss, gradients reduced once per step (:mod:`mlora.train.grads`).
+the gradient of the batch loss, gradients reduced once per step (:mod:`mlora.lora.grads`).
 
 - ``sft``: adapter ``policy``; masked token NLL on the response tokens (:func:`mlora.rl.sft_nll`).
 - ``rm``: adapter ``reward`` + a bias-free scalar head (HF's sequence-classification ``score``) on
@@ -24,12 +24,12 @@ from typing import Sequence
 import torch
 
 from mlora.export.reward_adapter import last_token_scores
+from mlora.facade.model import MLoraModel
 from mlora.lora.config import LoraConfig
-from mlora.models.model import MLoraModel
+from mlora.lora.grads import clip_grads, finalize_grads
 from mlora.rl.preference import DPO_LOSS_TYPES, bradley_terry_loss, check_dpo_args, dpo_loss, sft_nll
 from mlora.rl.vocab_parallel import next_token_logits, vocab_parallel_logprobs
 from mlora.train.engine import ActorCriticEngine
-from mlora.train.grads import clip_grads, finalize_grads
 from mlora.train.optim import LR_SCHEDULES, build_optimizer
 from mlora.train.preference_data import SequenceBatch
 

@@ -13,11 +13,12 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 import mlora
+from mlora.checkpoint.preference_state import load_preference_state, write_preference_state
 from mlora.config.schema import TrainConfig
 from mlora.rollout.data import epoch_batches
 from mlora.train.from_config import lora_compute_dtype, lora_config, recompute_kwargs
@@ -26,7 +27,6 @@ from mlora.train.metrics_log import MetricsLogger, log
 from mlora.train.preemption import EX_TEMPFAIL, Preempted, PreemptionGuard, clear_marker, write_marker
 from mlora.train.preference_data import Example, SequenceBatch, collate, load_examples, split_held_out
 from mlora.train.preference_engine import PreferenceConfig, PreferenceEngine
-from mlora.train.preference_state import load_preference_state, write_preference_state
 
 # the numbers each stage shows on the console and in the plot (TRL's names)
 HEADLINE = {"sft": ("loss",), "rm": ("loss", "accuracy", "margin"),
@@ -72,24 +72,26 @@ def _eval_batches(examples: list[Example], batch_size: int, per: int, pad_id: in
     return batches
 
 
-def run_preference(cfg: TrainConfig, notes: Sequence[str] = ()) -> dict:
-    """Train the stage ``cfg.preference.stage``; returns the last step's metrics (on every rank)."""
+def run_preference(cfg: TrainConfig, notes: Sequence[str] = (),
+                   build_assets: Callable[[str], object] | None = None) -> dict:
+    """Train the stage ``cfg.preference.stage``; returns the last step's metrics (on every rank).
+    ``build_assets(demo.dir)``: what ``demo.prepare`` builds (the entry point passes
+    :func:`mlora.demos.preference_assets.build_preference_assets`)."""
     with PreemptionGuard() as guard:
         try:
-            return _train(cfg, notes, guard)
+            return _train(cfg, notes, guard, build_assets)
         except Preempted as stop:
             if stop.step is None and int(os.environ.get("RANK", "0")) == 0:
                 write_marker(Path(cfg.trainer.run_dir), None, None, guard.received)
             raise
 
 
-def _train(cfg: TrainConfig, notes: Sequence[str], guard: PreemptionGuard) -> dict:
+def _train(cfg: TrainConfig, notes: Sequence[str], guard: PreemptionGuard,
+           build_assets: Callable[[str], object] | None) -> dict:
     from transformers import AutoTokenizer
 
-    from mlora.demos.preference_assets import build_preference_assets
-
     t, stage = cfg.trainer, cfg.preference.stage
-    mesh, run_dir, ckpt_root, resume = start_run(cfg, notes, build_preference_assets)
+    mesh, run_dir, ckpt_root, resume = start_run(cfg, notes, build_assets)
 
     tokenizer = AutoTokenizer.from_pretrained(str(t.policy.model.path))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)

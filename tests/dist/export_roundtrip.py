@@ -57,7 +57,8 @@ def _measured(fn):
     """``fn()`` under no_object_collectives and collective accounting: (peak extra RSS bytes, collective
     bytes, ops, seconds, os.fsync calls). RSS is trimmed and the high-water mark reset first (see mlora.testing.memory_probe)."""
     from mlora.parallel.accounting import count_collectives, summarize
-    from mlora.testing.memory_probe import reset_peak, rss, trim
+    from mlora.testing.memory_probe import trim
+    from mlora.testing.proc_status import reset_peak, rss
 
     trim()
     dist.barrier()  # after the trim: a slow trim on one rank would count as save time on the others
@@ -85,10 +86,11 @@ def _measured(fn):
 def no_gather_case(models_dir: Path, work: Path, mesh) -> None:
     """save_adapter and save_checkpoint of a large adapter at TP2xPP2: no object collective, no tensor
     collective carrying adapter bytes, peak extra memory per rank measured against the rank's share."""
+    from mlora.checkpoint.dirs import save_checkpoint
     from mlora.export.peft_files import peft_adapter_config, write_peft_adapter, write_peft_adapter_sharded
     from mlora.export.plan import plan_adapter
+    from mlora.formats.durable import fsync_file
     from mlora.testing.memory_probe import fix_mmap_threshold
-    from mlora.train.checkpoint import fsync_file, save_checkpoint
 
     fix_mmap_threshold()  # freed tensors go back to the OS, so RSS follows tensor bytes
     w = work / "nogather"

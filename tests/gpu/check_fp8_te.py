@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root (mlora) without an install
 
-from mlora.fp8.te import reset_fp8_weight_cache  # noqa: E402  (imports no Transformer Engine)
+from mlora.models.te import reset_fp8_weight_cache  # noqa: E402  (imports no Transformer Engine)
 
 
 class Report:
@@ -125,11 +125,11 @@ def tokens_per_s(model, ids: torch.Tensor, ctx, iters: int) -> float:
 @contextlib.contextmanager
 def te_build():
     """from_pretrained builds the TE layer spec inside this context: megatron_build.block_spec is
-    swapped for mlora.fp8.te.te_block_spec, and the adapter registry is told about the TE LoRA
-    linears (until mlora.lora.adapters recognises them itself)."""
-    import mlora.lora.adapters as adapters
+    swapped for mlora.models.te.te_block_spec, and the adapter registry is told about the TE LoRA
+    linears (until mlora.facade.adapters recognises them itself)."""
+    import mlora.facade.adapters as adapters
     import mlora.models.megatron_build as mb
-    from mlora.fp8.te import te_block_spec, te_lora_linear_classes
+    from mlora.models.te import te_block_spec, te_lora_linear_classes
 
     saved_spec, saved_linears = mb.block_spec, adapters.LORA_LINEARS
     mb.block_spec = te_block_spec
@@ -150,7 +150,7 @@ def main() -> None:
     rep.set("device", torch.cuda.get_device_name())
     cap = torch.cuda.get_device_capability()
     rep.set("compute_capability", f"{cap[0]}.{cap[1]}")
-    from mlora.fp8.te import (
+    from mlora.models.te import (
         FP8DeviceUnsupported,
         TransformerEngineUnavailable,
         check_fp8_device,

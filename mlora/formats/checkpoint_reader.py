@@ -4,7 +4,7 @@ Reads with ``os.pread`` on byte ranges computed from the safetensors header, so 
 touches exactly the bytes of its slices (and ``bytes_read`` is what it asked the OS for).
 Handles single files and sharded checkpoints with ``model.safetensors.index.json``.
 FP8 tensors (``F8_E4M3`` / ``F8_E5M2``) are read raw, as float8 (one byte per element); block-quantized
-Hub FP8 weights are dequantized by :func:`mlora.models.fp8_checkpoint.read_dequantized`.
+Hub FP8 weights are dequantized by :func:`mlora.formats.fp8_checkpoint.read_dequantized`.
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ from pathlib import Path
 
 import torch
 
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
+from mlora.formats.dtypes import SAFETENSORS_DTYPES
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+# Files of an HF checkpoint directory besides its weights, copied verbatim by merged exports.
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+              "chat_template.jinja")
 
 
 class CheckpointError(ValueError):

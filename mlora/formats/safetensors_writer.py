@@ -20,12 +20,7 @@ from pathlib import Path
 
 import torch
 
-_DTYPE_NAMES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}
-
+from mlora.formats.dtypes import SAFETENSORS_NAMES
 
 Layout = dict[str, tuple[torch.dtype, tuple[int, ...]]]  # tensor name -> (dtype, shape), in file order
 
@@ -43,11 +38,11 @@ def safetensors_header(layout: Layout, metadata: dict[str, str] | None = None
     offset = 0
     spans: dict[str, tuple[int, int]] = {}
     for name, (dtype, shape) in layout.items():
-        if dtype not in _DTYPE_NAMES:
+        if dtype not in SAFETENSORS_NAMES:
             raise ValueError(f"tensor {name!r}: dtype {dtype} has no safetensors name; "
-                             f"supported: {', '.join(str(d) for d in _DTYPE_NAMES)}")
+                             f"supported: {', '.join(str(d) for d in SAFETENSORS_NAMES)}")
         nbytes = torch.Size(shape).numel() * _itemsize(dtype)
-        header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": SAFETENSORS_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         spans[name] = (offset, offset + nbytes)
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -98,7 +93,7 @@ class SafetensorsWriter:
 @dataclass(frozen=True)
 class TensorShard:
     """A rank's part of tensor ``name``: the whole tensor (``dim`` None) or chunk ``index`` of
-    ``parts`` equal chunks along ``dim`` (how :func:`mlora.models.weight_map.shard` cuts TP shards)."""
+    ``parts`` equal chunks along ``dim`` (how :func:`mlora.formats.weight_map.shard` cuts TP shards)."""
 
     name: str
     tensor: torch.Tensor

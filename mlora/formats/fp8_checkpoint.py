@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from mlora.models.checkpoint_reader import CheckpointError, CheckpointReader
+from mlora.formats.checkpoint_reader import CheckpointError, CheckpointReader
 
 SCALE_SUFFIX = "_scale_inv"  # "X.weight" -> "X.weight_scale_inv"
 SUPPORTED = ('quant_method "fp8" with fmt "e4m3", activation_scheme "dynamic" and '

@@ -1,7 +1,7 @@
 """Checkpoint directories: atomic visibility, the ``latest`` pointer, pruning, completeness checks,
 which checkpoint to resume from, and the identity of the base model a checkpoint belongs to.
 
-Layout (SkyRL's names where SkyRL has them; what goes inside is :mod:`mlora.train.train_state`)::
+Layout (SkyRL's names where SkyRL has them; what goes inside is :mod:`mlora.checkpoint.rl_state`)::
 
     <ckpt_path>/latest_ckpt_global_step.txt   the step of the newest complete checkpoint
     <ckpt_path>/global_step_<k>/              one complete checkpoint
@@ -30,7 +30,8 @@ from typing import Callable
 
 # one error class for every unusable checkpoint (incomplete, truncated, not a checkpoint, another
 # base), the reader's short reads included
-from mlora.models.checkpoint_reader import CheckpointError
+from mlora.formats.checkpoint_reader import CheckpointError
+from mlora.formats.durable import durable_writes, fsync_dir, write_text_atomic
 
 log = logging.getLogger("mlora")
 
@@ -39,41 +40,6 @@ LATEST_FILE = "latest_ckpt_global_step.txt"  # SkyRL's pointer file
 MANIFEST = "manifest.json"
 FORMAT = "mlora-train-state/1"
 RESUME_MODES = ("none", "latest", "from_path")
-
-
-# ------------------------------------------------------------------ durable writes
-def fsync_file(path: Path) -> None:
-    """Flush ``path``'s data to stable storage (the writer's own pages: every rank syncs what it wrote)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make the entries of directory ``path`` (new names, renames) durable."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:  # some filesystems do not open directories; their renames are durable on their own
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """``path`` holds either its old content or ``text``, never a mix: temp file, fsync, rename."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 # ------------------------------------------------------------------ base model identity
@@ -261,7 +227,6 @@ def save_checkpoint(root: Path, step: int, mesh, write: Callable[[Path], list[Pa
     ``{file: size}`` lists reach rank 0 as JSON bytes in a tensor gather (no pickle)."""
     import torch.distributed as dist
 
-    from mlora.export.sharded_write import durable_writes
     from mlora.parallel.small_collectives import gather_json, raise_if_any_failed
 
     t0 = time.perf_counter()

@@ -1,13 +1,13 @@
 """What a checkpoint holds, written by the ranks that own it and read back on any mesh.
 
-Inside ``global_step_<k>/`` (the directory protocol is :mod:`mlora.train.checkpoint`)::
+Inside ``global_step_<k>/`` (the directory protocol is :mod:`mlora.checkpoint.dirs`)::
 
     adapters/<name>/adapter_config.json         policy and critic in PEFT layout (gathered, as exported;
     adapters/<name>/adapter_model.safetensors   loads in PEFT and vLLM, `mlora export-adapter` reads it)
     heads/<name>.safetensors                    the critic's value head (TRL's v_head.summary.* names)
     optim/pp<p>-tp<t>.safetensors               AdamW moments and step counts, canonical pieces
-                                                (mlora.train.sharded_state), written by their owners
-    rng/rank<r>.safetensors                     each rank's generator states (mlora.train.rng_state)
+                                                (mlora.checkpoint.optim_state), written by their owners
+    rng/rank<r>.safetensors                     each rank's generator states (mlora.checkpoint.rng_state)
     trainer_state.json                          step, data position, LR schedulers, KL controller,
                                                 LoRA dropout counters, the mesh it was saved on
     config.yaml                                 the run's configuration
@@ -24,11 +24,9 @@ from pathlib import Path
 
 import torch
 
-from mlora.models.checkpoint_reader import CheckpointReader
-from mlora.models.safetensors_writer import SafetensorsWriter
-from mlora.train import rng_state
-from mlora.train.checkpoint import CheckpointError, fsync_file
-from mlora.train.sharded_state import (
+from mlora.checkpoint import rng_state
+from mlora.checkpoint.dirs import CheckpointError
+from mlora.checkpoint.optim_state import (
     HEAD_NAMES,
     OptimizerStateReader,
     adapter_pieces,
@@ -36,6 +34,9 @@ from mlora.train.sharded_state import (
     load_optimizer_state,
     write_optimizer_state,
 )
+from mlora.formats.checkpoint_reader import CheckpointReader
+from mlora.formats.durable import fsync_file
+from mlora.formats.safetensors_writer import SafetensorsWriter
 
 log = logging.getLogger("mlora")
 

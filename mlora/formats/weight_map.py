@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mlora.models.checkpoint_reader import CheckpointReader
-from mlora.models.hf_config import ModelSpec
+from mlora.formats.checkpoint_reader import CheckpointReader
+from mlora.formats.hf_config import ModelSpec
 
 REPLICATED, ROWS, COLUMNS, QKV, FC1, VOCAB = "replicated", "rows", "columns", "qkv", "fc1", "vocab"
 

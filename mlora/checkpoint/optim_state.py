@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 
 from mlora.export.peft_files import peft_tensor_name
+from mlora.formats.checkpoint_reader import CheckpointError, CheckpointReader, read_safetensors_header
+from mlora.formats.safetensors_writer import SafetensorsWriter
+from mlora.formats.weight_map import COLUMNS, REPLICATED, ROWS
 from mlora.lora.sites import FACTOR_KINDS
-from mlora.models.checkpoint_reader import CheckpointError, CheckpointReader, read_safetensors_header
-from mlora.models.safetensors_writer import SafetensorsWriter
-from mlora.models.weight_map import COLUMNS, REPLICATED, ROWS
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # torch AdamW's per-parameter tensors (plus the scalar "step")
 HEAD_NAMES = ("v_head.summary.weight", "v_head.summary.bias")  # TRL's value head names

@@ -30,7 +30,7 @@ from typing import Any, Iterator
 import torch
 
 # GGUF ``general.architecture`` -> the HF class transformers builds from it; only those mlora supports
-# (mlora.models.hf_config.SUPPORTED_ARCHITECTURES). llama.cpp stores Mistral models as "llama" too.
+# (mlora.formats.hf_config.SUPPORTED_ARCHITECTURES). llama.cpp stores Mistral models as "llama" too.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 DTYPES = ("float32", "bfloat16")
 GGUF_INSTALL = 'pip install "gguf==0.19.*"   (or: pip install "mlora[gguf]")'

@@ -216,7 +216,7 @@ def te_lora_linear_classes():
     """``(LoraTEColumnParallelLinear, LoraTERowParallelLinear)`` (UNVERIFIED).
 
     Built on first call: the megatron TE wrappers are imported only here, after
-    :func:`require_te`, so that importing :mod:`mlora.fp8.te` never imports TE.
+    :func:`require_te`, so that importing :mod:`mlora.models.te` never imports TE.
     """
     require_te(fp8=False)
     from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TERowParallelLinear

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from mlora.models.checkpoint_reader import read_safetensors_header
-from mlora.models.safetensors_writer import SafetensorsWriter
+from mlora.formats.checkpoint_reader import read_safetensors_header
+from mlora.formats.safetensors_writer import SafetensorsWriter
 
 
 def _megatron_tracker():

@@ -1,11 +1,11 @@
-"""Checkpoints of SFT / reward-model / DPO runs: the PPO layout (:mod:`mlora.train.train_state`) with
+"""Checkpoints of SFT / reward-model / DPO runs: the PPO layout (:mod:`mlora.checkpoint.rl_state`) with
 one trained adapter, and for the reward model its bias-free head.
 
-Inside ``global_step_<k>/`` (directory protocol: :mod:`mlora.train.checkpoint`)::
+Inside ``global_step_<k>/`` (directory protocol: :mod:`mlora.checkpoint.dirs`)::
 
     adapters/<name>/                  the trained adapter, PEFT layout (gathered, as exported)
     heads/<name>.safetensors          reward model only: ``score.weight`` [1, hidden] (HF's name)
-    optim/pp<p>-tp<t>.safetensors     AdamW state in canonical pieces (mlora.train.sharded_state)
+    optim/pp<p>-tp<t>.safetensors     AdamW state in canonical pieces (mlora.checkpoint.optim_state)
     rng/rank<r>.safetensors           each rank's generator states
     trainer_state.json, config.yaml   step, data position, LR schedule, dropout counters, mesh; the config
 
@@ -19,19 +19,16 @@ from pathlib import Path
 
 import torch
 
-from mlora.models.checkpoint_reader import CheckpointReader
-from mlora.models.safetensors_writer import SafetensorsWriter
-from mlora.models.weight_map import REPLICATED
-from mlora.train import rng_state
-from mlora.train.checkpoint import CheckpointError, fsync_file
-from mlora.train.sharded_state import (
+from mlora.checkpoint import rng_state
+from mlora.checkpoint.dirs import CheckpointError
+from mlora.checkpoint.optim_state import (
     OptimizerStateReader,
     Piece,
     adapter_pieces,
     load_optimizer_state,
     write_optimizer_state,
 )
-from mlora.train.train_state import (
+from mlora.checkpoint.rl_state import (
     ADAPTERS,
     CONFIG_FILE,
     HEADS,
@@ -43,6 +40,10 @@ from mlora.train.train_state import (
     _restore_scheduler,
     read_loop_state,
 )
+from mlora.formats.checkpoint_reader import CheckpointReader
+from mlora.formats.durable import fsync_file
+from mlora.formats.safetensors_writer import SafetensorsWriter
+from mlora.formats.weight_map import REPLICATED
 
 SCORE_NAME = "score.weight"  # HF's sequence-classification head
 ROLE = "actor"  # the optimizer group's name in optim/ (one trained adapter, as the PPO actor)

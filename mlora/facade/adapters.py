@@ -27,15 +27,14 @@ from mlora.export.peft_files import (
     read_peft_config,
     write_peft_adapter_sharded,
 )
+from mlora.export.sharded_write import select_shards
+from mlora.formats.checkpoint_reader import CheckpointReader
+from mlora.formats.safetensors_writer import TensorShard
+from mlora.formats.weight_map import REPLICATED, read_shard, shard, unshard
 from mlora.lora.config import INIT_METHODS, LoraConfig, derive_seed, master_dtype
 from mlora.lora.layers import DropoutKey, LoraBranch, LoraHost, LoraSite, has_tp_partial_grad, stacked_b
 from mlora.lora.sites import FACTOR_KINDS, factor_shapes, model_sites
-from mlora.lora.targets import resolve_targets
-from mlora.models.checkpoint_reader import CheckpointReader
-from mlora.models.safetensors_writer import TensorShard
-from mlora.models.weight_map import COLUMNS, REPLICATED, ROWS, read_shard, shard, unshard
-
-_SPLIT_DIM = {ROWS: 0, COLUMNS: 1}  # the dim a TP-sharded factor is cut along (weight_map.shard)
+from mlora.lora.targets import HF_PROJECTIONS, resolve_targets
 
 
 @dataclass
@@ -45,17 +44,6 @@ class AdapterInfo:
     config: LoraConfig
     trainable: bool
     modules: frozenset  # (layer, HF projection) pairs, over the whole model
-
-
-def attach_lora_sites(gpt: torch.nn.Module, spec, tp: int) -> None:
-    """Tell each LoRA linear of this stage where it sits: layer index, projections, output layout."""
-    sites = model_sites(spec, tp)
-    for layer in gpt.decoder.layers:
-        i = layer.layer_number - 1
-        layer.self_attention.linear_qkv.lora_site = sites[(i, "q_proj")]
-        layer.self_attention.linear_proj.lora_site = sites[(i, "o_proj")]
-        layer.mlp.linear_fc1.lora_site = sites[(i, "gate_proj")]
-        layer.mlp.linear_fc2.lora_site = sites[(i, "down_proj")]
 
 
 def _draw_a(method: str, shape: tuple[int, int], g: torch.Generator) -> torch.Tensor:
@@ -101,7 +89,7 @@ class AdapterHost:
 
     def _lora_linears(self) -> Iterator[torch.nn.Module]:
         for module in self.gpt.modules():
-            if isinstance(module, LoraHost):  # the local spec's LoRA linears and the TE spec's (mlora.fp8.te)
+            if isinstance(module, LoraHost):  # the local spec's LoRA linears and the TE spec's (mlora.models.te)
                 yield module
 
     # ------------------------------------------------------------- creation
@@ -269,9 +257,9 @@ class AdapterHost:
 
         Each TP rank holds only its part of those gradients (A of column layers and B of row
         layers depend on its output or input shard); the sum is the full gradient. The training
-        engine folds this into its once-per-step DP reduction (:mod:`mlora.train.grads`).
+        engine folds this into its once-per-step DP reduction (:mod:`mlora.lora.grads`).
         """
-        from mlora.train.grads import all_reduce_grads
+        from mlora.lora.grads import all_reduce_grads
 
         all_reduce_grads([p for p in self.parameters() if has_tp_partial_grad(p)], self.mesh.tp_group)
 
@@ -295,46 +283,59 @@ class AdapterHost:
                 out[peft_tensor_name(site.layer, sub, "B")] = self._gather_tp(b, b_kind)
         return out
 
-    def adapter_layout(self, name: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    def adapter_layout(self, name: str, dtype: torch.dtype | None = None, order: str = "name"
+                       ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """PEFT file layout of adapter ``name`` over the whole model: tensor name -> (dtype, full shape),
-        sorted by name as PEFT writes it. Derived from the config and the model's shapes alone, so
-        every rank of every stage computes the same (no communication)."""
+        sorted by name as PEFT writes it (``order="layer"``: by layer, then projection, A before B: the
+        hand-off's segment, :mod:`mlora.rollout.tensor_sync`). ``dtype``: default :attr:`adapter_dtype`.
+        Derived from the config and the model's shapes alone, so every rank of every stage computes the
+        same (no communication)."""
         self._require(name)
         info, sites = self.adapters[name], model_sites(self.spec, self.mesh.tp)
+        dtype = dtype or self.adapter_dtype
+        modules = sorted(info.modules, key=lambda m: (m[0], HF_PROJECTIONS.index(m[1])))
         layout = {}
-        for layer, sub in info.modules:
+        for layer, sub in modules:
             a_shape, b_shape = factor_shapes(sites[(layer, sub)], sub, info.config.rank)
-            layout[peft_tensor_name(layer, sub, "A")] = (self.adapter_dtype, a_shape)
-            layout[peft_tensor_name(layer, sub, "B")] = (self.adapter_dtype, b_shape)
+            layout[peft_tensor_name(layer, sub, "A")] = (dtype, a_shape)
+            layout[peft_tensor_name(layer, sub, "B")] = (dtype, b_shape)
+        if order == "layer":
+            return layout
+        if order != "name":
+            raise ValueError(f"order={order!r}; valid: 'name', 'layer'")
         return dict(sorted(layout.items()))
 
-    def adapter_shards(self, name: str) -> Iterator[TensorShard]:
-        """This rank's part of adapter ``name``'s PEFT file, one factor at a time, nothing gathered.
-
-        DP rank 0 of each stage writes; the other DP replicas hold the same values and write nothing.
-        A TP-sharded factor (B of column layers, A of row layers) is written by every TP rank, its own
-        chunk; a replicated factor by one TP rank, taken in turn so the TP ranks write alike.
-        """
+    def adapter_peft_config(self, name: str) -> dict:
+        """The ``adapter_config.json`` of adapter ``name`` (what :meth:`save_adapter` writes)."""
         self._require(name)
-        if self.mesh.dp_rank != 0:
-            return
-        tp, tp_rank, turn = self.mesh.tp, self.mesh.tp_rank, 0
+        info = self.adapters[name]
+        return peft_adapter_config(info.config, set(info.modules), self.spec.num_layers, str(self.hf_dir),
+                                   self.spec.architecture)
+
+    def _factor_shards(self, name: str) -> Iterator[tuple[str, torch.Tensor, str]]:
+        """(PEFT name, this rank's factor, TP kind) of every factor of ``name`` on this rank, in the order of
+        this stage's LoRA linears (the same on every TP rank of the stage)."""
         for linear in self._lora_linears():
             if name not in linear.lora:
                 continue
             site, branch = linear.lora_site, linear.lora[name]
+            a_kind, b_kind = FACTOR_KINDS[site.parallel]
             for k, sub in enumerate(branch.subs):
-                factors = (("A", branch.a_of(k), FACTOR_KINDS[site.parallel][0]),
-                           ("B", branch.lora_B[k], FACTOR_KINDS[site.parallel][1]))
-                for factor, local, kind in factors:
-                    tensor_name = peft_tensor_name(site.layer, sub, factor)
-                    if kind == REPLICATED or tp == 1:
-                        turn += 1
-                        if (turn - 1) % tp == tp_rank:  # every TP rank of the stage walks the same order
-                            yield TensorShard(tensor_name, local.detach())
-                    else:
-                        yield TensorShard(tensor_name, local.detach(),
-                                          dim=_SPLIT_DIM[kind], index=tp_rank, parts=tp)
+                yield peft_tensor_name(site.layer, sub, "A"), branch.a_of(k).detach(), a_kind
+                yield peft_tensor_name(site.layer, sub, "B"), branch.lora_B[k].detach(), b_kind
+
+    def adapter_shards(self, name: str) -> Iterator[TensorShard]:
+        """This rank's part of adapter ``name``'s PEFT file, one factor at a time, nothing gathered: what
+        :meth:`save_adapter` and the tensor hand-off (:mod:`mlora.rollout.tensor_sync`) write.
+
+        DP rank 0 of each stage writes; the other DP replicas hold the same values and write nothing.
+        A TP-sharded factor (B of column layers, A of row layers) is written by every TP rank, its own
+        chunk; a replicated factor by one TP rank, taken in turn so the TP ranks write alike
+        (:func:`mlora.export.sharded_write.select_shards`).
+        """
+        self._require(name)
+        mesh = self.mesh
+        yield from select_shards(self._factor_shards(name), mesh.tp, mesh.tp_rank, mesh.dp_rank)
 
     def save_adapter(self, name: str, out_dir: str | os.PathLike) -> None:
         """Write adapter ``name`` as a PEFT directory (collective: call on every rank).
@@ -349,11 +350,7 @@ class AdapterHost:
         each file appears atomically. Loads unchanged with ``PeftModel.from_pretrained`` and in vLLM.
         """
         self._require(name)
-        info = self.adapters[name]
-        config = None
-        if self.mesh.rank == 0:
-            config = peft_adapter_config(info.config, set(info.modules), self.spec.num_layers,
-                                         str(self.hf_dir), self.spec.architecture)
+        config = self.adapter_peft_config(name) if self.mesh.rank == 0 else None
         write_peft_adapter_sharded(out_dir, self.adapter_layout(name), self.adapter_shards(name), config, root=0)
 
     def merged_weight(self, linear: torch.nn.Module, names: list[str]) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""MLoraModel: this rank's shard of a frozen HF decoder on megatron-core, with the mlora API."""
+"""MLoraModel: this rank's shard of a frozen HF decoder on megatron-core, with the mlora API, and
+:func:`from_pretrained`, which builds it."""
 
 from __future__ import annotations
 
@@ -12,19 +13,16 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from mlora.lora.adapters import AdapterHost
+from mlora.facade.adapters import AdapterHost
+from mlora.formats.checkpoint_reader import SIDE_FILES  # copied verbatim from the source by save_merged
+from mlora.formats.hf_config import ModelSpec
+from mlora.formats.safetensors_writer import SafetensorsWriter
+from mlora.formats.weight_map import is_export_copy, stage_param_maps
 from mlora.lora.config import master_dtype
 from mlora.models.attention import SDPAttention, is_right_padded, sdpa_mask
 from mlora.models.attention import attention_mask as build_attention_mask
-from mlora.models.hf_config import ModelSpec
-from mlora.models.safetensors_writer import SafetensorsWriter
-from mlora.models.weight_map import is_export_copy, stage_param_maps
+from mlora.models.loader import load_shard
 from mlora.parallel.mesh import Mesh
-
-# Files copied verbatim from the source checkpoint by save_merged.
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-              "chat_template.jinja")
 
 
 class ScalarHead(torch.nn.Linear):
@@ -39,7 +37,7 @@ class MLoraModel(AdapterHost, torch.nn.Module):
     """The frozen base of one rank (a megatron ``GPTModel`` shard), its adapters, and the facade.
 
     Build it with :func:`mlora.from_pretrained`. Adapter methods (``add_adapter``,
-    ``load_adapter``, ``use_adapters`` ...) come from :class:`mlora.lora.adapters.AdapterHost`.
+    ``load_adapter``, ``use_adapters`` ...) come from :class:`mlora.facade.adapters.AdapterHost`.
     """
 
     def __init__(self, gpt: torch.nn.Module, spec: ModelSpec, mesh: Mesh, hf_dir: Path, dtype: torch.dtype,
@@ -347,3 +345,50 @@ class MLoraModel(AdapterHost, torch.nn.Module):
                 if (self.hf_dir / name).is_file():
                     shutil.copyfile(self.hf_dir / name, out / name)
         dist.barrier()
+
+
+def from_pretrained(hf_dir: str | os.PathLike, mesh: Mesh, dtype: torch.dtype = torch.float32,
+                    fp8: str | None = None, fp8_recipe: str = "delayed", attention: str = "sdpa",
+                    recompute: str = "none", recompute_method: str | None = None,
+                    recompute_num_layers: int | None = None,
+                    recompute_modules: Sequence[str] | None = None,
+                    lora_compute_dtype: torch.dtype | None = None) -> MLoraModel:
+    """This rank's shard of the HF model in ``hf_dir``, frozen, on ``mesh``.
+
+    Supports LlamaForCausalLM, Qwen2ForCausalLM and MistralForCausalLM from safetensors
+    (single file or sharded with ``model.safetensors.index.json``). Each rank reads only the
+    tensors of its pipeline stage and only its TP slices of them.
+
+    ``dtype`` is the compute dtype of the frozen base. Adapters and heads are held in float32 under a
+    16-bit ``dtype`` (master weights: AdamW updates of LoRA factors at real learning rates round away
+    in bf16) and in ``dtype`` otherwise; ``lora_compute_dtype`` is the dtype the LoRA branches compute
+    in (default: the adapters' own, i.e. float32 on a bf16 base, as PEFT does; ``dtype`` casts the
+    masters down per forward instead, cheaper on GPUs). ``fp8`` says how the frozen linears
+    (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``) are stored and multiplied:
+    None (in ``dtype``), ``"torch"`` (float8_e4m3fn, one float32 scale per output row over the whole
+    unsharded row, GEMMs through ``torch._scaled_mm``; see :mod:`mlora.fp8.quant`) or ``"te"``
+    (Transformer Engine, GPU; ``fp8_recipe`` delayed | current | mxfp8; unverified: no TE run has
+    happened yet). With ``"torch"`` each linear is quantized as soon as its shard is read.
+
+    ``attention`` is the core attention of the local spec: ``"sdpa"`` (default; torch's fused
+    ``scaled_dot_product_attention``, no ``[b, 1, s, s]`` mask unless the batch has left padding or
+    a sliding window shorter than the sequence; see :mod:`mlora.models.attention`) or ``"unfused"``
+    (megatron's ``DotProductAttention`` with the full boolean mask: scores materialised; the
+    reference). ``fp8="te"`` uses Transformer Engine's core attention whatever ``attention`` says.
+    Logits at padding positions are unspecified (as in HF) and may differ between the two.
+
+    ``recompute`` is megatron's activation recompute in training mode, a property of the build shared
+    by every adapter (actor and critic ride on this one base): ``"none"`` (keep every activation),
+    ``"selective"`` (recompute ``recompute_modules`` of each layer: ``core_attn`` by default, ``mlp``)
+    or ``"full"`` (keep only the input of each group of layers and rerun it in backward;
+    ``recompute_method`` ``"uniform"`` (default: groups of ``recompute_num_layers``, default 1, which
+    must divide the layers of a stage) or ``"block"`` (the first ``recompute_num_layers`` layers of each
+    stage)). Gradients equal those without recompute, LoRA dropout included; see
+    :mod:`mlora.models.recompute`.
+    """
+    shard = load_shard(hf_dir, mesh, dtype, fp8=fp8, fp8_recipe=fp8_recipe, attention=attention,
+                       recompute=recompute, recompute_method=recompute_method,
+                       recompute_num_layers=recompute_num_layers, recompute_modules=recompute_modules,
+                       lora_compute_dtype=lora_compute_dtype)
+    return MLoraModel(shard.gpt, shard.spec, mesh, Path(hf_dir), dtype, bytes_read=shard.bytes_read, fp8=shard.fp8,
+                      lora_compute_dtype=lora_compute_dtype).eval()  # like HF: eval mode
