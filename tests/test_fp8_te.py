@@ -253,14 +253,10 @@ def _install_stand_ins(set_attr) -> None:
 
 
 def _te_model(mlora, model_dir, mesh, set_attr):
-    """``mlora.from_pretrained`` with the TE block spec (and the TE LoRA linears registered)."""
-    import mlora.facade.adapters as adapters
+    """``mlora.from_pretrained`` with the TE block spec (the registry finds its LoRA linears: LoraHosts)."""
     import mlora.models.megatron_build as mb
 
-    col, row = fp8_te.te_lora_linear_classes()
     set_attr(mb, "block_spec", fp8_te.te_block_spec)
-    if hasattr(adapters, "LORA_LINEARS") and not issubclass(col, adapters.LORA_LINEARS):
-        set_attr(adapters, "LORA_LINEARS", (*adapters.LORA_LINEARS, col, row))
     return mlora.from_pretrained(model_dir, mesh)
 
 

@@ -118,3 +118,18 @@ def test_adapter_that_does_not_fit_the_base(model, tiny_models, tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         model.load_adapter("x", tmp_path / "nope")
     assert not model.adapters  # nothing half-created
+
+
+def test_weights_load_only_under_the_scaling_they_were_trained_with(model, tmp_path):
+    """Resuming puts saved factors into the run's adapters (``load_adapter_weights``): another lora_alpha or
+    rsLoRA would make the same factors compute another function, and is refused naming both."""
+    saved = random_peft_adapter(model.hf_dir, tmp_path / "saved", r=4, alpha=8, seed=15)
+    model.add_adapter("same", mlora.LoraConfig(rank=4, alpha=8))
+    model.load_adapter_weights("same", saved)  # same rank and scaling: fine
+    model.add_adapter("alpha", mlora.LoraConfig(rank=4, alpha=16))
+    with pytest.raises(ValueError, match=r"lora_alpha=8, use_rslora=False \(scaling 2\), adapter 'alpha' has "
+                                         r"lora_alpha=16, use_rslora=False \(scaling 4\)"):
+        model.load_adapter_weights("alpha", saved)
+    model.add_adapter("rs", mlora.LoraConfig(rank=4, alpha=8, use_rslora=True))
+    with pytest.raises(ValueError, match=r"adapter 'rs' has lora_alpha=8, use_rslora=True \(scaling 4\)"):
+        model.load_adapter_weights("rs", saved)

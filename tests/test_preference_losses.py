@@ -191,6 +191,12 @@ def _cfg(name: str, *overrides: str):
     ("ppo", ["preference.beta=0.5"], "preference.beta set, but preference.stage is null"),
     ("dpo", ["data.train_data=[a.parquet]", "generator.n_samples_per_prompt=4"],
      "generator.n_samples_per_prompt set, but preference.stage=dpo has no rollouts"),
+    # trainer keys of the RL loop that these stages never read (once accepted and ignored)
+    *[(stage, ["data.train_data=[a.parquet]", f"trainer.{key}={value}"], f"trainer.{key} set, but preference.stage="
+       f"{stage} has no rollouts") for stage, key, value in (
+        ("sft", "update_epochs_per_batch", 2), ("rm", "micro_forward_batch_size_per_gpu", 2),
+        ("dpo", "max_prompt_length", 64), ("sft", "critic_mini_batch_size", 2), ("dpo", "eval_batch_size", 8),
+        ("rm", "dump_eval_results", "false"))],
 ])
 def test_config_errors(name, overrides, message):
     from mlora.config.validate import ConfigError, finalize

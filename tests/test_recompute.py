@@ -317,3 +317,24 @@ def test_config_errors(tiny_models, args, pp, match):
 
     with pytest.raises(ConfigError, match=match):
         _compose(tiny_models, *args, pp=pp)
+
+
+def test_flash_attn_key_chooses_the_core_attention(tiny_models):
+    """``trainer.flash_attn`` (SkyRL's key) does what its name says: true is torch's fused SDPA, false
+    megatron's unfused DotProductAttention; it is no longer a key with no effect."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from mlora.config.validate import ConfigError
+    from mlora.models.attention import SDPAttention
+    from mlora.train.from_config import model_kwargs
+
+    for flash, cls in ((True, SDPAttention), (False, DotProductAttention)):
+        t, notes = _compose(tiny_models, f"trainer.flash_attn={str(flash).lower()}")
+        kwargs = model_kwargs(t)
+        assert kwargs["attention"] == ("sdpa" if flash else "unfused")
+        assert not [n for n in notes if "flash_attn" in n], notes
+        m = mlora.from_pretrained(tiny_models / "llama", mlora.init_parallel(tp=1, pp=1), **kwargs)
+        assert {type(layer.self_attention.core_attention) for layer in m.gpt.decoder.layers} == {cls}
+    with pytest.raises(ConfigError, match=r"trainer.flash_attn=false selects megatron's unfused core attention .* "
+                                          r"trainer.fp8=te uses Transformer Engine's own core attention"):
+        _compose(tiny_models, "trainer.flash_attn=false", "trainer.fp8=te", "trainer.dtype=bfloat16")

@@ -11,8 +11,32 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from mlora.export.reward_adapter import last_token_scores
+
 TOL = 1e-5  # float32
 LENGTHS = (9, 6, 12, 3)
+
+
+@torch.no_grad()
+def score_sequences(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                    adapters: tuple[str, ...] = ("reward",), head_name: str = "reward") -> torch.Tensor | None:
+    """Scores ``[b]`` of whole sequences under ``adapters`` and head ``head_name``: one forward-only pass
+    in eval mode, the scores on the last stage (what the PPO engine's ``reward_scores`` computes in
+    micro-batches over DP)."""
+    head = model.heads[head_name] if model.mesh.is_last_stage else None
+
+    def fn(hidden, mb):
+        return torch.zeros(()), {"out": last_token_scores(head, hidden, mb.get("attention_mask"))}
+
+    training = model.training
+    model.eval()
+    try:
+        with model.use_adapters(*adapters):
+            outs = model.forward_backward([{"input_ids": input_ids, "attention_mask": attention_mask}], fn,
+                                          forward_only=True, hidden_states=True)
+    finally:
+        model.train(training)
+    return None if outs is None else outs[0]["out"].cpu()
 
 
 @pytest.fixture
@@ -56,7 +80,7 @@ def _hf_scores(base_dir: Path, adapter_dir: Path, ids, mask) -> torch.Tensor:
 
 
 def test_peft_seq_cls_scores_equal_mlora(reward_model, tiny_models, tmp_path):
-    from mlora.export.reward_adapter import SCORE_TENSOR, save_reward_adapter, score_sequences
+    from mlora.export.reward_adapter import SCORE_TENSOR, save_reward_adapter
 
     ids, mask = _batch(reward_model)
     mine = score_sequences(reward_model, ids, mask, ("rm",), "rm")
@@ -71,7 +95,7 @@ def test_peft_seq_cls_scores_equal_mlora(reward_model, tiny_models, tmp_path):
 
 
 def test_round_trip_is_bit_identical(reward_model, tmp_path):
-    from mlora.export.reward_adapter import load_reward_adapter, save_reward_adapter, score_sequences
+    from mlora.export.reward_adapter import load_reward_adapter, save_reward_adapter
 
     ids, mask = _batch(reward_model)
     first = save_reward_adapter(reward_model, "rm", "rm", tmp_path / "a")

@@ -147,3 +147,21 @@ def test_engine_start_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NoSuchModelForCausalLM"]}))
     with pytest.raises(RuntimeError, match="vLLM engine for .* (failed to start|did not start|died)"):
         LocalVLLMEngine(tmp_path, start_timeout=300)
+
+
+def test_shipped_files_keep_the_adapter_name():
+    """Ray engines in memory mode receive the adapter as file contents; they serve it under the name the
+    trainer gave, not under the last file's name (the loop variable once shadowed it)."""
+    from mlora.rollout.vllm_engine import VLLMServer
+
+    server = VLLMServer.__new__(VLLMServer)  # no engine: only the file handling runs
+    server._segment = None
+    served = []
+    server.set_adapter = lambda path, name: served.append((Path(path), name, sorted(p.name for p in Path(path).iterdir())))
+    files = {"adapter_config.json": b"{}", "adapter_model.safetensors": b"\0"}
+    server.set_adapter_files(files, "policy")
+    server.set_adapter_files(files, "policy")
+    assert [s[1:] for s in served] == [("policy", sorted(files))] * 2
+    assert not served[0][0].exists() and served[1][0].exists()  # the previous copy is removed
+    server.shutdown()
+    assert not served[1][0].exists()

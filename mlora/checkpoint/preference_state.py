@@ -3,7 +3,7 @@ one trained adapter, and for the reward model its bias-free head.
 
 Inside ``global_step_<k>/`` (directory protocol: :mod:`mlora.checkpoint.dirs`)::
 
-    adapters/<name>/                  the trained adapter, PEFT layout (gathered, as exported)
+    adapters/<name>/                  the trained adapter, PEFT layout as exported (ranks write their shards)
     heads/<name>.safetensors          reward model only: ``score.weight`` [1, hidden] (HF's name)
     optim/pp<p>-tp<t>.safetensors     AdamW state in canonical pieces (mlora.checkpoint.optim_state)
     rng/rank<r>.safetensors           each rank's generator states

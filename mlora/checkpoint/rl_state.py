@@ -2,8 +2,9 @@
 
 Inside ``global_step_<k>/`` (the directory protocol is :mod:`mlora.checkpoint.dirs`)::
 
-    adapters/<name>/adapter_config.json         policy and critic in PEFT layout (gathered, as exported;
-    adapters/<name>/adapter_model.safetensors   loads in PEFT and vLLM, `mlora export-adapter` reads it)
+    adapters/<name>/adapter_config.json         policy and critic in PEFT layout, as exported (each
+    adapters/<name>/adapter_model.safetensors   rank writes its shards into the one file, no gather;
+                                                loads in PEFT and vLLM, `mlora export-adapter` reads it)
     heads/<name>.safetensors                    the critic's value head (TRL's v_head.summary.* names)
     optim/pp<p>-tp<t>.safetensors               AdamW moments and step counts, canonical pieces
                                                 (mlora.checkpoint.optim_state), written by their owners

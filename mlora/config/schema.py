@@ -171,7 +171,7 @@ class TrainerSection:
     gradient_checkpointing_use_reentrant: bool = False  # SkyRL's HF checkpoint flavour; no effect here
     use_sample_packing: bool = False  # SkyRL: true; mlora pads micro-batches (same results)
     remove_microbatch_padding: bool = False  # newer SkyRL name of the same idea
-    flash_attn: bool = True
+    flash_attn: bool = True  # true: torch's fused scaled_dot_product_attention; false: megatron's unfused attention
     # complete training state, any mesh can resume it; preemption (SIGTERM/SIGUSR1) saves one as well
     ckpt_interval: int = 0  # <= 0: no periodic checkpoints (as SkyRL); k: every k steps and at the end
     ckpt_path: Optional[str] = None  # None: <run_dir>/checkpoints (global_step_<k>/, latest_ckpt_global_step.txt)

@@ -8,6 +8,7 @@ with the torchrun world, aliases given twice with different values.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Iterable
@@ -25,7 +26,9 @@ LOSS_REDUCTIONS = {"token_mean": "token-mean", "sequence_mean": "seq-mean-token-
                    "seq_mean_token_sum_norm": "seq-mean-token-sum-norm"}
 POLICY_LOSS_TYPES = ("regular", "dual_clip")
 WEIGHT_SYNC = ("disk", "memory", "tensors")
-LOGGERS = ("console", "wandb", "tensorboard")
+# trainer.logger -> the package its backend needs (installed by the extra ``mlora[logging]``)
+LOGGER_PACKAGES = {"console": None, "wandb": "wandb", "tensorboard": "tensorboard"}
+LOGGERS = tuple(LOGGER_PACKAGES)
 BACKENDS = ("vllm",)
 
 _FILE_HANDOFF = ("mlora hands the adapter to the engines as PEFT files (generator.weight_sync=disk|memory) or as "
@@ -42,7 +45,6 @@ NO_EFFECT = {
                                                     "states); gradients are the same either way",
     "trainer.use_sample_packing": "mlora pads micro-batches (same results, padding tokens are masked)",
     "trainer.remove_microbatch_padding": "mlora pads micro-batches (same results, padding tokens are masked)",
-    "trainer.flash_attn": "attention is megatron's local path; the kernel does not change results",
     "trainer.policy.optimizer_config.offload_after_step": "adapter optimizer state is small and stays on device",
     "trainer.critic.optimizer_config.offload_after_step": "adapter optimizer state is small and stays on device",
     "trainer.placement.colocate_policy_ref": "policy and reference are always one model here (the base, adapters "
@@ -187,10 +189,17 @@ def _check_trainer(cfg: TrainConfig) -> None:
             raise ConfigError(f"trainer.train_batch_size={t.train_batch_size} is not divisible by trainer.{key}={mini}")
     _check_resume(t)
     _check_choice(t.logger, LOGGERS, "trainer.logger")
+    package = LOGGER_PACKAGES[t.logger]
+    if package is not None and importlib.util.find_spec(package) is None:
+        raise ConfigError(f"trainer.logger={t.logger} needs the {package} package, which is not installed: "
+                          "pip install 'mlora[logging]' (wandb and TensorBoard), or trainer.logger=console")
     _check_choice(t.dtype, ("float32", "bfloat16", "float16"), "trainer.dtype")
     _check_choice(t.lora_compute_dtype, (None, "float32", t.dtype), "trainer.lora_compute_dtype")
     _check_choice(t.fp8, (None, "torch", "te"), "trainer.fp8")
     _check_choice(t.fp8_recipe, ("delayed", "current", "mxfp8"), "trainer.fp8_recipe")
+    if not t.flash_attn and t.fp8 == "te":
+        raise ConfigError("trainer.flash_attn=false selects megatron's unfused core attention of the local spec; "
+                          "trainer.fp8=te uses Transformer Engine's own core attention: drop one of them")
     if t.fp8_recipe != "delayed" and t.fp8 != "te":
         raise ConfigError(f"trainer.fp8_recipe={t.fp8_recipe!r} applies to trainer.fp8=te only (trainer.fp8="
                           f"{t.fp8!r})")
@@ -258,6 +267,9 @@ def _check_reward_model(cfg: TrainConfig) -> None:
 
 
 PREFERENCE_STAGES = ("sft", "rm", "dpo")
+# trainer.* keys of rollouts, PPO epochs and the critic, which the one-step-per-batch stages never read
+RL_ONLY_TRAINER_KEYS = ("update_epochs_per_batch", "micro_forward_batch_size_per_gpu", "max_prompt_length",
+                        "critic_mini_batch_size", "eval_batch_size", "dump_eval_results")
 
 
 def _check_preference(cfg: TrainConfig, world_size: int) -> None:
@@ -281,10 +293,11 @@ def _check_preference(cfg: TrainConfig, world_size: int) -> None:
                     | _set_keys(cfg.environment, fresh.environment, set(), "environment.")
                     | _set_keys(cfg.trainer.algorithm, fresh.trainer.algorithm, set(), "trainer.algorithm.")
                     | _set_keys(cfg.trainer.critic, fresh.trainer.critic, set(), "trainer.critic.")
-                    | _set_keys(cfg.reward_model, fresh.reward_model, set(), "reward_model."))
+                    | _set_keys(cfg.reward_model, fresh.reward_model, set(), "reward_model.")
+                    | {f"trainer.{k}" for k in RL_ONLY_TRAINER_KEYS if getattr(t, k) != getattr(fresh.trainer, k)})
     if unused:
         raise ConfigError(f"{', '.join(unused[:6])}{' ...' if len(unused) > 6 else ''} set, but preference.stage="
-                          f"{p.stage} has no rollouts, environment, reward model, critic or RL algorithm: these keys "
+                          f"{p.stage} has no rollouts, environment, reward model, critic, PPO epochs or RL algorithm: these keys "
                           "apply to the RL loop only")
     if p.stage == "dpo":
         if not p.beta > 0:

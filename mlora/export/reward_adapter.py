@@ -51,7 +51,7 @@ TASK_TYPE = "SEQ_CLS"
 REWARD_META = "mlora_reward.json"  # what the reward adapter was trained on top of (see the module docstring)
 
 
-_HEAD_OK, _HEAD_MISSING, _HEAD_BIASED = 0.0, 1.0, 2.0
+_HEAD_MISSING, _HEAD_BIASED = 1.0, 2.0  # the status entry of the summed buffer; 0 when the head is fine
 
 
 def _head_weight_everywhere(model, head_name: str) -> tuple[torch.Tensor, float]:
@@ -255,26 +255,3 @@ def last_token_scores(head: torch.nn.Module, hidden: torch.Tensor, attention_mas
         positions = torch.arange(s, device=hidden.device).expand(b, s)
         last = (positions * (mask > 0)).amax(dim=1)  # a row of zeros has no token: position 0, never used
     return head(hidden[torch.arange(b, device=hidden.device), last])[:, 0].float()
-
-
-@torch.no_grad()
-def score_sequences(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                    adapters: tuple[str, ...] = ("reward",), head_name: str = "reward") -> torch.Tensor | None:
-    """Scores ``[b]`` of whole sequences under ``adapters`` and head ``head_name``, one forward-only
-    pass through megatron's schedule (collective over TP and PP), in eval mode; the scores on the
-    last stage, None elsewhere. The PPO trainer scores in micro-batches over DP instead
-    (:meth:`mlora.train.engine.ActorCriticEngine.reward_scores`)."""
-    head = model.heads[head_name] if model.mesh.is_last_stage else None
-
-    def fn(hidden, mb):
-        return torch.zeros(()), {"out": last_token_scores(head, hidden, mb.get("attention_mask"))}
-
-    training = model.training
-    model.eval()
-    try:
-        with model.use_adapters(*adapters):
-            outs = model.forward_backward([{"input_ids": input_ids, "attention_mask": attention_mask}], fn,
-                                          forward_only=True, hidden_states=True)
-    finally:
-        model.train(training)
-    return None if outs is None else outs[0]["out"].cpu()

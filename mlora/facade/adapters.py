@@ -178,6 +178,12 @@ class AdapterHost:
         cfg, info = read_peft_config(path), self.adapters[name]
         if cfg.rank != info.config.rank:
             raise ValueError(f"{path}: rank {cfg.rank}, adapter {name!r} has rank {info.config.rank}")
+        if (cfg.alpha, cfg.use_rslora) != (info.config.alpha, info.config.use_rslora):
+            # the factors were trained under their scaling: under another one they compute another function
+            raise ValueError(f"{path}: lora_alpha={cfg.alpha:g}, use_rslora={cfg.use_rslora} (scaling "
+                             f"{cfg.scaling:.6g}), adapter {name!r} has lora_alpha={info.config.alpha:g}, use_rslora="
+                             f"{info.config.use_rslora} (scaling {info.config.scaling:.6g}); load it into an adapter with the "
+                             "same alpha and use_rslora (in a run: trainer.policy|critic.model.lora.alpha)")
         tp, tp_rank = self.mesh.tp, self.mesh.tp_rank
         with CheckpointReader(path) as reader:
             modules = peft_modules(reader.entries, self.spec.num_layers, path)

@@ -504,6 +504,3 @@ class LoraRowParallelLinear(LoraHost, tensor_parallel.RowParallelLinear):
         if self.skip_bias_add:
             return out, self.bias
         return (out + self.bias if self.bias is not None else out), None
-
-
-LORA_LINEARS = (LoraColumnParallelLinear, LoraRowParallelLinear)

@@ -158,8 +158,8 @@ class VLLMServer:
 
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         new = Path(tempfile.mkdtemp(prefix="mlora-adapter-", dir=shm))
-        for name, data in files.items():
-            (new / name).write_bytes(data)
+        for file_name, data in files.items():
+            (new / file_name).write_bytes(data)
         self.set_adapter(new, name)
         old, self._shipped = getattr(self, "_shipped", None), new
         if old is not None:

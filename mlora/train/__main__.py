@@ -37,25 +37,45 @@ def hydra_argv(args: list[str]) -> list[str]:
             + [o for o in HYDRA_QUIET if o.split("=", 1)[0] not in given])
 
 
-def main() -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import hydra
-    from omegaconf import DictConfig, OmegaConf
+CONFIG_NAME_OPTIONS = ("--config-name", "-cn")
 
-    from mlora.config.schema import register_schema
 
-    register_schema()
+def plain_argv(args: list[str]) -> tuple[str, list[str]] | None:
+    """``(config name, overrides)`` when ``args`` are only overrides and ``--config-name``: such runs are
+    composed here, so that a bad key or value is reported once (:mod:`mlora.train.failure`). Anything
+    else (``--help``, ``--cfg``, ``--config-path``, ``hydra.*`` overrides, ...) goes to ``hydra.main``."""
+    name, overrides, i = "ppo", [], 0
+    while i < len(args):
+        arg = args[i]
+        key = arg.split("=", 1)[0]
+        if key in CONFIG_NAME_OPTIONS:
+            if "=" in arg:
+                name = arg.split("=", 1)[1]
+            elif i + 1 < len(args):
+                name, i = args[i + 1], i + 1
+            else:
+                return None
+        elif _is_override(arg) and not key.lstrip("+~").startswith(("hydra.", "hydra/")):
+            overrides.append(arg)
+        else:
+            return None
+        i += 1
+    return name, overrides
 
-    @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="ppo")
-    def _run(dict_cfg: DictConfig) -> None:
-        import torch
-        from hydra.core.hydra_config import HydraConfig
 
-        from mlora.config.validate import finalize
+def _train(dict_cfg, explicit: list[str]) -> None:
+    """Validate, then run the stage the config names; a failure is reported once (exit 2 for config errors)."""
+    import torch
+    from omegaconf import OmegaConf
 
+    from mlora.config.validate import finalize
+    from mlora.train.failure import report
+    from mlora.train.preemption import Preempted
+
+    run_dir = None
+    try:
         cfg = OmegaConf.to_object(dict_cfg)
-        explicit = [o.split("=", 1)[0] for o in HydraConfig.get().overrides.task]
+        run_dir = cfg.trainer.run_dir
         notes = finalize(cfg, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available(), explicit)
         # demo.prepare: the stage's demo assets, built on rank 0 at the start of the run (start_run)
         if cfg.preference.stage is not None:  # sft | rm | dpo (--config-name sft | rm | dpo)
@@ -68,20 +88,72 @@ def main() -> None:
             from mlora.train.loop import run
 
             run(cfg, notes, build_assets=build_demo_assets)
+    except (Preempted, KeyboardInterrupt):
+        raise
+    except SystemExit as stop:
+        if stop.code not in (None, 0):
+            _exit(report(stop, run_dir))
+        raise
+    except BaseException as exc:  # noqa: BLE001 - reported once, then the process ends
+        _exit(report(exc, run_dir))
 
-    sys.argv[1:] = hydra_argv(sys.argv[1:])
+
+def _exit(code: int) -> None:
+    # everything below has unwound (engines stopped, files closed); skip the interpreter's teardown,
+    # which can wait on peers that are gone
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main() -> None:
+    from mlora.train.launch import launch, wants_launcher
+
+    if wants_launcher(sys.argv[1:]):  # mlora-train --nproc_per_node N ...: start the ranks, report once
+        sys.exit(launch(sys.argv[1:]))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from mlora.config.schema import register_schema
     from mlora.train.preemption import Preempted
 
+    register_schema()
+    plain = plain_argv(sys.argv[1:])
     try:
-        _run()
+        if plain is not None:
+            from hydra import compose, initialize_config_dir
+
+            from mlora.train.failure import report
+
+            name, overrides = plain
+            try:
+                with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+                    dict_cfg = compose(config_name=name, overrides=overrides)
+            except Exception as exc:  # noqa: BLE001 - a bad key, value or config name: reported once
+                _exit(report(exc))
+            _train(dict_cfg, [o.split("=", 1)[0] for o in overrides])
+        else:
+            _hydra_main()
     except Preempted as stop:
         # Checkpoint, preempted.json and the engines are done. Skip the interpreter's teardown (seconds
         # of module finalisation after torch, megatron and transformers) so that every rank exits 75
         # well within torchrun's --shutdown-timeout (30 s by default, then SIGKILL).
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(stop.code)
+        _exit(stop.code)
+
+
+def _hydra_main() -> None:
+    """The run through ``hydra.main`` (options such as ``--help``, ``--cfg job`` or ``--config-path``)."""
+    import hydra
+    from omegaconf import DictConfig
+
+    @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="ppo")
+    def _run(dict_cfg: DictConfig) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        _train(dict_cfg, [o.split("=", 1)[0] for o in HydraConfig.get().overrides.task])
+
+    sys.argv[1:] = hydra_argv(sys.argv[1:])
+    _run()
 
 
 if __name__ == "__main__":

@@ -51,6 +51,19 @@ def recompute_kwargs(t: TrainerSection) -> dict:
                 recompute_modules=None if t.recompute_modules is None else list(t.recompute_modules))
 
 
+def model_kwargs(t: TrainerSection) -> dict:
+    """:func:`mlora.from_pretrained`'s arguments after the path and mesh, from the trainer keys: dtype, FP8,
+    the LoRA branch's dtype, the core attention (``trainer.flash_attn``: true is torch's fused
+    scaled_dot_product_attention, false megatron's unfused ``DotProductAttention``) and recompute."""
+    return dict(dtype=getattr(torch, t.dtype), fp8=t.fp8, fp8_recipe=t.fp8_recipe,
+                lora_compute_dtype=lora_compute_dtype(t), attention=attention_impl(t), **recompute_kwargs(t))
+
+
+def attention_impl(t: TrainerSection) -> str:
+    """``trainer.flash_attn`` as :func:`mlora.from_pretrained`'s ``attention``."""
+    return "sdpa" if t.flash_attn else "unfused"
+
+
 def lora_compute_dtype(t: TrainerSection) -> torch.dtype | None:
     """``trainer.lora_compute_dtype`` as a torch dtype (None: the adapters' float32 masters decide)."""
     return None if t.lora_compute_dtype is None else getattr(torch, t.lora_compute_dtype)

@@ -37,7 +37,7 @@ from mlora.rollout.generator import Generation, SamplingConfig
 from mlora.train.batch import RolloutBatch
 from mlora.train.engine import ActorCriticEngine
 from mlora.train.evaluate import evaluate
-from mlora.train.from_config import lora_compute_dtype, lora_config, ppo_config, recompute_kwargs, sampling_config
+from mlora.train.from_config import lora_config, model_kwargs, ppo_config, sampling_config
 from mlora.train.learned_reward import build_learned_reward, env_kwargs
 from mlora.train.metrics_log import MetricsLogger, log, setup_logging, step_line
 from mlora.train.preemption import EX_TEMPFAIL, Preempted, PreemptionGuard, clear_marker, write_marker
@@ -289,17 +289,14 @@ def _train(cfg: TrainConfig, notes: Sequence[str], guard: PreemptionGuard,
     tokenizer = AutoTokenizer.from_pretrained(str(t.policy.model.path))
     train, val = _load_data(cfg, tokenizer)
     total_steps = t.total_steps or t.epochs * (len(train) // t.train_batch_size)
-    model = mlora.from_pretrained(t.policy.model.path, mesh, dtype=getattr(torch, t.dtype), fp8=t.fp8,
-                                  fp8_recipe=t.fp8_recipe, lora_compute_dtype=lora_compute_dtype(t),
-                                  **recompute_kwargs(t))
+    model = mlora.from_pretrained(t.policy.model.path, mesh, **model_kwargs(t))
     engine = _build_engine(cfg, model, total_steps)
     # the reward adapter + head, frozen on this same base (env_class=reward_model; mlora.train.learned_reward)
     learned = build_learned_reward(cfg, model, engine, {p.env_class for p in train + val},
                                    run_frozen=FROZEN if t.policy.model.frozen_adapter_path else None)
     start_step = _resume_state(resume, model, engine, cfg, len(train), total_steps) if resume else 0
     # rollouts of step s sample with seed + 1000·s (+ the prompt's index): no RNG to carry
-    saver = _Saver(cfg, mesh, model, engine, ckpt_root, len(train), total_steps,
-                   extra=lambda step: {"next_sampling_seed": t.seed + (step + 1) * 1000})
+    saver = _Saver(cfg, mesh, model, engine, ckpt_root, len(train), total_steps)
     pad_id = tokenizer.pad_token_id or 0
 
     # 3. the engines, serving the initial policy adapter
@@ -430,23 +427,22 @@ def _resume_state(path: Path, model, engine: ActorCriticEngine, cfg: TrainConfig
 class _Saver:
     """Writes checkpoints of a run: the collective save; ``write_state(dir, model, engine, loop_state,
     config_text)`` writes what goes in (:func:`mlora.checkpoint.rl_state.write_train_state` for the RL loop,
-    :func:`mlora.checkpoint.preference_state.write_preference_state` for SFT / RM / DPO); ``extra(step)`` adds
-    the loop's own entries to the loop state."""
+    :func:`mlora.checkpoint.preference_state.write_preference_state` for SFT / RM / DPO)."""
 
     def __init__(self, cfg: TrainConfig, mesh, model, engine, root: Path, n_prompts: int, total_steps: int,
-                 write_state: Callable = write_train_state, extra: Callable[[int], dict] | None = None) -> None:
+                 write_state: Callable = write_train_state) -> None:
         from omegaconf import OmegaConf
 
         self.cfg, self.mesh, self.model, self.engine, self.root = cfg, mesh, model, engine, root
         self.n_prompts, self.total_steps = n_prompts, total_steps
-        self.write_state, self.extra = write_state, extra or (lambda step: {})
+        self.write_state = write_state
         self.config_text = OmegaConf.to_yaml(OmegaConf.structured(cfg))
         self.meta = {"base_model": base_model_identity(cfg.trainer.policy.model.path)} if mesh.rank == 0 else {}
 
     def save(self, step: int, epoch: int) -> Path:
         t = self.cfg.trainer
         loop_state = {"step": step, "epoch": epoch, "total_steps": self.total_steps, "seed": t.seed,
-                      "n_prompts": self.n_prompts, "train_batch_size": t.train_batch_size, **self.extra(step)}
+                      "n_prompts": self.n_prompts, "train_batch_size": t.train_batch_size}
         meta = {**self.meta, "mesh": {"tp": self.mesh.tp, "pp": self.mesh.pp, "dp": self.mesh.dp}}
         return save_checkpoint(self.root, step, self.mesh,
                                lambda d: self.write_state(d, self.model, self.engine, loop_state, self.config_text),

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from pathlib import Path
 
 log = logging.getLogger("mlora")
@@ -21,22 +22,34 @@ def setup_logging(rank: int) -> None:
     log.propagate = False
 
 
+WANDB_ID_FILE = "wandb_run_id"
+
+
 class MetricsLogger:
-    """Numeric metrics of each step to ``<run_dir>/metrics.jsonl`` and the configured backend."""
+    """Numeric metrics of each step to ``<run_dir>/metrics.jsonl`` and the configured backend.
+
+    A resumed run (``resume_step`` given) continues the same record everywhere: ``metrics.jsonl`` drops
+    the lines after the checkpoint (:func:`prepare_metrics_file`); W&B resumes the run whose id the
+    first launch kept in ``<run_dir>/wandb_run_id`` (files under ``<run_dir>/wandb``, also offline with
+    ``WANDB_MODE=offline``; W&B itself ignores steps below the last one it has, so the steps run again
+    after the checkpoint keep their first values there); TensorBoard writes to ``<run_dir>/tensorboard`` with ``purge_step`` after
+    the checkpoint, so steps logged after it and run again are shown once."""
 
     def __init__(self, kind: str, run_dir: Path, project_name: str, run_name: str,
                  resume_step: int | None = None) -> None:
-        self.kind, self.backend = kind, None
-        if kind == "wandb":
-            import wandb
+        from mlora.config.validate import LOGGERS
 
-            self.backend = wandb.init(project=project_name, name=run_name)
+        if kind not in LOGGERS:
+            raise ValueError(f"unknown trainer.logger {kind!r}; valid: {', '.join(LOGGERS)}")
+        self.kind, self.backend = kind, None
+        run_dir = Path(run_dir)
+        if kind == "wandb":
+            self.backend = _wandb_run(run_dir, project_name, run_name, resume_step)
         elif kind == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
 
-            self.backend = SummaryWriter(str(run_dir / "tensorboard"))
-        elif kind != "console":
-            raise ValueError(f"unknown trainer.logger {kind!r}; valid: console, wandb, tensorboard")
+            self.backend = SummaryWriter(str(run_dir / "tensorboard"),
+                                         purge_step=None if resume_step is None else resume_step + 1)
         self.path = run_dir / "metrics.jsonl"
         prepare_metrics_file(self.path, resume_step)
         self.file = open(self.path, "a")  # appended, never truncated: a resumed run continues the record
@@ -57,6 +70,23 @@ class MetricsLogger:
             self.backend.close()
         elif self.kind == "wandb":
             self.backend.finish()
+
+
+def _wandb_run(run_dir: Path, project_name: str, run_name: str, resume_step: int | None):
+    """A W&B run: a fresh id kept in ``<run_dir>/wandb_run_id`` for a new run, that id resumed otherwise."""
+    import wandb
+
+    id_file = run_dir / WANDB_ID_FILE
+    if resume_step is not None and id_file.is_file():
+        run_id, resume = id_file.read_text().strip(), "must"
+    else:
+        if resume_step is not None:
+            log.warning("resume from step %d: %s has no %s (the run did not log to W&B before): a new W&B run "
+                        "starts", resume_step, run_dir, WANDB_ID_FILE)
+        run_id, resume = uuid.uuid4().hex[:12], None  # W&B ids: lowercase letters and digits
+        id_file.write_text(run_id + "\n")
+    (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
+    return wandb.init(project=project_name, name=run_name, id=run_id, resume=resume, dir=str(run_dir))
 
 
 def prepare_metrics_file(path: Path, resume_step: int | None) -> None:

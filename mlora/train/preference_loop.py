@@ -15,13 +15,11 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-import torch
-
 import mlora
 from mlora.checkpoint.preference_state import load_preference_state, write_preference_state
 from mlora.config.schema import TrainConfig
 from mlora.rollout.data import epoch_batches
-from mlora.train.from_config import lora_compute_dtype, lora_config, recompute_kwargs
+from mlora.train.from_config import lora_config, model_kwargs
 from mlora.train.loop import FROZEN, _Saver, start_run
 from mlora.train.metrics_log import MetricsLogger, log
 from mlora.train.preemption import EX_TEMPFAIL, Preempted, PreemptionGuard, clear_marker, write_marker
@@ -97,9 +95,7 @@ def _train(cfg: TrainConfig, notes: Sequence[str], guard: PreemptionGuard,
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     train, val = _load_data(cfg, tokenizer)
     total_steps = t.total_steps or t.epochs * (len(train) // t.train_batch_size)
-    model = mlora.from_pretrained(t.policy.model.path, mesh, dtype=getattr(torch, t.dtype), fp8=t.fp8,
-                                  fp8_recipe=t.fp8_recipe, lora_compute_dtype=lora_compute_dtype(t),
-                                  **recompute_kwargs(t))
+    model = mlora.from_pretrained(t.policy.model.path, mesh, **model_kwargs(t))
     frozen = t.policy.model.frozen_adapter_path
     if frozen:  # e.g. the SFT adapter under a reward model or DPO (DPO's reference is the base + it)
         model.load_adapter(FROZEN, frozen, trainable=False)

@@ -125,19 +125,17 @@ def tokens_per_s(model, ids: torch.Tensor, ctx, iters: int) -> float:
 @contextlib.contextmanager
 def te_build():
     """from_pretrained builds the TE layer spec inside this context: megatron_build.block_spec is
-    swapped for mlora.models.te.te_block_spec, and the adapter registry is told about the TE LoRA
-    linears (until mlora.facade.adapters recognises them itself)."""
-    import mlora.facade.adapters as adapters
+    swapped for mlora.models.te.te_block_spec (the adapter registry finds the TE LoRA linears itself:
+    they are LoraHosts)."""
     import mlora.models.megatron_build as mb
-    from mlora.models.te import te_block_spec, te_lora_linear_classes
+    from mlora.models.te import te_block_spec
 
-    saved_spec, saved_linears = mb.block_spec, adapters.LORA_LINEARS
+    saved_spec = mb.block_spec
     mb.block_spec = te_block_spec
-    adapters.LORA_LINEARS = tuple(dict.fromkeys((*saved_linears, *te_lora_linear_classes())))
     try:
         yield
     finally:
-        mb.block_spec = saved_spec  # LORA_LINEARS stays extended: the TE model keeps using it
+        mb.block_spec = saved_spec
 
 
 def main() -> None:
