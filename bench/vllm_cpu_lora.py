@@ -39,7 +39,7 @@ def _adapter(model: str, out: Path) -> Path:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32),
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
                           LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
     with torch.no_grad():
         for name, p in peft.named_parameters():
