@@ -17,8 +17,6 @@ from pathlib import Path
 
 import torch
 
-CHECKPOINT_ADAPTERS = "adapters"  # <checkpoint>/adapters/<name>/ holds PEFT-layout files (mesh-independent)
-
 
 def _plan(args: argparse.Namespace) -> int:
     from mlora.export.plan import plan_adapter
@@ -79,6 +77,7 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def _export_adapter(args: argparse.Namespace) -> int:
+    from mlora.checkpoint.rl_state import ADAPTERS  # <checkpoint>/adapters/<name>/: PEFT layout, any mesh
     from mlora.export.peft_files import (
         ADAPTER_CONFIG,
         ADAPTER_WEIGHTS,
@@ -89,9 +88,9 @@ def _export_adapter(args: argparse.Namespace) -> int:
     )
     from mlora.formats.checkpoint_reader import CheckpointReader
 
-    src = Path(args.checkpoint) / CHECKPOINT_ADAPTERS / args.adapter
+    src = Path(args.checkpoint) / ADAPTERS / args.adapter
     if not src.is_dir():
-        found = sorted(p.name for p in (Path(args.checkpoint) / CHECKPOINT_ADAPTERS).glob("*") if p.is_dir())
+        found = sorted(p.name for p in (Path(args.checkpoint) / ADAPTERS).glob("*") if p.is_dir())
         raise FileNotFoundError(f"{src} does not exist; adapters in this checkpoint: {found or 'none'}")
     cfg = read_peft_config(src)
     config = json.loads((src / ADAPTER_CONFIG).read_text())

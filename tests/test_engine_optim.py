@@ -64,7 +64,7 @@ def test_critic_lr_schedule_and_mini_batch_in_step(tiny_models, mesh):
 
 
 def test_lr_schedules():
-    from mlora.train.optim import lr_lambda
+    from mlora.rl.lr_schedule import lr_lambda
 
     # constant_with_warmup (SkyRL's name) == constant here: linear warm-up, then 1
     assert [lr_lambda(s, 2, 10, 0.0, "constant_with_warmup") for s in range(4)] == [0.5, 1.0, 1.0, 1.0]

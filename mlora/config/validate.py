@@ -17,11 +17,11 @@ from mlora.checkpoint.dirs import RESUME_MODES
 from mlora.config.schema import TrainConfig
 from mlora.rl.advantages import ADVANTAGE_ESTIMATORS
 from mlora.rl.kl import KL_CONTROLLERS, KL_ESTIMATORS
-from mlora.rl.preference import DPO_LOSS_TYPES
+from mlora.rl.lr_schedule import LR_SCHEDULES
+from mlora.rl.preference import DPO_LOSS_TYPES, PREFERENCE_STAGES
 
 STRATEGIES = ("megatron",)
 REFUSED_STRATEGIES = ("fsdp", "fsdp2", "deepspeed")
-SCHEDULERS = ("constant_with_warmup", "constant", "cosine")
 LOSS_REDUCTIONS = {"token_mean": "token-mean", "sequence_mean": "seq-mean-token-mean",
                    "seq_mean_token_sum_norm": "seq-mean-token-sum-norm"}
 POLICY_LOSS_TYPES = ("regular", "dual_clip")
@@ -212,7 +212,7 @@ def _check_trainer(cfg: TrainConfig) -> None:
         a.max_seq_len = t.max_prompt_length + cfg.generator.sampling_params.max_generate_length
     for role in ("policy", "critic"):
         opt = getattr(t, role).optimizer_config
-        _check_choice(opt.scheduler, SCHEDULERS, f"trainer.{role}.optimizer_config.scheduler")
+        _check_choice(opt.scheduler, LR_SCHEDULES, f"trainer.{role}.optimizer_config.scheduler")
         if len(opt.adam_betas) != 2:
             raise ConfigError(f"trainer.{role}.optimizer_config.adam_betas={list(opt.adam_betas)} must be two numbers")
     policy_path = t.policy.model.path
@@ -266,7 +266,6 @@ def _check_reward_model(cfg: TrainConfig) -> None:
             raise ConfigError(f"reward_model.adapter_path={r.adapter_path!r}: {exc}") from None
 
 
-PREFERENCE_STAGES = ("sft", "rm", "dpo")
 # trainer.* keys of rollouts, PPO epochs and the critic, which the one-step-per-batch stages never read
 RL_ONLY_TRAINER_KEYS = ("update_epochs_per_batch", "micro_forward_batch_size_per_gpu", "max_prompt_length",
                         "critic_mini_batch_size", "eval_batch_size", "dump_eval_results")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+PREFERENCE_STAGES = ("sft", "rm", "dpo")  # supervised fine-tuning, reward model (Bradley-Terry), DPO
 DPO_LOSS_TYPES = ("sigmoid", "ipo")
 
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from mlora.rl.advantages import ADVANTAGE_ESTIMATORS
 from mlora.rl.kl import KL_CONTROLLERS, KL_ESTIMATORS
 from mlora.rl.losses import LOSS_AGG_MODES
+from mlora.rl.lr_schedule import LR_SCHEDULES
 from mlora.rollout.generator import check_truncation
-from mlora.train.optim import LR_SCHEDULES
 
 
 @dataclass

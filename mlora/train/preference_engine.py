@@ -27,13 +27,20 @@ from mlora.export.reward_adapter import last_token_scores
 from mlora.facade.model import MLoraModel
 from mlora.lora.config import LoraConfig
 from mlora.lora.grads import clip_grads, finalize_grads
-from mlora.rl.preference import DPO_LOSS_TYPES, bradley_terry_loss, check_dpo_args, dpo_loss, sft_nll
+from mlora.rl.lr_schedule import LR_SCHEDULES
+from mlora.rl.preference import (
+    DPO_LOSS_TYPES,
+    PREFERENCE_STAGES,
+    bradley_terry_loss,
+    check_dpo_args,
+    dpo_loss,
+    sft_nll,
+)
 from mlora.rl.vocab_parallel import next_token_logits, vocab_parallel_logprobs
 from mlora.train.engine import ActorCriticEngine
-from mlora.train.optim import LR_SCHEDULES, build_optimizer
+from mlora.train.optim import build_optimizer
 from mlora.train.preference_data import SequenceBatch
 
-STAGES = ("sft", "rm", "dpo")
 DEFAULT_ADAPTER = {"sft": "policy", "rm": "reward", "dpo": "policy"}
 
 
@@ -58,8 +65,8 @@ class PreferenceConfig:
     lr_schedule: str = "constant"
 
     def __post_init__(self) -> None:
-        if self.stage not in STAGES:
-            raise ValueError(f"unknown stage {self.stage!r}; valid: {', '.join(STAGES)}")
+        if self.stage not in PREFERENCE_STAGES:
+            raise ValueError(f"unknown stage {self.stage!r}; valid: {', '.join(PREFERENCE_STAGES)}")
         if self.stage == "dpo":
             check_dpo_args(self.beta, self.label_smoothing, self.loss_type)
         elif self.loss_type not in DPO_LOSS_TYPES:
