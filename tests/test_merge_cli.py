@@ -108,11 +108,12 @@ def test_export_adapter_from_checkpoint(big, tmp_path):
 
     from safetensors import safe_open
 
-    from mlora.cli import CHECKPOINT_ADAPTERS, main
+    from mlora.checkpoint.rl_state import ADAPTERS
+    from mlora.cli import main
 
     base, adapter, _ = big
     ckpt = tmp_path / "ckpt"
-    shutil.copytree(adapter, ckpt / CHECKPOINT_ADAPTERS / "policy")
+    shutil.copytree(adapter, ckpt / ADAPTERS / "policy")
     out = tmp_path / "exported"
     assert main(["export-adapter", str(ckpt), "--adapter", "policy", "--out", str(out), "--base", str(base),
                  "--dtype", "bfloat16"]) == 0
