@@ -192,16 +192,8 @@ class AdapterHost:
                                  "not the same target modules")
             check_peft_shapes(reader, modules, model_sites(self.spec, tp), cfg.rank, path)
             with torch.no_grad():
-                for linear in self._lora_linears():
-                    if name not in linear.lora:
-                        continue
-                    site, branch = linear.lora_site, linear.lora[name]
-                    a_kind, b_kind = FACTOR_KINDS[site.parallel]
-                    for k, sub in enumerate(branch.subs):
-                        a = read_shard(reader, peft_tensor_name(site.layer, sub, "A"), a_kind, tp, tp_rank)
-                        b = read_shard(reader, peft_tensor_name(site.layer, sub, "B"), b_kind, tp, tp_rank)
-                        branch.a_of(k).copy_(a)
-                        branch.lora_B[k].copy_(b)
+                for peft_name, kind, branch, k, is_a in self._factors(name):
+                    (branch.a_of(k) if is_a else branch.lora_B[k]).copy_(read_shard(reader, peft_name, kind, tp, tp_rank))
 
     def delete_adapter(self, name: str) -> None:
         self._require(name)
@@ -277,16 +269,9 @@ class AdapterHost:
         """
         self._require(name)
         out: dict[str, torch.Tensor] = {}
-        for linear in self._lora_linears():
-            if name not in linear.lora:
-                continue
-            site, branch = linear.lora_site, linear.lora[name]
-            a_kind, b_kind = FACTOR_KINDS[site.parallel]
-            for k, sub in enumerate(branch.subs):
-                a = branch.a_of(k, grad=grads)
-                b = branch.lora_B[k].grad if grads else branch.lora_B[k]
-                out[peft_tensor_name(site.layer, sub, "A")] = self._gather_tp(a, a_kind)
-                out[peft_tensor_name(site.layer, sub, "B")] = self._gather_tp(b, b_kind)
+        for peft_name, kind, branch, k, is_a in self._factors(name):
+            local = branch.a_of(k, grad=grads) if is_a else (branch.lora_B[k].grad if grads else branch.lora_B[k])
+            out[peft_name] = self._gather_tp(local, kind)
         return out
 
     def adapter_layout(self, name: str, dtype: torch.dtype | None = None, order: str = "name"
@@ -318,8 +303,8 @@ class AdapterHost:
         return peft_adapter_config(info.config, set(info.modules), self.spec.num_layers, str(self.hf_dir),
                                    self.spec.architecture)
 
-    def _factor_shards(self, name: str) -> Iterator[tuple[str, torch.Tensor, str]]:
-        """(PEFT name, this rank's factor, TP kind) of every factor of ``name`` on this rank, in the order of
+    def _factors(self, name: str) -> Iterator[tuple[str, str, object, int, bool]]:
+        """``(PEFT name, TP kind, branch, k, is_A)`` of every factor of ``name`` on this rank, in the order of
         this stage's LoRA linears (the same on every TP rank of the stage)."""
         for linear in self._lora_linears():
             if name not in linear.lora:
@@ -327,8 +312,13 @@ class AdapterHost:
             site, branch = linear.lora_site, linear.lora[name]
             a_kind, b_kind = FACTOR_KINDS[site.parallel]
             for k, sub in enumerate(branch.subs):
-                yield peft_tensor_name(site.layer, sub, "A"), branch.a_of(k).detach(), a_kind
-                yield peft_tensor_name(site.layer, sub, "B"), branch.lora_B[k].detach(), b_kind
+                yield peft_tensor_name(site.layer, sub, "A"), a_kind, branch, k, True
+                yield peft_tensor_name(site.layer, sub, "B"), b_kind, branch, k, False
+
+    def _factor_shards(self, name: str) -> Iterator[tuple[str, torch.Tensor, str]]:
+        """(PEFT name, this rank's factor, TP kind) of every factor of ``name`` on this rank (:meth:`_factors`)."""
+        for peft_name, kind, branch, k, is_a in self._factors(name):
+            yield peft_name, (branch.a_of(k) if is_a else branch.lora_B[k]).detach(), kind
 
     def adapter_shards(self, name: str) -> Iterator[TensorShard]:
         """This rank's part of adapter ``name``'s PEFT file, one factor at a time, nothing gathered: what
