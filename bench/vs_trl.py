@@ -17,7 +17,7 @@ both keep every activation; ``--checkpointing`` runs both with it: mlora ``recom
 ``gradient_checkpointing=True``).
 
 - ``mlora``: one process, TP1 (a single-process gloo mesh), the way ``mlora-train --config-name sft | dpo``
-  does it (:mod:`mlora.train.preference_loop`): ``mlora.from_pretrained(dtype=...)`` ->
+  does it (:mod:`mlora.train.preference_stage`): ``mlora.from_pretrained(dtype=...)`` ->
   :class:`~mlora.train.preference_engine.PreferenceEngine` (stage ``sft`` / ``dpo``; DPO's reference = the
   base with the adapter off) -> ``engine.step(collate(examples))``. bf16 = bf16 base + float32 LoRA masters
   that also compute in float32 (``trainer.lora_compute_dtype`` unset, the default). The extra dtype

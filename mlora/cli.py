@@ -77,7 +77,7 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def _export_adapter(args: argparse.Namespace) -> int:
-    from mlora.checkpoint.rl_state import ADAPTERS  # <checkpoint>/adapters/<name>/: PEFT layout, any mesh
+    from mlora.checkpoint.run_state import ADAPTERS  # <checkpoint>/adapters/<name>/: PEFT layout, any mesh
     from mlora.export.peft_files import (
         ADAPTER_CONFIG,
         ADAPTER_WEIGHTS,

@@ -261,3 +261,47 @@ def test_resume_keys(tmp_path):
         check(max_ckpts_to_keep=0)
     _fake_checkpoint(tmp_path / "ckpts", 2)
     assert check(resume_mode="from_path", resume_path=str(tmp_path / "ckpts" / "global_step_2"))
+
+
+def test_one_checkpoint_writer_for_every_stage(model, tmp_path):
+    """A reward-model checkpoint (adapter, bias-free score head, AdamW moments, LR schedule, the engine's
+    step) goes through the writer and reader PPO's does and reads back exactly; a run of another stage
+    refuses it, naming both stages."""
+    from mlora.checkpoint.run_state import load_run_state, read_loop_state, write_run_state
+    from mlora.train.preference_engine import PreferenceConfig, PreferenceEngine
+
+    cfg = PreferenceConfig(stage="rm", micro_batch_size=1, lr=1e-3, total_steps=10, warmup_steps=2)
+    rm = PreferenceEngine(model, cfg, adapter="rm")
+    try:
+        g = torch.Generator().manual_seed(0)
+        for _ in range(2):
+            for p in rm.params:
+                p.grad = torch.randn(p.shape, generator=g)
+            rm.opt.step()
+            rm.sched.step()
+        rm.global_step = 2
+
+        def snapshot(engine):
+            return ([p.detach().clone() for p in engine.params],
+                    [{k: v.clone() for k, v in engine.opt.state[p].items()} for p in engine.params],
+                    engine.opt.param_groups[0]["lr"], engine.global_step)
+
+        want = snapshot(rm)
+        assert len(want[0]) == len(model.adapter_parameters("rm")) + 1  # the score head, bias-free
+        write_run_state(tmp_path, model, rm, {"step": 2}, "")
+        assert read_loop_state(tmp_path)["stage"] == "rm"
+        with torch.no_grad():
+            for p in rm.params:
+                p.zero_()
+        fresh = PreferenceEngine(model, cfg, adapter="rm")  # the same adapter and head, zeroed; no AdamW state
+        load_run_state(tmp_path, model, fresh)
+        got = snapshot(fresh)
+        assert all(torch.equal(a, b) for a, b in zip(want[0], got[0]))
+        assert all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(want[1], got[1]))
+        assert got[2:] == want[2:]
+
+        dpo = PreferenceEngine(model, PreferenceConfig(stage="dpo", micro_batch_size=1), adapter="rm")
+        with pytest.raises(CheckpointError, match="is of stage 'rm', this run is 'dpo'"):
+            load_run_state(tmp_path, model, dpo)
+    finally:
+        del model.heads["rm"]

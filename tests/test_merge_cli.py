@@ -108,7 +108,7 @@ def test_export_adapter_from_checkpoint(big, tmp_path):
 
     from safetensors import safe_open
 
-    from mlora.checkpoint.rl_state import ADAPTERS
+    from mlora.checkpoint.run_state import ADAPTERS
     from mlora.cli import main
 
     base, adapter, _ = big

@@ -125,8 +125,8 @@ def test_bad_lora_compute_dtype(tiny_models, mesh1):
 
 def test_resume_from_bf16_checkpoint_is_exact(tiny_models, mesh1, tmp_path):
     """Train 3 steps, checkpoint, train 3 more; a fresh model that loads the checkpoint and trains 3
-    steps ends bit-identical (adapters, value head, AdamW state), through the RL checkpoint writer."""
-    from mlora.checkpoint.rl_state import load_train_state, write_train_state
+    steps ends bit-identical (adapters, value head, AdamW state), through the checkpoint writer."""
+    from mlora.checkpoint.run_state import load_run_state, write_run_state
     from mlora.train.config import PPOConfig
     from mlora.train.engine import ActorCriticEngine
 
@@ -170,12 +170,12 @@ def test_resume_from_bf16_checkpoint_is_exact(tiny_models, mesh1, tmp_path):
     model, engine = engine_on_new_model()
     steps(model, engine, 3)
     ckpt = tmp_path / "global_step_3"
-    write_train_state(ckpt, model, engine, {"step": 3}, "")
+    write_run_state(ckpt, model, engine, {"step": 3}, "")
     steps(model, engine, 3)
     want = state(model, engine)
 
     model2, engine2 = engine_on_new_model()
-    load_train_state(ckpt, model2, engine2)
+    load_run_state(ckpt, model2, engine2)
     steps(model2, engine2, 3)
     got = state(model2, engine2)
     assert want.keys() == got.keys()

@@ -207,7 +207,7 @@ def test_config_errors(name, overrides, message):
 
 def test_config_maps_to_the_engine():
     from mlora.config.validate import finalize
-    from mlora.train.preference_loop import preference_config
+    from mlora.train.preference_stage import preference_config
 
     cfg = _cfg("dpo", "data.train_data=[a.parquet]", "preference.beta=0.25", "preference.loss_type=ipo")
     finalize(cfg, 4)

@@ -35,7 +35,7 @@ def _run(name: str, assets: Path, run_dir: Path, *extra: str) -> list[dict]:
     from mlora.config.schema import register_schema
     from mlora.config.validate import finalize
     from mlora.train.__main__ import CONFIG_DIR
-    from mlora.train.preference_loop import run_preference
+    from mlora.train.preference_stage import run_preference
 
     register_schema()
     data = "sft_train" if name == "sft" else "pairs_train"

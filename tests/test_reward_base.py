@@ -64,7 +64,7 @@ def rm_run(assets, sft_dir, tmp_path_factory) -> tuple[Path, dict]:
     from mlora.config.schema import register_schema
     from mlora.config.validate import finalize
     from mlora.train.__main__ import CONFIG_DIR
-    from mlora.train.preference_loop import run_preference
+    from mlora.train.preference_stage import run_preference
 
     run_dir = tmp_path_factory.mktemp("rm")
     overrides = [f"trainer.policy.model.path={assets / 'tiny-llama'}",
@@ -110,7 +110,7 @@ def _ppo_scores(model, reward_dir: Path, batch, frozen: Path | None):
     cfg.environment.env_class = "reward_model"
     cfg.reward_model.adapter_path = str(reward_dir)
     cfg.trainer.policy.model.frozen_adapter_path = None if frozen is None else str(frozen)
-    if frozen is not None:  # as the loop's _build_engine does
+    if frozen is not None:  # as mlora.train.loop.load_model does
         model.load_adapter(FROZEN, frozen, trainable=False)
     engine = ActorCriticEngine(model, PPOConfig(mini_batch_size=2, micro_forward_batch_size=2,
                                                 micro_train_batch_size=2),

@@ -1,3 +1,3 @@
 """Run state of every stage, mesh-independent: checkpoint directories (atomic commit, ``latest`` pointer,
-pruning, which one to resume, base-model identity), what an RL or SFT/RM/DPO checkpoint holds, optimizer
-state as canonical pieces, RNG states."""
+pruning, which one to resume, base-model identity), what a checkpoint of any stage holds (one writer and
+one reader), optimizer state as canonical pieces, RNG states."""

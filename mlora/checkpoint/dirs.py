@@ -1,7 +1,7 @@
 """Checkpoint directories: atomic visibility, the ``latest`` pointer, pruning, completeness checks,
 which checkpoint to resume from, and the identity of the base model a checkpoint belongs to.
 
-Layout (SkyRL's names where SkyRL has them; what goes inside is :mod:`mlora.checkpoint.rl_state`)::
+Layout (SkyRL's names where SkyRL has them; what goes inside is :mod:`mlora.checkpoint.run_state`)::
 
     <ckpt_path>/latest_ckpt_global_step.txt   the step of the newest complete checkpoint
     <ckpt_path>/global_step_<k>/              one complete checkpoint

@@ -3,13 +3,13 @@ owns, any mesh reads back the regions it needs.
 
 A trainable parameter of one rank holds *pieces* of canonical tensors, the unsharded PEFT-layout
 tensors an exported adapter has (``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``)
-or a value head's (``v_head.summary.weight``, TRL's name):
+or a head's (``v_head.summary.weight``, TRL's name for a value head; ``score.weight``):
 
 - the stacked A of a fused column-parallel layer: rows ``k·r:(k+1)·r`` are projection k's A, whole
   (replicated over TP);
 - a B of a column-parallel layer: a TP chunk of the rows of the PEFT B;
 - the A of a row-parallel layer: a TP chunk of the columns of the PEFT A; its B is replicated;
-- a value head: replicated over TP, on the last pipeline stage.
+- a head: replicated over TP, on the last pipeline stage.
 
 AdamW's moments have their parameter's shape and layout, so they split into the same pieces.
 Writers: DP rank 0 only (DP replicas are identical), TP rank 0 only for replicated pieces, every
@@ -33,7 +33,6 @@ from mlora.formats.weight_map import COLUMNS, REPLICATED, ROWS
 from mlora.lora.sites import FACTOR_KINDS
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # torch AdamW's per-parameter tensors (plus the scalar "step")
-HEAD_NAMES = ("v_head.summary.weight", "v_head.summary.bias")  # TRL's value head names
 _DIM = {ROWS: 0, COLUMNS: 1}
 
 
@@ -60,14 +59,6 @@ def adapter_pieces(model, adapter: str) -> list[tuple[torch.nn.Parameter, list[P
         for k, sub in enumerate(branch.subs):
             out.append((branch.lora_B[k], [Piece(peft_tensor_name(site.layer, sub, "B"), b_kind)]))
     return out
-
-
-def head_pieces(model, head: str) -> list[tuple[torch.nn.Parameter, list[Piece]]]:
-    """The value head's parameters (last stage only; none elsewhere)."""
-    if head not in model.heads:
-        return []
-    h = model.heads[head]
-    return [(h.weight, [Piece(HEAD_NAMES[0], REPLICATED)]), (h.bias, [Piece(HEAD_NAMES[1], REPLICATED)])]
 
 
 def _region(t: torch.Tensor, piece: Piece) -> torch.Tensor:

@@ -80,14 +80,14 @@ def _train(dict_cfg, explicit: list[str]) -> None:
         # demo.prepare: the stage's demo assets, built on rank 0 at the start of the run (start_run)
         if cfg.preference.stage is not None:  # sft | rm | dpo (--config-name sft | rm | dpo)
             from mlora.demos.preference_assets import build_preference_assets
-            from mlora.train.preference_loop import run_preference
+            from mlora.train.preference_stage import run_preference
 
             run_preference(cfg, notes, build_assets=build_preference_assets)
         else:
             from mlora.demos.rl_assets import build_demo_assets
-            from mlora.train.loop import run
+            from mlora.train.rl_stage import run_rl
 
-            run(cfg, notes, build_assets=build_demo_assets)
+            run_rl(cfg, notes, build_assets=build_demo_assets)
     except (Preempted, KeyboardInterrupt):
         raise
     except SystemExit as stop:
@@ -139,6 +139,18 @@ def main() -> None:
         # of module finalisation after torch, megatron and transformers) so that every rank exits 75
         # well within torchrun's --shutdown-timeout (30 s by default, then SIGKILL).
         _exit(stop.code)
+    _finish()
+
+
+def _finish() -> None:
+    """A finished run: the exit handlers run (shared-memory segments unlinked, engines closed), then the
+    process ends without the interpreter's teardown. In that teardown a C++ thread still joinable (gloo's or
+    vLLM's) once aborted a rank of a finished CPU-demo run in CI ("terminate called without an active
+    exception", exit -6), failing a run whose metrics and adapter were already written."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    _exit(0)
 
 
 def _hydra_main() -> None:

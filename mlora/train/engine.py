@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from mlora.checkpoint.run_state import VALUE_HEAD, StageState, TrainedAdapter, head_parameters
 from mlora.facade.model import MLoraModel
 from mlora.lora.config import LoraConfig
 from mlora.lora.grads import clip_grads, finalize_grads
@@ -78,6 +79,19 @@ class ActorCriticEngine:
         self.kl_ctrl = (AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_ctrl == "adaptive"
                         else FixedKLController(cfg.kl_coef))
         self.global_step = 0
+
+    # ------------------------------------------------------------------ checkpoint
+    def stage_state(self) -> StageState:
+        """What this engine trains, for :mod:`mlora.checkpoint.run_state`: the policy (actor) and, with a
+        critic, the critic adapter and its value head."""
+        trained = [TrainedAdapter("actor", self.policy, self.actor_opt, self.actor_sched)]
+        if self.critic is not None:
+            trained.append(TrainedAdapter("critic", self.critic, self.critic_opt, self.critic_sched,
+                                          head_parameters(self.model, self.critic, VALUE_HEAD)))
+        return StageState("rl", trained, {"global_step": self.global_step, "kl_coef": self.kl_ctrl.value})
+
+    def restore_counters(self, counters: dict[str, float]) -> None:
+        self.global_step, self.kl_ctrl.value = int(counters["global_step"]), counters["kl_coef"]
 
     # ------------------------------------------------------------------ layout helpers
     def _check_sizes(self, batch: RolloutBatch) -> None:

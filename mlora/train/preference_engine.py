@@ -23,6 +23,7 @@ from typing import Sequence
 
 import torch
 
+from mlora.checkpoint.run_state import SCORE_HEAD, StageState, TrainedAdapter, head_parameters
 from mlora.export.reward_adapter import last_token_scores
 from mlora.facade.model import MLoraModel
 from mlora.lora.config import LoraConfig
@@ -117,6 +118,16 @@ class PreferenceEngine:
                                                warmup_steps=cfg.warmup_steps, total_steps=cfg.total_steps,
                                                min_lr_ratio=cfg.min_lr_ratio, schedule=cfg.lr_schedule)
         self.global_step = 0
+
+    def stage_state(self) -> StageState:
+        """What this engine trains, for :mod:`mlora.checkpoint.run_state`: the adapter and, for ``rm``,
+        its bias-free score head."""
+        head = head_parameters(self.model, self.head, SCORE_HEAD) if self.head is not None else {}
+        return StageState(self.cfg.stage, [TrainedAdapter("actor", self.adapter, self.opt, self.sched, head)],
+                          {"global_step": self.global_step})
+
+    def restore_counters(self, counters: dict[str, float]) -> None:
+        self.global_step = int(counters["global_step"])
 
     @property
     def active(self) -> tuple[str, ...]:
