@@ -54,7 +54,8 @@ def _plan_memory(args: argparse.Namespace, spec) -> int:
         recompute_modules=tuple(args.recompute_modules))
     engine = None
     if args.engine_tp is not None or args.kv_tokens:
-        engine = Engine(tp=args.engine_tp or 1, kv_tokens=args.kv_tokens or 0, dtype=getattr(torch, args.dtype))
+        engine = Engine(tp=args.engine_tp or 1, kv_tokens=args.kv_tokens or 0, dtype=getattr(torch, args.dtype),
+                        sleeps=not args.engine_awake)
     if args.fit is not None:
         if args.gpus is None:
             raise ValueError("--fit GPU_GIB needs --gpus N (the GPUs to lay the model out on)")
@@ -152,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="a critic adapter + value head (PPO); --no-critic for GRPO/RLOO")
     m.add_argument("--engine-tp", type=int, default=None, help="a colocated vLLM engine of this TP on every GPU")
     m.add_argument("--kv-tokens", type=int, default=None, help="KV-cache tokens of each colocated engine")
+    m.add_argument("--engine-awake", action="store_true",
+                   help="the colocated engine keeps its memory during the update (default: it sleeps, vLLM's sleep "
+                        "mode, as mlora runs colocated engines on CUDA)")
     m.add_argument("--fit", type=float, default=None, metavar="GPU_GIB",
                    help="list the layouts of --gpus GPUs of this size that fit, best first")
     m.add_argument("--gpus", type=int, default=None)

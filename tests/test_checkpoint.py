@@ -305,3 +305,32 @@ def test_one_checkpoint_writer_for_every_stage(model, tmp_path):
             load_run_state(tmp_path, model, dpo)
     finally:
         del model.heads["rm"]
+
+
+def test_rng_state_holds_the_ranks_own_gpu_only(tmp_path, monkeypatch):
+    """Issue 22: a rank saves and restores the CUDA generator of its own device only, so a resume on a node
+    that shows fewer GPUs (2 here, 8 when saved) works; the old per-index save of every visible GPU crashed."""
+    from mlora.checkpoint import rng_state
+
+    visible = {"n": 8}
+    states = {i: torch.full((16,), i, dtype=torch.uint8) for i in range(8)}
+    restored = {}
+
+    def set_all(new):
+        if len(new) > visible["n"]:
+            raise IndexError(f"{len(new)} states for {visible['n']} visible devices")
+        restored.update(enumerate(new))
+
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda, "device_count", lambda: visible["n"])
+    monkeypatch.setattr(cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(cuda, "get_rng_state", lambda device="cuda": states[device].clone())
+    monkeypatch.setattr(cuda, "get_rng_state_all", lambda: [states[i].clone() for i in range(visible["n"])])
+    monkeypatch.setattr(cuda, "set_rng_state", lambda state, device="cuda": restored.__setitem__(device, state))
+    monkeypatch.setattr(cuda, "set_rng_state_all", set_all)
+    monkeypatch.setattr(rng_state, "_megatron_tracker", lambda: None)
+    path = rng_state.save(tmp_path / "rank0.safetensors", {"rank": 0})
+    visible["n"] = 2
+    rng_state.restore(path)
+    assert list(restored) == [1] and torch.equal(restored[1], states[1])

@@ -226,6 +226,28 @@ def test_old_cuda_device_is_an_error(monkeypatch):
         require_scaled_mm("cuda")
 
 
+def test_probe_asks_for_the_models_output_dtype(monkeypatch, tiny_models):
+    """A stack whose rowwise FP8 GEMM writes bf16 only (issue 22: CUTLASS on sm89, some CUDA versions) loads a
+    bf16 model with fp8='torch'; a float32 model on it is refused, naming the failure."""
+    from mlora.fp8 import FP8Unsupported, require_scaled_mm
+
+    real = torch._scaled_mm
+
+    def bf16_only(*args, out_dtype=None, **kwargs):
+        if out_dtype != torch.bfloat16:
+            raise RuntimeError(f"rowwise scaling supports bfloat16 output only, got {out_dtype}")
+        return real(*args, out_dtype=out_dtype, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", bf16_only)
+    require_scaled_mm("cpu", torch.bfloat16)
+    with pytest.raises(FP8Unsupported, match="bfloat16 output only"):
+        require_scaled_mm("cpu", torch.float32)
+    model = mlora.from_pretrained(tiny_models / "llama", mlora.init_parallel(tp=1, pp=1), dtype=torch.bfloat16,
+                                  fp8="torch")
+    ids, mask = right_padded_batch(model.spec.vocab_size, (5,), seed=1)
+    assert torch.isfinite(model.logits(ids, attention_mask=mask).float()).all()
+
+
 def _lora_grads(model) -> dict[str, torch.Tensor]:
     model.add_adapter("policy", mlora.LoraConfig(rank=4, alpha=8, seed=3))
     g = torch.Generator().manual_seed(5)

@@ -166,7 +166,7 @@ def test_bad_input(tmp_path):
     assert "lacks columns ['prompt', 'reward_spec']" in err and "found ['question', 'answer']" in err
     err = fails("+generator.engine_init_kwargs.no_such_vllm_argument=1")
     assert "vLLM engine for" in err and "failed to start" in err and "no_such_vllm_argument" in err
-    assert "trainer.strategy='fsdp2': mlora is built on megatron-core" in fails("trainer.strategy=fsdp2")
+    assert "trainer.strategy='deepspeed': mlora is built on megatron-core" in fails("trainer.strategy=deepspeed")
     assert "but torchrun started 1 ranks" in fails("trainer.placement.policy_num_gpus_per_node=4")
     err = fails(f"data.val_data=[{tmp_path / 'raw.parquet'}]")
     assert "data.val_data: " in err and "lacks columns ['prompt', 'reward_spec']" in err

@@ -260,9 +260,10 @@ def test_example_keys_compose(name, generation, gsm8k):
     assert any("weight_sync_backend='nccl' has no effect" in n for n in notes)
 
 
-def _train(gsm8k, name: str, extra: list[str], nproc: int = 4) -> tuple[subprocess.CompletedProcess, list[dict]]:
+def _train(gsm8k, name: str, extra: list[str], nproc: int = 4, **values: str
+           ) -> tuple[subprocess.CompletedProcess, list[dict]]:
     run_dir = Path(gsm8k["root"]) / f"run_{name}"
-    args = overrides(SCRIPTS[name], **gsm8k) + [
+    args = overrides(SCRIPTS[name], **gsm8k, **values) + [
         # the scripts' "$@": what a user appends. 2 steps; a KV cache sized for a 2-core machine.
         "trainer.total_steps=2", f"trainer.run_dir={run_dir}", "generator.kv_cache_memory_bytes=67108864", *extra]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}",
@@ -279,14 +280,16 @@ TP2PP2 = ["trainer.policy.megatron_config.tensor_model_parallel_size=2",
           "trainer.policy.megatron_config.pipeline_model_parallel_size=2"]
 
 
-@pytest.mark.parametrize("name,extra", [
-    ("ppo", TP2PP2),
-    # temperature 0.7 and top-p 0.9: the trainer's log-probs must follow the engine's sampling
-    ("grpo", TP2PP2 + ["generator.sampling_params.temperature=0.7", "generator.sampling_params.top_p=0.9"]),
-    ("megatron", []),
+@pytest.mark.parametrize("name,extra,values", [
+    ("ppo", TP2PP2, {}),
+    # SkyRL's GRPO LoRA guide script as it is (trainer.strategy=fsdp2: a data-parallel mesh, DP2 on 2 ranks).
+    # Temperature 0.7 and top-p 0.9: the trainer's log-probs must follow the engine's sampling
+    ("grpo", ["generator.sampling_params.temperature=0.7", "generator.sampling_params.top_p=0.9"],
+     {"STRATEGY": "fsdp2", "NUM_GPUS": "2"}),
+    ("megatron", [], {}),
 ])
-def test_example_trains_two_steps_with_eval(name, extra, gsm8k):
-    proc, rows = _train(gsm8k, name, extra)
+def test_example_trains_two_steps_with_eval(name, extra, values, gsm8k):
+    proc, rows = _train(gsm8k, name, extra, nproc=int(values.get("NUM_GPUS", 4)), **values)
     assert [r["step"] for r in rows] == [0, 1, 2]
     before, _, after = rows
     for r in (before, after):  # evaluation before training and after step 2 (eval_interval=2)
@@ -298,6 +301,9 @@ def test_example_trains_two_steps_with_eval(name, extra, gsm8k):
     dumped = Path(gsm8k["root"]) / f"run_{name}" / "dumped_evals"
     assert sorted(p.name for p in dumped.iterdir()) == ["eval_step_0.jsonl", "eval_step_2.jsonl"]
     assert "has no effect in mlora" in proc.stdout + proc.stderr  # the notes, once
+    if values.get("STRATEGY") == "fsdp2":
+        assert "trainer.strategy=fsdp2 runs as a data-parallel megatron-core mesh (TP1 x PP1 x DP2)" in proc.stdout + \
+            proc.stderr
     assert (proc.stdout + proc.stderr).count("generator.batched=True has no effect") == 1
     ckpt = Path(gsm8k["CKPTS"]) / ("gsm8k_megatron_ckpt" if name == "megatron" else "gsm8k_0.5b_lora_ckpt")
     assert (ckpt / "global_step_2" / "adapters" / "policy" / "adapter_model.safetensors").is_file()
@@ -311,8 +317,11 @@ def test_config_errors(gsm8k):
     base = overrides(SKYRL_TRAIN_GRPO_LORA, **gsm8k)
     with pytest.raises(ConfigCompositionException, match="trainer.no_such_key"):
         _compose(base + ["trainer.no_such_key=1"])
-    with pytest.raises(ConfigError, match="trainer.strategy='fsdp2': mlora is built on megatron-core"):
-        _compose(overrides(SKYRL_TRAIN_GRPO_LORA, **{**gsm8k, "STRATEGY": "fsdp2"}))
+    with pytest.raises(ConfigError, match="trainer.strategy='deepspeed': mlora is built on megatron-core"):
+        _compose(overrides(SKYRL_TRAIN_GRPO_LORA, **{**gsm8k, "STRATEGY": "deepspeed"}))
+    with pytest.raises(ConfigError, match="trainer.strategy=fsdp2 runs as a data-parallel mesh .* for a model-parallel "
+                                          "mesh use trainer.strategy=megatron"):
+        _compose(overrides(SKYRL_TRAIN_GRPO_LORA, **{**gsm8k, "STRATEGY": "fsdp2"}) + TP2PP2)
     with pytest.raises(ConfigError, match=r"policy_num_nodes x policy_num_gpus_per_node = 1 x 8 = 8, but torchrun "
                                           r"started 4 ranks"):
         _compose(overrides(SKYRL_TRAIN_GRPO_LORA, **{**gsm8k, "NUM_GPUS": "8"}))

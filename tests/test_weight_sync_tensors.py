@@ -126,7 +126,8 @@ def test_ranks_fill_the_segment_with_their_shards(tiny_models, peft_refs_dir, tm
 def test_rl_demo_with_tensors_matches_disk(tmp_path):
     """The CPU demo (TP2xPP2, PPO with a critic), three steps, same seed: weight_sync=tensors gives the
     same rewards, vLLM-vs-trainer log-prob gaps and losses as weight_sync=disk (bit for bit: the
-    engines receive the same float32 values)."""
+    engines receive the same float32 values). The tensors run also sets trainer.placement.colocate_all=false
+    (the disk run has the default true): on CPU, where engines cannot sleep, colocation changes nothing."""
     from test_rl_loop import _train
 
     keys = ("reward/mean", "rollout/logprob_abs_diff", "rollout/logprob_abs_diff_max", "actor/pg_loss",
@@ -135,7 +136,8 @@ def test_rl_demo_with_tensors_matches_disk(tmp_path):
     disk = _train(tmp_path, 4, 2, 2, "disk", extra=("generator.weight_sync=disk",
                                                    f"trainer.policy.model.lora.lora_sync_path={tmp_path / 'sync'}",
                                                    *common))
-    tensors = _train(tmp_path, 4, 2, 2, "tensors", extra=("generator.weight_sync=tensors", *common))
+    tensors = _train(tmp_path, 4, 2, 2, "tensors", extra=("generator.weight_sync=tensors",
+                                                         "trainer.placement.colocate_all=false", *common))
     assert len(disk) == len(tensors) == 3
     for a, b in zip(disk, tensors):
         for k in keys:

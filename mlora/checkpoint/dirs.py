@@ -171,6 +171,42 @@ def resolve_resume(mode: str | None, root: Path, resume_path: str | None) -> Pat
 
 
 # ------------------------------------------------------------------ writing
+def check_shared_root(root: Path, key: str = "trainer.ckpt_path") -> None:
+    """Collective, before anything is written: every rank sees the files rank 0 makes under ``root``.
+
+    Every rank writes its own part of a checkpoint into one directory and rank 0 commits it; on a
+    node-local path rank 0 would commit a manifest naming files that exist only on other nodes, and
+    every later resume would reject the checkpoint. A token file proves the directory is shared."""
+    import secrets
+
+    from mlora.parallel.small_collectives import ranks_seeing
+
+    made: list[Path] = []
+
+    def create() -> str:
+        root.mkdir(parents=True, exist_ok=True)
+        token = secrets.token_hex(16)
+        made.append(root / f".mlora-shared-{token}")
+        made[0].write_text(token)
+        return token
+
+    def probe(token: str) -> bool:
+        try:
+            return (root / f".mlora-shared-{token}").read_text() == token
+        except OSError:
+            return False
+
+    _, seen = ranks_seeing(create, probe, f"creating {key}={root}")
+    for f in made:  # rank 0: the token file goes once everybody looked
+        f.unlink(missing_ok=True)
+    blind = [r for r, ok in enumerate(seen) if not ok]
+    if blind:
+        raise CheckpointError(f"{key}={root} is not shared by all ranks: rank(s) {blind} do not see the file "
+                              f"rank 0 wrote there. Every rank writes its part of a checkpoint into that directory, so "
+                              f"it must be on a file system every node mounts (Lustre, GPFS, NFS ...); set {key} to "
+                              "such a path")
+
+
 def temp_dir(root: Path, step: int) -> Path:
     return root / f".{STEP_PREFIX}{step}.tmp"
 

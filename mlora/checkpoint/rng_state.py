@@ -1,5 +1,5 @@
-"""Every random generator of a trainer rank, captured and restored: torch (CPU and CUDA), megatron's
-model-parallel tracker, Python's ``random`` and NumPy.
+"""Every random generator of a trainer rank, captured and restored: torch (CPU, and CUDA on the rank's
+own device), megatron's model-parallel tracker, Python's ``random`` and NumPy.
 
 mlora's own draws do not depend on these streams (LoRA init, dropout masks and the value head are
 keyed by seed, adapter, layer and call; the data order by seed and epoch; the engines' sampling
@@ -34,9 +34,8 @@ def capture() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     import numpy as np
 
     tensors = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        for i, state in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"cuda/{i}"] = state
+    if torch.cuda.is_available():  # the rank's own device only: a node may show another number of GPUs on resume
+        tensors["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     tracker = _megatron_tracker()
     if tracker is not None:
         for name, state in tracker.get_states().items():
@@ -72,10 +71,8 @@ def restore(path: Path) -> None:
     tensors = {name: torch.frombuffer(bytearray(raw[e.offset:e.offset + e.nbytes]), dtype=torch.uint8)
                for name, e in entries.items()}
     torch.set_rng_state(tensors["torch"])
-    if torch.cuda.is_available():
-        cuda = [tensors[k] for k in sorted((k for k in tensors if k.startswith("cuda/")), key=lambda k: int(k[5:]))]
-        if cuda:
-            torch.cuda.set_rng_state_all(cuda)
+    if torch.cuda.is_available() and "cuda" in tensors:
+        torch.cuda.set_rng_state(tensors["cuda"], torch.cuda.current_device())
     tracker = _megatron_tracker()
     megatron = {k[len("megatron/"):]: v for k, v in tensors.items() if k.startswith("megatron/")}
     if tracker is not None and megatron:

@@ -31,7 +31,8 @@ class LoraSection:
     rank: int = 32  # SkyRL's 0 means "no LoRA"; mlora trains adapters only, so r >= 1
     alpha: float = 64.0
     dropout: float = 0.0
-    lora_sync_path: str = "/tmp/mlora_lora_sync"  # generator.weight_sync=disk writes the policy here
+    # generator.weight_sync=disk writes the policy here, in a folder of its own per run; null: <run_dir>/lora_sync
+    lora_sync_path: Optional[str] = None
     target_modules: Any = "all-linear"  # "all-linear", a list of HF / megatron names, or one name
     exclude_modules: Any = None
     init_method: str = "kaiming"  # kaiming (PEFT default) | gaussian | xavier | normal | zero

@@ -9,6 +9,7 @@ with the torchrun world, aliases given twice with different values.
 from __future__ import annotations
 
 import importlib.util
+import re
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Iterable
@@ -20,8 +21,9 @@ from mlora.rl.kl import KL_CONTROLLERS, KL_ESTIMATORS
 from mlora.rl.lr_schedule import LR_SCHEDULES
 from mlora.rl.preference import DPO_LOSS_TYPES, PREFERENCE_STAGES
 
-STRATEGIES = ("megatron",)
-REFUSED_STRATEGIES = ("fsdp", "fsdp2", "deepspeed")
+STRATEGIES = ("megatron", "fsdp", "fsdp2")
+DATA_PARALLEL_STRATEGIES = ("fsdp", "fsdp2")  # SkyRL's: run as a TP1 x PP1 megatron-core mesh (DP = world)
+REFUSED_STRATEGIES = ("deepspeed",)
 LOSS_REDUCTIONS = {"token_mean": "token-mean", "sequence_mean": "seq-mean-token-mean",
                    "seq_mean_token_sum_norm": "seq-mean-token-sum-norm"}
 POLICY_LOSS_TYPES = ("regular", "dual_clip")
@@ -52,9 +54,17 @@ NO_EFFECT = {
     "generator.sampling_params.logprobs": "the trainer always takes the sampled token's log-prob",
     "generator.eval_sampling_params.logprobs": "evaluation needs no log-probs",
 }
+_CPU_KV_CACHE = ("on the CPU build vLLM would take that fraction of the host's RAM for its KV cache, next to the "
+                 "trainer ranks' memory; there the KV cache is generator.kv_cache_memory_bytes (null: vLLM's "
+                 "VLLM_CPU_KVCACHE_SPACE default)")
 CPU_ONLY_NO_EFFECT = {
     "trainer.placement.colocate_all": "no GPUs here: engines run as CPU processes beside the trainer ranks",
+    "generator.gpu_memory_utilization": _CPU_KV_CACHE,
+    "generator.inference_engine.gpu_memory_utilization": _CPU_KV_CACHE,
 }
+
+
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]*")
 
 
 class ConfigError(ValueError):
@@ -137,6 +147,13 @@ def _resolve_mesh(cfg: TrainConfig, world_size: int) -> None:
                               "policy's own base with the adapters off, so it lives on the same mesh")
     _check_positive(pm, "trainer.policy.megatron_config", ("tensor_model_parallel_size",
                                                            "pipeline_model_parallel_size", "context_parallel_size"))
+    if t.strategy in DATA_PARALLEL_STRATEGIES and (pm.tensor_model_parallel_size, pm.pipeline_model_parallel_size,
+                                                   pm.sequence_parallel) != (1, 1, False):
+        raise ConfigError(f"trainer.strategy={t.strategy} runs as a data-parallel mesh (TP1 x PP1 x DP=world), but "
+                          f"trainer.policy.megatron_config sets tensor_model_parallel_size="
+                          f"{pm.tensor_model_parallel_size}, pipeline_model_parallel_size="
+                          f"{pm.pipeline_model_parallel_size}, sequence_parallel={pm.sequence_parallel}: for a "
+                          "model-parallel mesh use trainer.strategy=megatron")
     if pm.context_parallel_size != 1:
         raise ConfigError(f"trainer.policy.megatron_config.context_parallel_size={pm.context_parallel_size}: "
                           "context parallelism is not supported yet; valid: 1")
@@ -159,16 +176,19 @@ def _resolve_mesh(cfg: TrainConfig, world_size: int) -> None:
                 f"--nproc_per_node {gpus or 1}) or set the counts to the world size")
 
 
-def _check_colocation(cfg: TrainConfig, world_size: int, cuda: bool) -> None:
-    """SkyRL's colocate_all rule on GPUs: the engines use exactly the trainer's GPUs."""
+def _check_placement(cfg: TrainConfig, world_size: int, gpus_per_node: int | None, ranks_per_node: int) -> None:
+    """On GPUs, local engines must have a placement (:func:`mlora.rollout.placement.plan_placement`): SkyRL's
+    colocate_all rule (the engines use exactly the trainer's GPUs) or the GPUs the trainer leaves free."""
+    from mlora.rollout.placement import PlacementError, plan_placement
+
     e = cfg.generator.inference_engine
-    if cuda and cfg.trainer.placement.colocate_all and e.run_engines_locally:
-        engine_gpus = e.num_engines * e.tensor_parallel_size
-        if engine_gpus != world_size:
-            raise ConfigError(
-                f"trainer.placement.colocate_all=true needs the engines on the trainer's {world_size} GPUs, but "
-                f"generator.inference_engine.num_engines x tensor_parallel_size = {e.num_engines} x "
-                f"{e.tensor_parallel_size} = {engine_gpus}")
+    if gpus_per_node is None or not e.run_engines_locally:
+        return
+    try:
+        plan_placement(world_size // ranks_per_node, gpus_per_node, ranks_per_node, e.num_engines,
+                       e.tensor_parallel_size, cfg.trainer.placement.colocate_all)
+    except PlacementError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _check_trainer(cfg: TrainConfig) -> None:
@@ -176,8 +196,9 @@ def _check_trainer(cfg: TrainConfig) -> None:
     if t.strategy in REFUSED_STRATEGIES:
         raise ConfigError(f"trainer.strategy={t.strategy!r}: mlora is built on megatron-core (LoRA inside megatron's "
                           "tensor/pipeline-parallel linears, one frozen base for actor, critic and reference); there "
-                          "is no FSDP path. Use trainer.strategy=megatron and set the mesh with trainer.policy."
-                          "megatron_config.tensor_model_parallel_size / pipeline_model_parallel_size")
+                          "is no DeepSpeed path. Use trainer.strategy=megatron and set the mesh with trainer.policy."
+                          "megatron_config.tensor_model_parallel_size / pipeline_model_parallel_size, or "
+                          "trainer.strategy=fsdp2 for a data-parallel run")
     _check_choice(t.strategy, STRATEGIES, "trainer.strategy")
     _check_positive(t, "trainer", ("epochs", "total_steps", "train_batch_size", "policy_mini_batch_size",
                                    "critic_mini_batch_size", "micro_forward_batch_size_per_gpu",
@@ -187,6 +208,10 @@ def _check_trainer(cfg: TrainConfig) -> None:
         mini = getattr(t, key)
         if mini is not None and t.train_batch_size % mini:
             raise ConfigError(f"trainer.train_batch_size={t.train_batch_size} is not divisible by trainer.{key}={mini}")
+    if not RUN_NAME.fullmatch(t.run_name) or t.run_name in (".", ".."):
+        raise ConfigError(f"trainer.run_name={t.run_name!r}: a run name names folders (the run directory, the adapter "
+                          "sync folder), so it may hold letters, digits and . _ + = - only, starting with a letter or "
+                          "digit (no path separators)")
     _check_resume(t)
     _check_choice(t.logger, LOGGERS, "trainer.logger")
     package = LOGGER_PACKAGES[t.logger]
@@ -402,20 +427,35 @@ def _set_keys(cfg: TrainConfig, default: TrainConfig, explicit: set[str], prefix
     return out
 
 
-def finalize(cfg: TrainConfig, world_size: int, cuda: bool = False, explicit: Iterable[str] = ()) -> list[str]:
+def finalize(cfg: TrainConfig, world_size: int, cuda: bool = False, explicit: Iterable[str] = (),
+             gpus_per_node: int | None = None, ranks_per_node: int = 1, gpu_memory_bytes: int | None = None
+             ) -> list[str]:
     """Validate ``cfg`` in place (aliases merged into their canonical keys, derived defaults filled).
+
+    ``gpus_per_node`` (CUDA runs: the GPUs a node shows) and ``ranks_per_node`` (torchrun's
+    ``LOCAL_WORLD_SIZE``) let the engines' placement be checked before anything loads; ``gpu_memory_bytes``
+    (a GPU's memory) whether a data-parallel strategy's layout fits (:mod:`mlora.config.layout_fit`).
 
     Returns one note per key that was set but has no effect here (to be shown once at start-up).
     Raises :class:`ConfigError` naming the key for a value mlora cannot run with.
     """
     set_before = _set_keys(cfg, TrainConfig(), {k.lstrip("+~") for k in explicit})
+    notes = []
     _check_preference(cfg, world_size)
     _check_trainer(cfg)
     _resolve_generator(cfg)
     _resolve_mesh(cfg, world_size)
     _resolve_recompute(cfg.trainer)
-    _check_colocation(cfg, world_size, cuda)
+    _check_placement(cfg, world_size, gpus_per_node if cuda else None, ranks_per_node)
     _check_reward_model(cfg)
+    if cfg.trainer.strategy in DATA_PARALLEL_STRATEGIES:
+        notes.append(f"trainer.strategy={cfg.trainer.strategy} runs as a data-parallel megatron-core mesh (TP1 x PP1 x "
+                     f"DP{world_size}): the frozen base is replicated on every rank, not sharded; only the LoRA "
+                     "adapters train, their gradients all-reduced over DP")
+        if cuda and gpu_memory_bytes:
+            from mlora.config.layout_fit import check_layout_fits
+
+            check_layout_fits(cfg, world_size, gpu_memory_bytes)
     no_effect = {**NO_EFFECT, **({} if cuda else CPU_ONLY_NO_EFFECT)}
-    return [f"{key}={_get(cfg, key)!r} has no effect in mlora: {why}" for key, why in no_effect.items()
-            if key in set_before]
+    return notes + [f"{key}={_get(cfg, key)!r} has no effect in mlora: {why}" for key, why in no_effect.items()
+                    if key in set_before]

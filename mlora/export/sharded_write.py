@@ -30,7 +30,7 @@ import torch.distributed as dist
 from mlora.formats.durable import fsync_dir, is_durable
 from mlora.formats.safetensors_writer import Layout, PresizedSafetensors, TensorShard
 from mlora.formats.weight_map import COLUMNS, REPLICATED, ROWS
-from mlora.parallel.small_collectives import collective_device, raise_if_any_failed
+from mlora.parallel.small_collectives import all_flags, collective_device, raise_if_any_failed
 
 _DONE, _FAILED = -1, -2  # descriptor codes that end a relaying rank's stream
 _SPLIT_DIM = {ROWS: 0, COLUMNS: 1}  # the dim a TP-sharded tensor is cut along (weight_map.shard)
@@ -175,9 +175,7 @@ def write_safetensors_collectively(path: str | os.PathLike, layout: Layout, shar
     final = Path(shared_path)
     tmp, token_file = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".tmp.id")
     sees = rank == root or (direct is not False and _sees(token_file, token))
-    flags = [torch.zeros(1, dtype=torch.int64, device=collective_device()) for _ in range(dist.get_world_size())]
-    dist.all_gather(flags, torch.tensor([int(sees)], dtype=torch.int64, device=collective_device()))
-    relaying = [r for r, f in enumerate(flags) if not int(f.item())]
+    relaying = [r for r, seen in enumerate(all_flags(sees)) if not seen]
     try:
         if sees and rank != root:
             file.write_shards(tmp, shards, fsync=durable)

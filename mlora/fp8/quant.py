@@ -60,8 +60,10 @@ def check_adapter_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def require_scaled_mm(device: torch.device | str) -> None:
-    """FP8Unsupported unless ``torch._scaled_mm`` runs rowwise-scaled e4m3 GEMMs on ``device``."""
+def require_scaled_mm(device: torch.device | str, dtype: torch.dtype = torch.float32) -> None:
+    """FP8Unsupported unless ``torch._scaled_mm`` runs rowwise-scaled e4m3 GEMMs on ``device`` with an output
+    in ``dtype``, the model's: the probe asks for what the layers will ask for (a stack whose rowwise FP8
+    GEMM writes only bf16, e.g. CUTLASS paths on sm89, serves a bf16 model although it refuses float32)."""
     device = torch.device(device)
     if device.type == "cuda":
         cap = torch.cuda.get_device_capability(device)
@@ -71,7 +73,7 @@ def require_scaled_mm(device: torch.device | str) -> None:
                                  f"Use fp8=None with dtype=torch.bfloat16")
     a = torch.ones(16, 16, device=device).to(FP8_DTYPE)
     ones = torch.ones(16, 1, device=device)
-    _scaled_mm(a, ones, a, ones.view(16), torch.float32)
+    _scaled_mm(a, ones, a, ones.view(16), dtype)
 
 
 def _scaled_mm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,

@@ -57,7 +57,7 @@ def load_shard(hf_dir: str | os.PathLike, mesh: Mesh, dtype: torch.dtype = torch
     elif fp8 == "torch":
         from mlora.fp8.quant import require_scaled_mm
 
-        require_scaled_mm(mesh.device)
+        require_scaled_mm(mesh.device, dtype)
     recompute_settings(recompute, recompute_method, recompute_num_layers, recompute_modules)  # before any I/O
     spec = model_spec(load_hf_config(hf_dir))
     check_layout(spec, mesh.tp, mesh.pp)

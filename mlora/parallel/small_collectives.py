@@ -63,3 +63,42 @@ def gather_json(obj, dst: int = 0) -> list | None:
     if parts is None:
         return None
     return [json.loads(bytes(p[:n].cpu().numpy().tobytes())) for p, n in zip(parts, lengths)]
+
+
+def broadcast_json(obj, src: int = 0):
+    """Global rank ``src``'s JSON-serialisable ``obj`` on every rank (``obj`` is ignored elsewhere)."""
+    device = collective_device()
+    data = json.dumps(obj).encode() if dist.get_rank() == src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src)
+    buf = torch.zeros(int(size.item()), dtype=torch.uint8)
+    if data:
+        buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    buf = buf.to(device)
+    dist.broadcast(buf, src=src)
+    return json.loads(bytes(buf.cpu().numpy().tobytes()))
+
+
+def all_flags(flag: bool) -> list[bool]:
+    """Every rank's ``flag``, in rank order, on every rank (one int64 per rank)."""
+    device = collective_device()
+    flags = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(flags, torch.tensor([int(flag)], dtype=torch.int64, device=device))
+    return [bool(int(f.item())) for f in flags]
+
+
+def ranks_seeing(create, probe, what: str) -> tuple[str, list[bool]]:
+    """Collective: which ranks see what global rank 0 made; returns ``(token, seen by rank)``. Rank 0 calls ``create()`` (it returns a fresh
+    random token, e.g. the name or content of a file or shared-memory segment it made), every other rank
+    ``probe(token)`` (True when it finds that token). A failure of ``create`` is every rank's error
+    (``what`` names it). Token checks, not host names: containers of one host may not share a file
+    system or ``/dev/shm``, and nodes of a cluster may share one."""
+    error, token = None, None
+    if dist.get_rank() == 0:
+        try:
+            token = create()
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+            error = exc
+    raise_if_any_failed(error, what)
+    token = broadcast_json(token)
+    return token, all_flags(dist.get_rank() == 0 or bool(probe(token)))

@@ -18,8 +18,10 @@ phase, following :meth:`mlora.train.engine.ActorCriticEngine.step`:
 Persistent in every phase: the frozen base, both adapters, the value head, and both AdamW states
 (two moments per trainable element, in float32 under a 16-bit base like the adapters: the steady state from the second step
 on; the first step is lower by the critic's moments during the actor update). A colocated vLLM
-engine adds its weights and KV cache. Gradients exist only inside their update (the engine sets
-them to None after each optimizer step).
+engine that sleeps while the trainer works (vLLM's sleep mode, mlora's default on CUDA) adds a fifth
+phase, ``generate``: its weights and KV cache over the persistent bytes, with no activations, gradients
+or logits; one that stays awake adds them to every phase. Gradients exist only inside their update (the
+engine sets them to None after each optimizer step).
 
 What is not counted: the CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation (the
 caching allocator on GPU, glibc's heap on CPU: see ``bench/memory_plan.py``), the rollout batch in
@@ -81,7 +83,7 @@ class RankMemory:
     logits: int
     engine: int
     peak: int
-    phase: str  # where the peak happens: forward, actor, critic or reduce
+    phase: str  # where the peak happens: forward, actor, critic, reduce or generate (a sleeping colocated engine)
     phases: dict = field(default_factory=dict)  # the peak of every phase considered, bytes
 
     def as_dict(self) -> dict:
@@ -194,6 +196,7 @@ class _Phase:
     grads: int
     activations: int
     logits: int
+    engine: int = 0  # a colocated engine's bytes, where it is awake
 
 
 def _update_phase(spec: ModelSpec, layout: Layout, workload: Workload, stage: int, tp_rank: int, critic: bool,
@@ -261,19 +264,24 @@ def plan_memory(spec: ModelSpec, layout: Layout, workload: Workload, engine: Eng
             critic = actor if workload.critic else 0
             heads = head_bytes(spec, master_dtype(workload.dtype)) if workload.critic and last else 0
             optimizer = 2 * (actor + critic + heads)  # AdamW: exp_avg and exp_avg_sq per trainable element
-            persistent = base + actor + critic + heads + optimizer + colocated
+            # a sleeping engine is on the GPU only while it generates; one that stays awake, throughout
+            awake = colocated if engine is not None and not engine.sleeps else 0
+            persistent = base + actor + critic + heads + optimizer + awake
             phases = [_forward_phase(spec, layout, workload, stage, tp_rank),
                       _update_phase(spec, layout, workload, stage, tp_rank, False, actor)]
+            if engine is not None and engine.sleeps:
+                phases.append(_Phase("generate", 0, 0, 0, colocated))
             if workload.critic:
                 phases.append(_update_phase(spec, layout, workload, stage, tp_rank, True, critic + heads))
             # one flat copy of the gradients for the TP/DP all-reduce (mlora.lora.grads), an upper bound
             if layout.tp * layout.dp > 1:
                 biggest = max(actor, critic + heads)
                 phases.append(_Phase("reduce", biggest, biggest, 0))
-            top = max(phases, key=lambda p: p.grads + p.activations + p.logits)
+            top = max(phases, key=lambda p: p.grads + p.activations + p.logits + p.engine)
             plan.ranks.append(RankMemory(
                 stage=stage, tp_rank=tp_rank, base=base, adapters=actor + critic, grads=top.grads,
-                optimizer=optimizer, heads=heads, activations=top.activations, logits=top.logits, engine=colocated,
-                peak=persistent + top.grads + top.activations + top.logits, phase=top.name,
-                phases={p.name: persistent + p.grads + p.activations + p.logits for p in phases}))
+                optimizer=optimizer, heads=heads, activations=top.activations, logits=top.logits,
+                engine=awake + top.engine, peak=persistent + top.grads + top.activations + top.logits + top.engine,
+                phase=top.name, phases={p.name: persistent + p.grads + p.activations + p.logits + p.engine
+                                        for p in phases}))
     return plan

@@ -125,12 +125,16 @@ class Workload:
 @dataclass(frozen=True)
 class Engine:
     """A vLLM engine colocated with the trainer: ``tp`` GPUs per engine, a KV cache of ``kv_tokens``
-    tokens per engine, weights and cache in ``dtype`` (``fp8``: the engine's base in e4m3)."""
+    tokens per engine, weights and cache in ``dtype`` (``fp8``: the engine's base in e4m3). ``sleeps``:
+    it sleeps while the trainer works (vLLM's sleep mode, level 1, as mlora runs colocated engines on
+    CUDA), so it holds its memory only while it generates, when the trainer's activations, gradients and
+    logits are freed; False: it holds it throughout."""
 
     tp: int = 1
     kv_tokens: int = 0
     dtype: torch.dtype = torch.bfloat16
     fp8: str | None = None
+    sleeps: bool = True
 
     def check(self, spec: ModelSpec) -> None:
         """vLLM's rule: TP divides the attention heads; KV heads are split, or replicated when TP

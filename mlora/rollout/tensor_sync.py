@@ -10,8 +10,9 @@ Writing (:class:`TensorHandoff`, collective): every trainer rank of data-paralle
 its *own* LoRA shards straight into their places in the segment (a TP shard of a factor is chunk
 ``tp_rank`` of the full tensor along its split dimension; a factor every TP rank holds whole is
 written by one of them, spread round-robin). No collective gathers the adapter, nothing is
-pickled, no rank holds more than its own shards. Ranks on another node than global rank 0 (which
-owns the engines) cannot map the segment: they send their shards to rank 0 with tensor
+pickled, no rank holds more than its own shards. Ranks that cannot map global rank 0's segment
+(another node, or a container with its own ``/dev/shm``: each rank tries to map it by its random
+name once, no host names involved) send their shards to rank 0 (which owns the engines) with tensor
 point-to-point ops (one flat buffer and an int64 index, no pickle), and rank 0 copies them in.
 
 Reading (:func:`open_adapter_segment`, the engine's side): zero-copy tensor views of the segment.
@@ -30,7 +31,6 @@ import atexit
 import json
 import socket
 import struct
-import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
@@ -41,6 +41,8 @@ import torch.distributed as dist
 from mlora.export.sharded_write import select_shards
 from mlora.formats.dtypes import SAFETENSORS_DTYPES
 from mlora.formats.safetensors_writer import Layout, TensorShard, safetensors_header
+from mlora.parallel.small_collectives import ranks_seeing
+from mlora.rollout.shm_names import shm_name
 
 SCHEME = "mlora-shm://"  # LoRARequest.lora_path of an adapter in a segment: mlora-shm://<segment>#<version>
 CONFIG_KEY = "mlora_peft_config"  # __metadata__ key holding adapter_config.json
@@ -186,7 +188,7 @@ class SegmentWriter:
         self.layout = dict(layout)
         head, self.spans, self.size = segment_image_size(self.layout, config)
         if create:
-            self.name = name or f"mlora-{uuid.uuid4().hex[:16]}"
+            self.name = name or shm_name("adapter")
             self.shm = SharedMemory(name=self.name, create=True, size=max(self.size, 1))
             self.shm.buf[:len(head)] = head
             atexit.register(self.unlink)
@@ -261,9 +263,9 @@ class SegmentHandoff:
     ``layout``/``config``: the adapter's tensors (one dtype) and PEFT config, the same on every rank;
     ``tp``: the tensor-parallel size the pieces are cut for; ``device``: where point-to-point buffers
     live (the process group's device). Global rank 0 creates the segment (``segment`` is its name)
-    and unlinks it at ``close``. ``remote_ranks``: ranks that cannot map rank 0's segment (default:
-    those on another host, found once from the host names); they ship their pieces to rank 0 by
-    point-to-point sends of one flat buffer and an int64 index. ``prescale``: B goes into the
+    and unlinks it at ``close``. Ranks that cannot map rank 0's segment (found once: each rank tries to map
+    it by its random name; ``remote_ranks`` adds ranks that must not, for tests) ship their pieces to rank 0
+    by point-to-point sends of one flat buffer and an int64 index. ``prescale``: B goes into the
     segment multiplied by the LoRA scaling, under a config with alpha = r (:func:`prescaled_config`),
     so that vLLM has no pass of its own to make over B.
     """
@@ -277,22 +279,27 @@ class SegmentHandoff:
         if len(dtypes) > 1:
             raise ValueError(f"adapter hand-off: one dtype per adapter, got {sorted(map(str, dtypes))}")
         self.dtype = dtypes.pop() if dtypes else torch.float32
-        rank, world = dist.get_rank(), dist.get_world_size()
-        if remote_ranks is None:
-            hosts: list = [None] * world
-            dist.all_gather_object(hosts, socket.gethostname())  # once per run: host names, no tensors
-            remote_ranks = [r for r, h in enumerate(hosts) if h != hosts[0]]
-        self.remote = sorted(set(remote_ranks))
-        if 0 in self.remote:
+        rank, forced = dist.get_rank(), set(remote_ranks or ())
+        if 0 in forced:
             raise ValueError("remote_ranks must not contain global rank 0 (it owns the segment)")
-        box = [None]
-        if rank == 0:
+        self.seg = None
+
+        def create() -> str:
             self.seg = SegmentWriter(self.layout, self.config, create=True)
-            box = [self.seg.name]
-        dist.broadcast_object_list(box, src=0)  # the segment's name: a short string, once per run
-        self.segment = box[0]
-        if rank != 0:
-            self.seg = None if rank in self.remote else SegmentWriter(self.layout, self.config, self.segment)
+            return self.seg.name
+
+        def probe(name: str) -> bool:  # the name is a fresh random token: mapping it means sharing /dev/shm
+            if rank in forced:
+                return False
+            try:
+                self.seg = SegmentWriter(self.layout, self.config, name)
+            except FileNotFoundError:
+                return False
+            return True
+
+        # once per run; by token, not host name: containers of one host may not share /dev/shm
+        self.segment, seen = ranks_seeing(create, probe, "creating the adapter's shared-memory segment")
+        self.remote = [r for r, ok in enumerate(seen) if not ok]
         self.version = 0
         self._index = {n: i for i, n in enumerate(self.layout)}
         self._names = list(self.layout)

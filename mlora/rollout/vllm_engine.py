@@ -27,6 +27,7 @@ from pathlib import Path
 from mlora.rollout.cpu_threads import engine_environment
 from mlora.rollout.generator import Generation, SamplingConfig
 from mlora.rollout.serve import vllm_lora_rank
+from mlora.rollout.shm_names import SHM_DIR, remove_stale, shm_name
 
 _ADAPTER_ID = 1  # one adapter is served at a time; a new one replaces it in place under this id
 TENSOR_EXTENSION = "mlora.rollout.vllm_lora_hook.TensorLoRAWorkerExtension"  # installs the hook in each worker
@@ -34,7 +35,7 @@ TENSOR_EXTENSION = "mlora.rollout.vllm_lora_hook.TensorLoRAWorkerExtension"  # i
 
 def engine_kwargs(max_lora_rank: int, dtype: str, seed: int, tensor_parallel_size: int = 1,
                   kv_cache_memory_bytes: int | None = None, max_model_len: int | None = None,
-                  executor: str | None = None, tensor_lora: bool = False, **extra) -> dict:
+                  executor: str | None = None, tensor_lora: bool = False, sleep_mode: bool = False, **extra) -> dict:
     """``vllm.LLM`` arguments of an mlora engine; ``extra`` (``generator.engine_init_kwargs``) wins.
 
     ``logprobs_mode="processed_logprobs"``: the returned log-prob of a sampled token is that of the
@@ -43,7 +44,9 @@ def engine_kwargs(max_lora_rank: int, dtype: str, seed: int, tensor_parallel_siz
     ``kv_cache_memory_bytes=None`` leaves the KV cache size to vLLM (``gpu_memory_utilization`` on
     GPUs, ``VLLM_CPU_KVCACHE_SPACE`` on CPU).
     ``tensor_lora``: the engine takes adapters as tensors (``weight_sync=tensors``): vLLM's
-    ``worker_extension_cls`` installs mlora's LoRA hook in every worker process."""
+    ``worker_extension_cls`` installs mlora's LoRA hook in every worker process.
+    ``sleep_mode``: vLLM's ``enable_sleep_mode`` (engines colocated with the trainer on GPUs sleep while it
+    trains, :meth:`VLLMServer.sleep`)."""
     if tensor_parallel_size < 1:
         raise ValueError(f"generator.inference_engine.tensor_parallel_size={tensor_parallel_size} must be >= 1")
     kwargs = dict(dtype=dtype, enforce_eager=True, seed=seed, tensor_parallel_size=tensor_parallel_size,
@@ -53,6 +56,8 @@ def engine_kwargs(max_lora_rank: int, dtype: str, seed: int, tensor_parallel_siz
                   logprobs_mode="processed_logprobs")
     if kv_cache_memory_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+    if sleep_mode:
+        kwargs["enable_sleep_mode"] = True
     if tensor_lora:
         if extra.get("worker_extension_cls", TENSOR_EXTENSION) != TENSOR_EXTENSION:
             raise ValueError(f"generator.engine_init_kwargs.worker_extension_cls={extra['worker_extension_cls']!r}: "
@@ -72,6 +77,7 @@ class VLLMServer:
         threads as inherited, TP workers split this process's cores)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        remove_stale()  # what killed runs left in this node's /dev/shm (a Ray engine's node may host no trainer)
         _use_cores(kwargs.get("tensor_parallel_size", 1), cpu_cores)
         from vllm import LLM
 
@@ -95,14 +101,41 @@ class VLLMServer:
 
         return {"torch": torch.get_num_threads(), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")}
 
+    def sleep_mode_available(self) -> bool:
+        """Whether this engine can sleep: vLLM's platform supports it and the engine was started with
+        ``enable_sleep_mode``."""
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_sleep_mode_available()
+                    and self.llm.llm_engine.vllm_config.model_config.enable_sleep_mode)
+
+    def sleep(self) -> None:
+        """vLLM's sleep level 1: base weights to host memory, KV cache freed (the base never changes; the
+        adapter is handed over again after :meth:`wake_up`)."""
+        self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        self.llm.wake_up()
+
     def tensor_hook_status(self) -> list[dict]:
         """Each vLLM worker's report of the tensor LoRA hook (engines started with ``tensor_lora``)."""
         return self.llm.collective_rpc("mlora_tensor_hook")
 
-    def hostname(self) -> str:
-        import socket
+    def sees_segment(self, path: str) -> bool:
+        """Whether this engine's process can map the trainer's segment ``path`` (its name is a random token:
+        mapping it means sharing the trainer's ``/dev/shm``, whatever the host names say)."""
+        from mlora.rollout.tensor_sync import open_adapter_segment
 
-        return socket.gethostname()
+        try:
+            seg = open_adapter_segment(path)
+        except FileNotFoundError:
+            return False
+        seg.tensors = {}
+        try:
+            seg.shm.close()
+        except BufferError:
+            pass
+        return True
 
     def _swap(self, path: str, name: str) -> None:
         """Load the adapter at ``path`` now, in place of the current one; serve it as ``name``."""
@@ -132,9 +165,7 @@ class VLLMServer:
         data = memoryview(image).cast("B")
         if self._segment is None or self._segment.size < len(data):
             self._release_segment()
-            import uuid
-
-            self._segment = SharedMemory(name=f"mlora-engine-{uuid.uuid4().hex[:12]}", create=True, size=len(data))
+            self._segment = SharedMemory(name=shm_name("engine"), create=True, size=len(data))
         self._segment.buf[:len(data)] = data
         self._swap(f"{SCHEME}{self._segment.name}#{version}", name)
 
@@ -156,8 +187,11 @@ class VLLMServer:
         import shutil
         import tempfile
 
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        new = Path(tempfile.mkdtemp(prefix="mlora-adapter-", dir=shm))
+        if SHM_DIR.is_dir():
+            new = SHM_DIR / shm_name("files")
+            new.mkdir()
+        else:
+            new = Path(tempfile.mkdtemp(prefix="mlora-adapter-"))
         for file_name, data in files.items():
             (new / file_name).write_bytes(data)
         self.set_adapter(new, name)
@@ -305,7 +339,7 @@ class LocalVLLMEngine(_EngineCalls):
 
     def __init__(self, model: str | os.PathLike, max_lora_rank: int = 16, dtype: str = "float32", seed: int = 0,
                  tensor_parallel_size: int = 1, start_timeout: float = 600.0, tensor_lora: bool = False,
-                 cpu_cores: list[int] | None = None, **engine_init_kwargs) -> None:
+                 cpu_cores: list[int] | None = None, cuda_devices: str | None = None, **engine_init_kwargs) -> None:
         _check_model_dir(model)
         kwargs = engine_kwargs(max_lora_rank, dtype, seed, tensor_parallel_size, tensor_lora=tensor_lora,
                                **engine_init_kwargs)
@@ -315,8 +349,12 @@ class LocalVLLMEngine(_EngineCalls):
         # with the trainer: close() runs at exit, and a trainer that dies closes the pipe (EOF here).
         self._proc = ctx.Process(target=_serve, args=(child, str(model), kwargs,
                                                       None if cpu_cores is None else list(cpu_cores)))
-        # OpenMP reads its thread count and wait policy when a process starts: the child gets them then
-        with _environment({} if not cpu_cores else engine_environment(len(cpu_cores), os.environ)):
+        # OpenMP reads its thread count and wait policy, CUDA its visible devices, when a process starts:
+        # the child gets them then
+        env = {} if not cpu_cores else engine_environment(len(cpu_cores), os.environ)
+        if cuda_devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = cuda_devices
+        with _environment(env):
             self._proc.start()
         child.close()  # so that a dead engine process shows up as EOF here
         atexit.register(self.close)
@@ -386,8 +424,8 @@ class RayVLLMEngine(_EngineCalls):
     Adapters: ``ship_adapter=False`` passes the directory (``lora_sync_path`` on a shared
     filesystem); ``True`` sends the file contents through Ray into the actor node's shared memory
     (the memory mode: nothing on persistent disk, any node). Tensors (``tensor_lora``,
-    ``weight_sync=tensors``): an actor on the trainer's node maps the trainer's segment; one on
-    another node gets the segment's bytes through Ray's object store (put once per version for all
+    ``weight_sync=tensors``): an actor that can map the trainer's segment (checked by its name, a
+    random token, at the first hand-off) maps it; one on another node or in another container gets the segment's bytes through Ray's object store (put once per version for all
     engines) into a segment of its own. Call ``ray.init`` (or let :func:`build_engines` do it) first.
     """
 
@@ -426,9 +464,7 @@ class RayVLLMEngine(_EngineCalls):
         except Exception as exc:
             self.close()
             raise RuntimeError(f"vLLM engine (Ray actor) for {model} failed to start:\n{exc}") from None
-        import socket
-
-        self._same_node = ray.get(self._actor.hostname.remote()) == socket.gethostname()
+        self._same_node: bool | None = None  # shares the trainer's /dev/shm: learned at the first tensor hand-off
 
     def submit(self, method: str, *args):
         if self._actor is None:
@@ -436,6 +472,10 @@ class RayVLLMEngine(_EngineCalls):
         if method == "set_adapter" and self._ship:
             files = {f.name: f.read_bytes() for f in Path(args[0]).iterdir() if f.is_file()}
             return self._actor.set_adapter_files.remote(files, args[1])
+        if method == "set_adapter_tensors" and self._same_node is None:
+            import ray
+
+            self._same_node = ray.get(self._actor.sees_segment.remote(args[0]))
         if method == "set_adapter_tensors" and not self._same_node:
             path, name = args
             return self._actor.set_adapter_image.remote(self._put_image(path), int(path.rsplit("#", 1)[-1]), name)
@@ -501,9 +541,15 @@ class EngineGroup:
             raise ValueError("generator.inference_engine.num_engines must be >= 1")
         self.engines, self._on_close = engines, on_close
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, slots: list[int] | None = None,
+                 total: int | None = None) -> list[Generation]:
+        """``slots``/``total``: these engines are engines ``slots`` of ``total`` started by several ranks
+        (:mod:`mlora.rollout.spread`); prompt ``i`` belongs to engine ``i mod total``."""
         n = len(self.engines)
-        chunks = [list(range(i, len(prompts), n)) for i in range(n)]
+        slots, total = (list(range(n)), n) if slots is None else (list(slots), total)
+        if len(slots) != n:
+            raise ValueError(f"{n} engines, {len(slots)} slots {slots}")
+        chunks = [list(range(i, len(prompts), total)) for i in slots]
         pending = [(e, idx, e.submit("generate", [prompts[i] for i in idx], sampling, idx))
                    for e, idx in zip(self.engines, chunks) if idx]
         out: list[Generation] = []
@@ -527,6 +573,25 @@ class EngineGroup:
             engine.result(handle)
         return time.perf_counter() - t0
 
+    def _all(self, method: str) -> list:
+        return [engine.result(handle) for engine, handle in [(e, e.submit(method)) for e in self.engines]]
+
+    def sleep_mode_available(self) -> bool:
+        """Whether every engine can sleep (vLLM's platform and ``enable_sleep_mode``)."""
+        return all(self._all("sleep_mode_available"))
+
+    def sleep(self) -> float:
+        """Every engine to sleep level 1 (weights to host memory, KV cache freed); returns seconds taken."""
+        t0 = time.perf_counter()
+        self._all("sleep")
+        return time.perf_counter() - t0
+
+    def wake_up(self) -> float:
+        """Every engine back on its GPUs; returns seconds taken."""
+        t0 = time.perf_counter()
+        self._all("wake_up")
+        return time.perf_counter() - t0
+
     def close(self) -> None:
         for e in self.engines:
             e.close()
@@ -537,12 +602,14 @@ class EngineGroup:
 
 def build_engines(model: str | os.PathLike, num_engines: int = 1, tensor_parallel_size: int = 1,
                   run_locally: bool = True, ship_adapter: bool = False, tensor_lora: bool = False,
-                  engine_cores: list[list[int]] | None = None, **kwargs) -> EngineGroup:
+                  engine_cores: list[list[int]] | None = None, engine_gpus: list[str] | None = None,
+                  **kwargs) -> EngineGroup:
     """``num_engines`` engines: child processes here (``run_locally``) or Ray actors (which get the
     adapter's file contents when ``ship_adapter``, see :class:`RayVLLMEngine`). ``tensor_lora``: the
     engines take adapters as tensors in shared memory (``update_adapter_tensors``). ``engine_cores``:
     the cores of each local engine (:func:`mlora.rollout.cpu_threads.engine_core_sets`; None: threads
-    as inherited); Ray places its actors itself.
+    as inherited); ``engine_gpus``: each local engine's ``CUDA_VISIBLE_DEVICES`` (the placement's; None:
+    inherited); Ray places its actors itself.
 
     For Ray, connects to the cluster in ``RAY_ADDRESS`` or starts a local one, and shuts the
     connection down when the group closes. Engines already started are released if a later one
@@ -552,9 +619,10 @@ def build_engines(model: str | os.PathLike, num_engines: int = 1, tensor_paralle
         raise ValueError(f"generator.inference_engine.num_engines={num_engines} must be >= 1")
     on_close = None
     kwargs["tensor_lora"] = tensor_lora
-    if engine_cores is not None and (not run_locally or len(engine_cores) != num_engines):
-        raise ValueError(f"engine_cores={engine_cores}: one core list per local engine ({num_engines} local engines)"
-                         if run_locally else "engine_cores applies to local engines only (Ray places its actors)")
+    for key, per_engine in (("engine_cores", engine_cores), ("engine_gpus", engine_gpus)):
+        if per_engine is not None and (not run_locally or len(per_engine) != num_engines):
+            raise ValueError(f"{key}={per_engine}: one entry per local engine ({num_engines} local engines)"
+                             if run_locally else f"{key} applies to local engines only (Ray places its actors)")
     if run_locally:
         make = LocalVLLMEngine
     else:
@@ -571,8 +639,10 @@ def build_engines(model: str | os.PathLike, num_engines: int = 1, tensor_paralle
     engines: list = []
     try:
         for i in range(num_engines):
-            cores = {} if engine_cores is None else {"cpu_cores": engine_cores[i]}
-            engines.append(make(model, tensor_parallel_size=tensor_parallel_size, **cores, **kwargs))
+            where = {} if engine_cores is None else {"cpu_cores": engine_cores[i]}
+            if engine_gpus is not None:
+                where["cuda_devices"] = engine_gpus[i]
+            engines.append(make(model, tensor_parallel_size=tensor_parallel_size, **where, **kwargs))
     except BaseException:
         for engine in engines:
             engine.close()

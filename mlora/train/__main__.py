@@ -76,7 +76,11 @@ def _train(dict_cfg, explicit: list[str]) -> None:
     try:
         cfg = OmegaConf.to_object(dict_cfg)
         run_dir = cfg.trainer.run_dir
-        notes = finalize(cfg, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available(), explicit)
+        cuda = torch.cuda.is_available()
+        notes = finalize(cfg, int(os.environ.get("WORLD_SIZE", "1")), cuda, explicit,
+                         gpus_per_node=torch.cuda.device_count() if cuda else None,
+                         ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                         gpu_memory_bytes=torch.cuda.get_device_properties(0).total_memory if cuda else None)
         # demo.prepare: the stage's demo assets, built on rank 0 at the start of the run (start_run)
         if cfg.preference.stage is not None:  # sft | rm | dpo (--config-name sft | rm | dpo)
             from mlora.demos.preference_assets import build_preference_assets

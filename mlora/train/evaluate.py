@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from mlora.rollout.data import Prompt
-from mlora.rollout.generator import Generation, Generator, SamplingConfig
+from mlora.rollout.generator import Generation, SamplingConfig
 
 
 def eval_metrics(groups: list[str], prompt_of: list[int], rewards: list[float], n: int) -> dict[str, float]:
@@ -36,16 +36,21 @@ def eval_metrics(groups: list[str], prompt_of: list[int], rewards: list[float], 
     return out
 
 
-def evaluate(generator: Generator, prompts: list[Prompt], sampling: SamplingConfig, batch_size: int,
+def evaluate(generate: Callable, prompts: list[Prompt], sampling: SamplingConfig, batch_size: int,
              score: Callable[[Prompt, Generation], float], step: int, dump_dir: Path | None) -> dict[str, float]:
     """Generate ``sampling.n_samples_per_prompt`` responses per prompt, ``batch_size`` prompts per call,
-    score them, and (with ``dump_dir``) write ``eval_step_<step>.jsonl``, one response per line."""
+    score them, and (with ``dump_dir``) write ``eval_step_<step>.jsonl``, one response per line.
+
+    ``generate(prompt ids, sampling, score_of) -> (generations, rewards)`` runs the engines and
+    ``score_of(prompt index, generation)`` beside them (:func:`mlora.rollout.spread.generate_scored`, which
+    is collective: then every rank calls this, and only one passes ``dump_dir``)."""
     prompt_of, rewards, dump = [], [], []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
-        for g in generator.generate([p.token_ids for p in chunk], sampling):
+        gens, scores = generate([p.token_ids for p in chunk], sampling,
+                                lambda i, g, chunk=chunk: score(chunk[i], g))
+        for g, reward in zip(gens, scores):
             prompt = chunk[g.prompt_index]
-            reward = score(prompt, g)
             prompt_of.append(start + g.prompt_index)
             rewards.append(reward)
             dump.append({"step": step, "data_source": prompt.group, "env_class": prompt.env_class,

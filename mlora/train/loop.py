@@ -27,6 +27,7 @@ from mlora.checkpoint.dirs import (
     base_model_identity,
     check_base_model,
     check_complete,
+    check_shared_root,
     resolve_resume,
     save_checkpoint,
 )
@@ -118,8 +119,8 @@ def start_run(cfg: TrainConfig, notes: Sequence[str], build_assets: Callable[[st
     ``build_assets(demo.dir)``, which the entry point passes in: training imports no demo), the threads
     of this rank (``trainer.cpu_threads``, chosen for the machine on CPU when null:
     :mod:`mlora.rollout.cpu_threads`), the mesh, logging, the config notes, the run and checkpoint
-    directories and the checkpoint to resume from (found before the model loads: a wrong checkpoint
-    fails fast). Returns ``(mesh, run_dir, ckpt_root, resume)``."""
+    directories (the checkpoint root must be shared by every rank) and the checkpoint to resume from (found
+    before the model loads: a wrong checkpoint fails fast). Returns ``(mesh, run_dir, ckpt_root, resume)``."""
     from mlora.rollout.cpu_threads import apply_trainer_threads
 
     t = cfg.trainer
@@ -145,6 +146,8 @@ def start_run(cfg: TrainConfig, notes: Sequence[str], build_assets: Callable[[st
     dist.barrier()
     run_dir = Path(t.run_dir)
     ckpt_root = Path(t.ckpt_path) if t.ckpt_path else run_dir / "checkpoints"
+    # every rank writes into it (a preemption checkpoints whatever ckpt_interval says): shared or refused now
+    check_shared_root(ckpt_root, "trainer.ckpt_path" if t.ckpt_path else "trainer.run_dir")
     return mesh, run_dir, ckpt_root, _find_resume(cfg, mesh, ckpt_root)
 
 

@@ -20,9 +20,13 @@ import torch
 import torch.distributed as dist
 
 from mlora.config.schema import TrainConfig
+from mlora.parallel.small_collectives import all_flags, broadcast_json, ranks_seeing
 from mlora.rollout.data import Prompt, load_prompt_set
 from mlora.rollout.envs import make_env
 from mlora.rollout.generator import Generation, SamplingConfig
+from mlora.rollout.placement import Placement, cuda_visible_devices, plan_placement
+from mlora.rollout.shm_names import SHM_DIR, remove_stale, shm_name
+from mlora.rollout.spread import generate_scored
 from mlora.train import loop
 from mlora.train.batch import RolloutBatch
 from mlora.train.engine import ActorCriticEngine
@@ -55,40 +59,112 @@ def build_batch(prompt_ids: list[list[int]], gens: list[Generation], rewards: li
 
 
 def _sync_dir(cfg: TrainConfig, adapter: str) -> Path:
+    """Where rank 0 writes the adapter for the engines (weight_sync=disk|memory): a folder no other run
+    uses (its name holds this host and process, :func:`mlora.rollout.shm_names.shm_name`), under
+    ``/dev/shm`` (memory) or ``lora_sync_path`` (disk; default ``<run_dir>/lora_sync``)."""
     if cfg.generator.weight_sync == "memory":
-        shm = Path("/dev/shm")
-        if not shm.is_dir():
+        if not SHM_DIR.is_dir():
             raise RuntimeError("generator.weight_sync=memory needs /dev/shm (shared memory); use disk")
-        return shm / f"mlora-{os.getpid()}-{cfg.trainer.run_name}" / adapter
-    return Path(cfg.trainer.policy.model.lora.lora_sync_path) / adapter
+        return SHM_DIR / shm_name(f"sync-{cfg.trainer.run_name}") / adapter
+    root = cfg.trainer.policy.model.lora.lora_sync_path or Path(cfg.trainer.run_dir) / "lora_sync"
+    return Path(root) / shm_name(cfg.trainer.run_name) / adapter
 
 
 class Rollouts:
-    """The engines (on global rank 0), the environments that score their responses, and the hand-off
-    of the policy adapter. ``collect`` is collective: every rank gets the same batch."""
+    """The engines, the environments that score their responses, and the hand-off of the policy adapter.
 
-    def __init__(self, cfg: TrainConfig, mesh, run_dir: Path, adapter: str) -> None:
+    Engines are started by the ranks the placement names (each node's local rank 0 for local engines on
+    GPUs, :mod:`mlora.rollout.placement`), else all by global rank 0 (CPU, Ray). ``starts``: the global
+    indices of the engines this rank starts, overriding that choice (tests). ``collect``, ``sync`` and
+    ``evaluate`` are collective: every rank gets the same batch."""
+
+    def __init__(self, cfg: TrainConfig, mesh, run_dir: Path, adapter: str, placement: Placement | None = None,
+                 starts: Sequence[int] | None = None) -> None:
         self.cfg, self.mesh, self.adapter = cfg, mesh, adapter
-        self.sync_dir = _sync_dir(cfg, adapter)
+        e = cfg.generator.inference_engine
+        self.total = e.num_engines
+        if starts is None:
+            starts = ([s.index for s in placement.started_by(mesh.rank)] if placement is not None
+                      else range(self.total) if mesh.rank == 0 else ())
+        self.slots = list(starts)
+        self.starters = [r for r, holds in enumerate(all_flags(bool(self.slots))) if holds]
+        self.sync_dir = Path(broadcast_json(str(_sync_dir(cfg, adapter)) if mesh.rank == 0 else None))
         self.tensors = cfg.generator.weight_sync == "tensors"
         self.handoff = None  # weight_sync=tensors: the segment, made at the first sync (it needs the model)
         self.generator = None
         self.envs: dict = {}
         self.engine_base = cfg.trainer.policy.model.path
-        if mesh.rank != 0:
-            return
-        from mlora.rollout.vllm_engine import build_engines
-
+        # colocated engines sleep from the end of generation until the next hand-off (vLLM's sleep mode)
+        self.sleeps = self.asleep = False
+        if len(self.starters) > 1:
+            self._check_shared_sync()
         frozen = cfg.trainer.policy.model.frozen_adapter_path
-        if frozen:  # the engines load the base with the frozen adapter merged, once
+        if frozen:  # the engines load the base with the frozen adapter merged, once (rank 0), in the run dir
             from mlora.export.merge import merge_adapter
 
-            self.engine_base = merge_adapter(self.engine_base, frozen, run_dir / "engine_base", progress=False)
-        options = engine_options(cfg, self.engine_base, torch.cuda.is_available())
-        log.info("vLLM engines: max_model_len %d%s", options["max_model_len"],
+            if mesh.rank == 0:
+                merge_adapter(self.engine_base, frozen, run_dir / "engine_base", progress=False)
+            self.engine_base = run_dir / "engine_base"
+            dist.barrier()
+        can_sleep = self._start_engines(placement) if self.slots else True
+        if cfg.trainer.placement.colocate_all:  # every rank frees its cached blocks while the engines sleep
+            flags = all_flags(can_sleep)
+            self.sleeps = all(flags[r] for r in self.starters)
+            if not self.sleeps and mesh.rank == 0:
+                log.info("trainer.placement.colocate_all=true: the vLLM engines cannot sleep (vLLM reports no sleep "
+                         "mode on this platform%s): they keep their memory while the trainer works",
+                         "" if torch.cuda.is_available() else ", the CPU build")
+
+    def _start_engines(self, placement: Placement | None) -> bool:
+        """Start this rank's engines; returns whether they can sleep."""
+        from mlora.rollout.vllm_engine import build_engines
+
+        stale = remove_stale()  # on this node: what killed runs left in its /dev/shm
+        if stale:
+            log.info("removed %d shared-memory leftovers of killed runs on this host: %s", len(stale), " ".join(stale))
+        options = engine_options(self.cfg, self.engine_base, torch.cuda.is_available())
+        options["num_engines"] = len(self.slots)
+        if options.get("engine_cores") is not None:
+            options["engine_cores"] = [options["engine_cores"][i] for i in self.slots]
+        if placement is not None:
+            options["engine_gpus"] = [cuda_visible_devices(placement.engines[i].gpus) for i in self.slots]
+        log.info("vLLM engines %s: max_model_len %d%s", self.slots, options["max_model_len"],
                  "" if options.get("engine_cores") is None else
                  "; CPU cores per engine " + " ".join(str(c) for c in options["engine_cores"]))
         self.generator = build_engines(self.engine_base, **options)
+        return self.generator.sleep_mode_available()
+
+    def _check_shared_sync(self) -> None:
+        """Engines started on several nodes load the adapter files rank 0 writes: only weight_sync=disk
+        on a folder every starter sees (a token file proves it)."""
+        w = self.cfg.generator.weight_sync
+        if w != "disk":
+            raise ValueError(f"generator.weight_sync={w}: the engines are started by ranks {self.starters} on "
+                             "several nodes, and only rank 0's node sees its shared memory; use "
+                             "generator.weight_sync=disk with trainer.policy.model.lora.lora_sync_path on a file "
+                             "system every node mounts (or Ray engines, generator.run_engines_locally=false)")
+        folder = self.sync_dir.parent
+
+        def create() -> str:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "token").write_text(folder.name)
+            return folder.name
+
+        def probe(token: str) -> bool:
+            try:
+                return (folder / "token").read_text() == token
+            except OSError:
+                return False
+
+        _, seen = ranks_seeing(create, probe, f"creating the adapter sync folder {folder}")
+        blind = [r for r in self.starters if not seen[r]]
+        if blind:
+            raise ValueError(f"the adapter sync folder {folder} (trainer.policy.model.lora.lora_sync_path, default "
+                             f"under trainer.run_dir) is not visible to ranks {blind}, which start engines: put it "
+                             "on a file system every node mounts")
+
+    def _generate(self, prompts: list[list[int]], sampling: SamplingConfig, score_of) -> tuple[list, list, float]:
+        return generate_scored(self.generator, self.slots, self.total, prompts, sampling, score_of)
 
     def score(self, prompt: Prompt, gen: Generation) -> float:
         if self.cfg.generator.zero_reward_on_non_stop and gen.finish_reason != "stop":
@@ -98,18 +174,23 @@ class Rollouts:
         return self.envs[prompt.env_class].reward(prompt.row, gen.text, gen.token_ids)
 
     def sync(self, model) -> dict[str, float]:
-        """Hand the policy adapter to the engines (collective) and hot-swap it in: PEFT files in the sync
-        directory, or (``weight_sync=tensors``) each rank's shards copied into the shared segment."""
+        """Wake sleeping engines, hand the policy adapter to them (collective) and hot-swap it in: PEFT files
+        in the sync directory, or (``weight_sync=tensors``) each rank's shards copied into the shared segment."""
         t0 = time.perf_counter()
+        out = {}
+        if self.asleep:  # back on the GPUs before the adapter goes in
+            if self.generator is not None:
+                out["timing/engine_wake_s"] = self.generator.wake_up()
+            self.asleep = False
         if self.tensors:
             if self.handoff is None:
                 from mlora.rollout.tensor_sync import TensorHandoff
 
                 self.handoff = TensorHandoff(model, self.adapter)
-            path = self.handoff.write()
+            path = broadcast_json(self.handoff.write())  # the segment's path (rank 0's), for every starter
         else:
             model.save_adapter(self.adapter, self.sync_dir)
-        out = {"timing/adapter_gather_s": time.perf_counter() - t0}
+        out["timing/adapter_gather_s"] = time.perf_counter() - t0
         if self.generator is not None:
             out["timing/adapter_swap_s"] = (self.generator.update_adapter_tensors(path, self.adapter) if self.tensors
                                             else self.generator.update_adapter(self.sync_dir, self.adapter))
@@ -117,37 +198,56 @@ class Rollouts:
         return out
 
     def collect(self, prompts: list[Prompt], sampling: SamplingConfig, pad_id: int) -> tuple[RolloutBatch, dict]:
-        """Generate and score on rank 0, broadcast to every rank."""
-        box: list = [None]
-        if self.generator is not None:
-            t0 = time.perf_counter()
-            gens = self.generator.generate([p.token_ids for p in prompts], sampling)
-            rewards = [self.score(prompts[g.prompt_index], g) for g in gens]
-            box = [(gens, rewards, time.perf_counter() - t0)]
-        dist.broadcast_object_list(box, src=0)
-        gens, rewards, seconds = box[0]
+        """Generate and score where the engines are; every rank gets the batch. Colocated engines that can
+        sleep go to sleep after it (:meth:`sync` wakes them)."""
+        gens, rewards, seconds = self._generate([p.token_ids for p in prompts], sampling,
+                                                lambda i, g: self.score(prompts[i], g))
+        metrics = {"timing/generate_s": seconds}
+        if self.sleeps:  # the trainer has the GPUs until the next hand-off
+            if self.generator is not None:
+                metrics["timing/engine_sleep_s"] = self.generator.sleep()
+            self.asleep = True
         # what the learned reward (env_class=reward_model) needs of each row, scored on the trainer later
         self.last_rows = [(prompts[g.prompt_index].env_class, g.finish_reason) for g in gens]
-        return build_batch([p.token_ids for p in prompts], gens, rewards, pad_id), {"timing/generate_s": seconds}
+        return build_batch([p.token_ids for p in prompts], gens, rewards, pad_id), metrics
 
     def evaluate(self, prompts: list[Prompt], step: int, run_dir: Path) -> dict[str, float]:
-        """Evaluation metrics (rank 0; an empty dict on the other ranks)."""
-        if self.generator is None or not prompts:
+        """Evaluation metrics (collective; rank 0 returns them and writes the dump, the others return {})."""
+        if not prompts:
             return {}
         g, t = self.cfg.generator, self.cfg.trainer
         sampling = sampling_config(g.eval_sampling_params, g.eval_n_samples_per_prompt, t.seed)
         t0 = time.perf_counter()
-        out = evaluate(self.generator, prompts, sampling, t.eval_batch_size, self.score, step,
-                       run_dir / "dumped_evals" if t.dump_eval_results else None)
-        return {**out, "timing/eval_s": time.perf_counter() - t0}
+        rank0 = self.mesh.rank == 0
+        out = evaluate(lambda ids, s, score_of: self._generate(ids, s, score_of)[:2], prompts, sampling,
+                       t.eval_batch_size, self.score, step,
+                       run_dir / "dumped_evals" if t.dump_eval_results and rank0 else None)
+        return {**out, "timing/eval_s": time.perf_counter() - t0} if rank0 else {}
 
     def close(self) -> None:
         if self.generator is not None:
             self.generator.close()
         if self.handoff is not None:  # after the engines: they map the segment until they end
             self.handoff.close()
-        if self.cfg.generator.weight_sync == "memory" and self.mesh.rank == 0:
+        if not self.tensors and self.mesh.rank == 0:  # this run's own folder
             shutil.rmtree(self.sync_dir.parent, ignore_errors=True)
+
+
+def release_cached_memory() -> None:
+    """The trainer's cached CUDA blocks back to the driver, for colocated engines waking on the same GPUs."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def engine_placement(cfg: TrainConfig, world_size: int, cuda: bool) -> Placement | None:
+    """Where local engines and trainer ranks compute on the job's GPUs (:mod:`mlora.rollout.placement`;
+    torchrun's ``LOCAL_WORLD_SIZE`` ranks per node); None on CPU and for Ray engines (Ray places them)."""
+    e = cfg.generator.inference_engine
+    if not cuda or not e.run_engines_locally:
+        return None
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return plan_placement(world_size // local, torch.cuda.device_count(), local, e.num_engines,
+                          e.tensor_parallel_size, cfg.trainer.placement.colocate_all)
 
 
 def engine_max_model_len(cfg: TrainConfig, model_dir: str | os.PathLike) -> int:
@@ -174,13 +274,13 @@ def engine_options(cfg: TrainConfig, engine_base: str | os.PathLike, cuda: bool)
 
     t, g, e = cfg.trainer, cfg.generator, cfg.generator.inference_engine
     extra = dict(g.engine_init_kwargs)
-    if e.gpu_memory_utilization is not None:
+    if e.gpu_memory_utilization is not None and cuda:  # on the CPU build it would size the KV cache from host RAM
         extra.setdefault("gpu_memory_utilization", e.gpu_memory_utilization)
     extra["max_model_len"] = engine_max_model_len(cfg, engine_base)
     local_cpu = e.run_engines_locally and not cuda
     return dict(num_engines=e.num_engines, tensor_parallel_size=e.tensor_parallel_size,
                 run_locally=e.run_engines_locally, ship_adapter=g.weight_sync == "memory",
-                tensor_lora=g.weight_sync == "tensors",
+                tensor_lora=g.weight_sync == "tensors", sleep_mode=cuda and t.placement.colocate_all,
                 engine_cores=local_engine_cores(e.num_engines) if local_cpu else None,
                 max_lora_rank=t.policy.model.lora.rank, dtype=t.dtype, seed=t.seed,
                 kv_cache_memory_bytes=g.kv_cache_memory_bytes, **extra)
@@ -212,6 +312,9 @@ class RLStage:
 
         self.cfg, self.mesh = cfg, mesh
         t = cfg.trainer
+        self.placement = engine_placement(cfg, mesh.world_size, torch.cuda.is_available())  # before anything loads
+        if self.placement is not None and mesh.rank == 0:
+            log.info(self.placement.table())
         tokenizer = AutoTokenizer.from_pretrained(str(t.policy.model.path))
         self.pad_id = tokenizer.pad_token_id or 0
         self.train, self.val = _load_data(cfg, tokenizer)
@@ -231,11 +334,12 @@ class RLStage:
     def open(self, run_dir: Path) -> None:
         """The engines, serving the initial policy adapter."""
         self.run_dir = run_dir
-        self.rollouts = Rollouts(self.cfg, self.mesh, run_dir, POLICY)
+        self.rollouts = Rollouts(self.cfg, self.mesh, run_dir, POLICY, self.placement)
         self.rollouts.sync(self.model)
 
     def step(self, step: int, picked: list[int]) -> dict[str, float]:
-        """Rollouts -> rewards -> shared-base update -> hand-off."""
+        """Rollouts -> rewards -> (colocated engines sleep) -> shared-base update -> (the trainer frees its
+        cached blocks, the engines wake) -> hand-off."""
         g, t = self.cfg.generator, self.cfg.trainer
         # rollouts of step s sample with seed + 1000·s (+ the prompt's index): no RNG to carry
         sampling = sampling_config(g.sampling_params, g.n_samples_per_prompt, t.seed + step * 1000)
@@ -245,6 +349,8 @@ class RLStage:
         t0 = time.perf_counter()
         metrics.update(self.engine.step(batch))
         metrics["timing/train_s"] = time.perf_counter() - t0
+        if self.rollouts.asleep:  # the engines wake into the memory the step held
+            release_cached_memory()
         metrics.update(self.rollouts.sync(self.model))
         return metrics
 

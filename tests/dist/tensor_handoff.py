@@ -13,6 +13,7 @@ rank 0 by point-to-point sends); after an update, the same segment, refilled, ho
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -50,6 +51,23 @@ def check_segment(handoff: TensorHandoff, saved: Path, what: str) -> None:
     print(f"ok: {what}: {len(ref)} tensors, {len(image)} bytes", flush=True)
 
 
+@contextlib.contextmanager
+def _no_segments_on(hidden: bool):
+    """This process sees no shared-memory segment of another (``hidden``), as in a container of its own."""
+    from mlora.rollout import tensor_sync
+
+    real = tensor_sync._attach
+
+    def attach(name):
+        raise FileNotFoundError(f"shared-memory segment {name!r} does not exist here")
+
+    tensor_sync._attach = attach if hidden else real
+    try:
+        yield
+    finally:
+        tensor_sync._attach = real
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("models_dir", type=Path)
@@ -66,8 +84,14 @@ def main() -> None:
     for name in ("policy", "qv"):
         saved = args.work / f"{name}_saved"
         model.save_adapter(name, saved)
-        for remote in (None, [1, 2, 3]):
-            handoff = TensorHandoff(model, name, remote_ranks=remote)
+        for remote in (None, [1, 2, 3], "own /dev/shm"):
+            if remote == "own /dev/shm":  # ranks 2, 3 in a container of their own: rank 0's segment is not there
+                with _no_segments_on(mesh.rank in (2, 3)):
+                    handoff = TensorHandoff(model, name)
+                assert handoff.remote == [2, 3], handoff.remote
+            else:
+                handoff = TensorHandoff(model, name, remote_ranks=remote)
+                assert handoff.remote == (remote or []), handoff.remote
             path = handoff.write()
             assert (path.endswith("#1") and handoff.segment in path) if mesh.rank == 0 else path == ""
             check_segment(handoff, saved, f"{name}, remote ranks {remote}")

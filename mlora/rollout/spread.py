@@ -1,0 +1,37 @@
+"""Generation over engines that several ranks started (each node's local rank 0 starts its node's
+engines, :mod:`mlora.rollout.placement`), collective over the trainer's default group.
+
+The engines have global indices ``0..total-1``; prompt ``i`` of a batch goes to engine ``i mod total``
+whichever rank holds it, and samples prompt ``i`` with seed ``seed + i`` (:class:`~mlora.rollout.generator.
+SamplingConfig`), so the results do not depend on how many ranks hold engines. Each holder scores what
+its engines produced (reward functions run beside the engine that answered), then every rank gets every
+(generation, reward) in prompt order.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import torch.distributed as dist
+
+from mlora.rollout.generator import Generation, SamplingConfig
+
+
+def generate_scored(engines, slots: Sequence[int], total: int, prompts: list[list[int]], sampling: SamplingConfig,
+                    score: Callable[[int, Generation], float]) -> tuple[list[Generation], list[float], float]:
+    """Collective: ``(generations, rewards, seconds)`` of the whole batch on every rank.
+
+    ``engines``: this rank's :class:`~mlora.rollout.vllm_engine.EngineGroup` (None where it holds none),
+    engines ``slots`` of ``total``; ``score(prompt index, generation)``: the reward. ``seconds``: the
+    slowest holder's time to generate and score."""
+    part: tuple = ([], [], 0.0)
+    if engines is not None:
+        t0 = time.perf_counter()
+        gens = engines.generate(prompts, sampling, slots=list(slots), total=total)
+        part = (gens, [score(g.prompt_index, g) for g in gens], time.perf_counter() - t0)
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, part)
+    pairs = [(g, r) for gens, rewards, _ in parts for g, r in zip(gens, rewards)]
+    pairs.sort(key=lambda pair: pair[0].prompt_index)  # stable: the samples of a prompt keep their order
+    return [g for g, _ in pairs], [r for _, r in pairs], max(p[2] for p in parts)
