@@ -391,8 +391,6 @@ def test_configs_ship_in_the_wheel(tmp_path):
 
 def test_zero_reward_on_non_stop(tmp_path):
     """generator.zero_reward_on_non_stop: a response cut at max_generate_length scores 0, as in SkyRL."""
-    from types import SimpleNamespace
-
     from mlora.config.schema import TrainConfig
     from mlora.rollout.data import Prompt
     from mlora.rollout.generator import Generation
@@ -401,7 +399,8 @@ def test_zero_reward_on_non_stop(tmp_path):
     prompt = Prompt({"prompt": "1+1?", "reward_spec": {"ground_truth": "2"}}, [1, 2], "gsm8k")
     done, cut = Generation(0, [5], [0.0], "#### 2", "stop"), Generation(0, [5], [0.0], "#### 2", "length")
     cfg = TrainConfig()
-    rollouts = Rollouts(cfg, SimpleNamespace(rank=1), tmp_path, "policy")  # a non-engine rank: scoring only
+    rollouts = object.__new__(Rollouts)  # scoring only: no engines, no process group
+    rollouts.cfg, rollouts.envs = cfg, {}
     assert rollouts.score(prompt, done) == rollouts.score(prompt, cut) == 1.0
     cfg.generator.zero_reward_on_non_stop = True
     assert (rollouts.score(prompt, done), rollouts.score(prompt, cut)) == (1.0, 0.0)

@@ -19,6 +19,7 @@ This module does file-system work only; :func:`save_checkpoint` is the one colle
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -182,6 +183,7 @@ def check_shared_root(root: Path, key: str = "trainer.ckpt_path") -> None:
     from mlora.parallel.small_collectives import ranks_seeing
 
     made: list[Path] = []
+    existed = root.is_dir()
 
     def create() -> str:
         root.mkdir(parents=True, exist_ok=True)
@@ -197,8 +199,11 @@ def check_shared_root(root: Path, key: str = "trainer.ckpt_path") -> None:
             return False
 
     _, seen = ranks_seeing(create, probe, f"creating {key}={root}")
-    for f in made:  # rank 0: the token file goes once everybody looked
+    for f in made:  # rank 0: the token file goes once everybody looked, and the root if it made it
         f.unlink(missing_ok=True)
+        if not existed:
+            with contextlib.suppress(OSError):  # not empty: something else writes there now
+                root.rmdir()
     blind = [r for r, ok in enumerate(seen) if not ok]
     if blind:
         raise CheckpointError(f"{key}={root} is not shared by all ranks: rank(s) {blind} do not see the file "

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from mlora.config.errors import ConfigError
 from mlora.config.schema import TrainConfig
 
 GIB = 1 << 30
@@ -37,11 +38,10 @@ def planner_workload(cfg: TrainConfig):
 
 
 def check_layout_fits(cfg: TrainConfig, world_size: int, gpu_memory_bytes: int) -> None:
-    """:class:`~mlora.config.validate.ConfigError` when the run's TP x PP x DP mesh needs more than
+    """:class:`~mlora.config.errors.ConfigError` when the run's TP x PP x DP mesh needs more than
     ``gpu_memory_bytes`` per GPU at its peak; the message names the layout of ``world_size`` GPUs that
     fits, as the keys that choose it. Nothing happens when the model's ``config.json`` cannot be read
     (a missing model is reported when it loads)."""
-    from mlora.config.validate import ConfigError
     from mlora.formats.hf_config import load_hf_config, model_spec
     from mlora.plan import Layout, fit_layouts, plan_memory
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from mlora.checkpoint.dirs import RESUME_MODES
+from mlora.config.errors import ConfigError
 from mlora.config.schema import TrainConfig
 from mlora.rl.advantages import ADVANTAGE_ESTIMATORS
 from mlora.rl.kl import KL_CONTROLLERS, KL_ESTIMATORS
@@ -65,10 +66,6 @@ CPU_ONLY_NO_EFFECT = {
 
 
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]*")
-
-
-class ConfigError(ValueError):
-    """A configuration value that mlora cannot run with; the message names the key."""
 
 
 def _get(cfg: Any, path: str) -> Any:
