@@ -19,7 +19,6 @@ This module does file-system work only; :func:`save_checkpoint` is the one colle
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -178,32 +177,9 @@ def check_shared_root(root: Path, key: str = "trainer.ckpt_path") -> None:
     Every rank writes its own part of a checkpoint into one directory and rank 0 commits it; on a
     node-local path rank 0 would commit a manifest naming files that exist only on other nodes, and
     every later resume would reject the checkpoint. A token file proves the directory is shared."""
-    import secrets
+    from mlora.parallel.small_collectives import ranks_seeing_folder
 
-    from mlora.parallel.small_collectives import ranks_seeing
-
-    made: list[Path] = []
-    existed = root.is_dir()
-
-    def create() -> str:
-        root.mkdir(parents=True, exist_ok=True)
-        token = secrets.token_hex(16)
-        made.append(root / f".mlora-shared-{token}")
-        made[0].write_text(token)
-        return token
-
-    def probe(token: str) -> bool:
-        try:
-            return (root / f".mlora-shared-{token}").read_text() == token
-        except OSError:
-            return False
-
-    _, seen = ranks_seeing(create, probe, f"creating {key}={root}")
-    for f in made:  # rank 0: the token file goes once everybody looked, and the root if it made it
-        f.unlink(missing_ok=True)
-        if not existed:
-            with contextlib.suppress(OSError):  # not empty: something else writes there now
-                root.rmdir()
+    seen = ranks_seeing_folder(root, f"creating {key}={root}")
     blind = [r for r, ok in enumerate(seen) if not ok]
     if blind:
         raise CheckpointError(f"{key}={root} is not shared by all ranks: rank(s) {blind} do not see the file "

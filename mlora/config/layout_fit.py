@@ -25,6 +25,11 @@ def planner_workload(cfg: TrainConfig):
     t, lora = cfg.trainer, cfg.trainer.policy.model.lora
     targets = lora.target_modules if isinstance(lora.target_modules, str) else tuple(lora.target_modules)
     exclude = lora.exclude_modules
+    # the recompute keys left null take the planner's own defaults (megatron's, as the model does)
+    recompute = {k: v for k, v in (("recompute_method", t.recompute_method),
+                                   ("recompute_num_layers", t.recompute_num_layers),
+                                   ("recompute_modules", tuple(t.recompute_modules) if t.recompute_modules else None))
+                 if v is not None}
     return Workload(
         micro_batch=t.micro_train_batch_size_per_gpu, forward_micro_batch=t.micro_forward_batch_size_per_gpu,
         seq=t.max_prompt_length + cfg.generator.sampling_params.max_generate_length, rank=lora.rank,
@@ -33,8 +38,7 @@ def planner_workload(cfg: TrainConfig):
         dtype=getattr(torch, t.dtype), fp8=t.fp8 if t.fp8 == "torch" else None,
         attention="sdpa" if t.flash_attn else "unfused", recompute=t.recompute or "none",
         lora_compute_dtype=None if t.lora_compute_dtype is None else getattr(torch, t.lora_compute_dtype),
-        recompute_method=t.recompute_method or "uniform", recompute_num_layers=t.recompute_num_layers or 1,
-        recompute_modules=tuple(t.recompute_modules or ("core_attn",)))
+        **recompute)
 
 
 def check_layout_fits(cfg: TrainConfig, world_size: int, gpu_memory_bytes: int) -> None:

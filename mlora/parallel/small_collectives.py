@@ -7,7 +7,10 @@ models exchange only small metadata, so these helpers send it as bytes in plain 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import secrets
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -102,3 +105,31 @@ def ranks_seeing(create, probe, what: str) -> tuple[str, list[bool]]:
     raise_if_any_failed(error, what)
     token = broadcast_json(token)
     return token, all_flags(dist.get_rank() == 0 or bool(probe(token)))
+
+
+def ranks_seeing_folder(folder: Path, what: str) -> list[bool]:
+    """Collective: which ranks see the files global rank 0 writes in ``folder`` (a token file there, removed
+    again once every rank looked, and ``folder`` itself when the check made it and it is still empty)."""
+    made: list[Path] = []
+    existed = folder.is_dir()
+
+    def create() -> str:
+        folder.mkdir(parents=True, exist_ok=True)
+        token = secrets.token_hex(16)
+        made.append(folder / f".mlora-shared-{token}")
+        made[0].write_text(token)
+        return token
+
+    def probe(token: str) -> bool:
+        try:
+            return (folder / f".mlora-shared-{token}").read_text() == token
+        except OSError:
+            return False
+
+    _, seen = ranks_seeing(create, probe, what)
+    for f in made:  # rank 0
+        f.unlink(missing_ok=True)
+        if not existed:
+            with contextlib.suppress(OSError):  # not empty: something else writes there now
+                folder.rmdir()
+    return seen

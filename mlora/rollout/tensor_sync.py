@@ -134,6 +134,15 @@ class AdapterSegment:
             self.tensors, self.config = parse_segment(self.shm.buf, f"shared-memory segment {self.shm.name!r}")
             self.header = _header_bytes(self.shm.buf)
 
+    def close(self) -> None:
+        """Drop the views and unmap (views handed out that are still alive keep the mapping until the
+        process ends)."""
+        self.tensors = {}
+        try:
+            self.shm.close()
+        except BufferError:
+            pass
+
 
 def _header_bytes(buf: memoryview) -> bytes:
     (hlen,) = struct.unpack("<Q", bytes(buf[:8]))

@@ -127,14 +127,9 @@ class VLLMServer:
         from mlora.rollout.tensor_sync import open_adapter_segment
 
         try:
-            seg = open_adapter_segment(path)
+            open_adapter_segment(path).close()
         except FileNotFoundError:
             return False
-        seg.tensors = {}
-        try:
-            seg.shm.close()
-        except BufferError:
-            pass
         return True
 
     def _swap(self, path: str, name: str) -> None:
@@ -491,14 +486,10 @@ class RayVLLMEngine(_EngineCalls):
 
         if cls._shipped_image[0] != path:
             seg = open_adapter_segment(path)
-            seg.tensors = {}
             image = np.frombuffer(seg.shm.buf, dtype=np.uint8, count=image_size(seg.shm.buf))
             ref = ray.put(image)  # one copy into the object store
             del image
-            try:
-                seg.shm.close()
-            except BufferError:
-                pass
+            seg.close()
             cls._shipped_image = (path, ref)
         return cls._shipped_image[1]
 
@@ -559,22 +550,22 @@ class EngineGroup:
                 out.append(g)
         return sorted(out, key=lambda g: g.prompt_index)  # stable: samples of a prompt keep their order
 
+    def _all(self, method: str, *args) -> list:
+        """``method`` on every engine at once (all submitted, then all awaited); results in engine order."""
+        return [engine.result(handle) for engine, handle in [(e, e.submit(method, *args)) for e in self.engines]]
+
+    def _timed(self, method: str, *args) -> float:
+        t0 = time.perf_counter()
+        self._all(method, *args)
+        return time.perf_counter() - t0
+
     def update_adapter(self, adapter_dir: Path, name: str) -> float:
         """Hot-swap the adapter in ``adapter_dir`` into every engine, served as ``name``; returns seconds taken."""
-        t0 = time.perf_counter()
-        for engine, handle in [(e, e.submit("set_adapter", str(adapter_dir), name)) for e in self.engines]:
-            engine.result(handle)
-        return time.perf_counter() - t0
+        return self._timed("set_adapter", str(adapter_dir), name)
 
     def update_adapter_tensors(self, path: str, name: str) -> float:
         """Hot-swap the adapter in shared-memory segment ``path`` into every engine; returns seconds taken."""
-        t0 = time.perf_counter()
-        for engine, handle in [(e, e.submit("set_adapter_tensors", path, name)) for e in self.engines]:
-            engine.result(handle)
-        return time.perf_counter() - t0
-
-    def _all(self, method: str) -> list:
-        return [engine.result(handle) for engine, handle in [(e, e.submit(method)) for e in self.engines]]
+        return self._timed("set_adapter_tensors", path, name)
 
     def sleep_mode_available(self) -> bool:
         """Whether every engine can sleep (vLLM's platform and ``enable_sleep_mode``)."""
@@ -582,15 +573,11 @@ class EngineGroup:
 
     def sleep(self) -> float:
         """Every engine to sleep level 1 (weights to host memory, KV cache freed); returns seconds taken."""
-        t0 = time.perf_counter()
-        self._all("sleep")
-        return time.perf_counter() - t0
+        return self._timed("sleep")
 
     def wake_up(self) -> float:
         """Every engine back on its GPUs; returns seconds taken."""
-        t0 = time.perf_counter()
-        self._all("wake_up")
-        return time.perf_counter() - t0
+        return self._timed("wake_up")
 
     def close(self) -> None:
         for e in self.engines:

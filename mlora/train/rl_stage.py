@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from mlora.config.schema import TrainConfig
-from mlora.parallel.small_collectives import all_flags, broadcast_json, ranks_seeing
+from mlora.parallel.small_collectives import all_flags, broadcast_json, ranks_seeing_folder
 from mlora.rollout.data import Prompt, load_prompt_set
 from mlora.rollout.envs import make_env
 from mlora.rollout.generator import Generation, SamplingConfig
@@ -96,7 +96,7 @@ class Rollouts:
         self.engine_base = cfg.trainer.policy.model.path
         # colocated engines sleep from the end of generation until the next hand-off (vLLM's sleep mode)
         self.sleeps = self.asleep = False
-        if len(self.starters) > 1:
+        if self.starters != [0]:
             self._check_shared_sync()
         frozen = cfg.trainer.policy.model.frozen_adapter_path
         if frozen:  # the engines load the base with the frozen adapter merged, once (rank 0), in the run dir
@@ -135,28 +135,16 @@ class Rollouts:
         return self.generator.sleep_mode_available()
 
     def _check_shared_sync(self) -> None:
-        """Engines started on several nodes load the adapter files rank 0 writes: only weight_sync=disk
-        on a folder every starter sees (a token file proves it)."""
+        """Engines started by other ranks than global rank 0 (several nodes) load the adapter files rank 0
+        writes: only weight_sync=disk on a folder every starter sees (a token file proves it)."""
         w = self.cfg.generator.weight_sync
         if w != "disk":
-            raise ValueError(f"generator.weight_sync={w}: the engines are started by ranks {self.starters} on "
-                             "several nodes, and only rank 0's node sees its shared memory; use "
+            raise ValueError(f"generator.weight_sync={w}: the engines are started by ranks {self.starters} (engines "
+                             "on several nodes), but the adapter's shared memory is global rank 0's; use "
                              "generator.weight_sync=disk with trainer.policy.model.lora.lora_sync_path on a file "
                              "system every node mounts (or Ray engines, generator.run_engines_locally=false)")
         folder = self.sync_dir.parent
-
-        def create() -> str:
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / "token").write_text(folder.name)
-            return folder.name
-
-        def probe(token: str) -> bool:
-            try:
-                return (folder / "token").read_text() == token
-            except OSError:
-                return False
-
-        _, seen = ranks_seeing(create, probe, f"creating the adapter sync folder {folder}")
+        seen = ranks_seeing_folder(folder, f"creating the adapter sync folder {folder}")
         blind = [r for r in self.starters if not seen[r]]
         if blind:
             raise ValueError(f"the adapter sync folder {folder} (trainer.policy.model.lora.lora_sync_path, default "
@@ -187,7 +175,7 @@ class Rollouts:
                 from mlora.rollout.tensor_sync import TensorHandoff
 
                 self.handoff = TensorHandoff(model, self.adapter)
-            path = broadcast_json(self.handoff.write())  # the segment's path (rank 0's), for every starter
+            path = self.handoff.write()  # rank 0's segment, for its engines (the only starter: _check_shared_sync)
         else:
             model.save_adapter(self.adapter, self.sync_dir)
         out["timing/adapter_gather_s"] = time.perf_counter() - t0
