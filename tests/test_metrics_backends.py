@@ -61,9 +61,12 @@ def test_wandb_offline_keeps_metrics_and_resumes_the_run(tmp_path, monkeypatch):
     run_id = (run_dir / WANDB_ID_FILE).read_text().strip()
     _log(run_dir, "wandb", {3: 3.0, 4: 4.0}, resume_step=2)
     assert (run_dir / WANDB_ID_FILE).read_text().strip() == run_id
-    runs = sorted((run_dir / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs), runs  # one run, two launches
-    first, second = (_wandb_history(r / f"run-{run_id}.wandb") for r in runs)
+    # One run, two launches. W&B names a launch's folder by its start second and adds "-1" when two start
+    # in the same second, so the folders' names do not order the launches: their first rows' times do.
+    runs = list((run_dir / "wandb").glob(f"offline-run-*-{run_id}*"))
+    assert len(runs) == 2, runs
+    first, second = sorted((_wandb_history(r / f"run-{run_id}.wandb") for r in runs),
+                           key=lambda rows: rows[0]["_timestamp"] if rows else float("inf"))
     assert [(r["_step"], r["reward/mean"]) for r in first] == [(1, 0.1), (2, 0.2), (3, 0.3)]
     assert [(r["_step"], r["reward/mean"]) for r in second] == [(3, 3.0), (4, 4.0)]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
