@@ -171,6 +171,7 @@ class FullyAsyncSection:
     max_staleness_steps: int = 4  # SkyRL: trained at step j, scheduled at step i: j - i <= max_staleness_steps
     # prompt groups generating at once: train_batch_size x (batches in flight); SkyRL: >= policy_mini_batch_size
     num_parallel_generation_workers: int = 768
+    clear_kv_cache_on_weight_sync: bool = False  # SkyRL: drop the engines' prefix cache at each adapter swap
 
 
 @dataclass
