@@ -64,6 +64,8 @@ def test_every_step_logged_and_engines_use_latest_adapter(runs):
         assert [m["step"] for m in rows] == list(range(1, len(rows) + 1))
         for m in rows:
             assert m["rollout/logprob_abs_diff"] <= AGREE, m
+            # float32 trainer and engine: π_old / μ is 1 up to that gap (rollout correction would change nothing)
+            assert abs(m["off_policy/is_ratio_mean"] - 1) <= AGREE and m["off_policy/rollout_kl_k3"] < AGREE ** 2, m
             assert m["timing/adapter_sync_s"] >= 0 and "actor/pg_loss" in m and "critic/value_loss" in m
         assert rows[-1]["kl/mean"] > 0  # the policy moved away from the reference, and vLLM followed it
 
@@ -222,17 +224,26 @@ def test_frozen_adapter_under_policy(tmp_path, runs):
 
 def test_demo_learns_on_a_bf16_fp8_base(tmp_path):
     """trainer.dtype=bfloat16 trainer.fp8=torch: the demo at TP2xPP2 on an FP8 frozen base with bf16
-    adapters (vLLM in bf16 alongside) still learns, and its adapter loads in PEFT."""
+    adapters (vLLM in bf16 alongside), with token TIS correcting for the engine's distribution, still
+    learns, logs the correction every step, and its adapter loads in PEFT."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    rows = _train(tmp_path, 4, 2, 2, "fp8", steps=None, extra=("trainer.dtype=bfloat16", "trainer.fp8=torch",
-                                                                "trainer.eval_interval=0"))
+    rows = _train(tmp_path, 4, 2, 2, "fp8", steps=None, extra=(
+        "trainer.dtype=bfloat16", "trainer.fp8=torch", "trainer.eval_interval=0",
+        "trainer.algorithm.off_policy_correction.tis_ratio_type=token"))
     rewards = [m["reward/mean"] for m in rows]
     assert len(rewards) == DEMO_STEPS
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last >= first + RISE, (first, last, rewards)
     # the engine's base is bf16, the trainer's FP8: the gap is the quantization's, reported, not bounded here
     assert all(m["rollout/logprob_abs_diff"] < 1.0 for m in rows)
+    # π_old / μ differs from 1 by that gap; TIS caps it at 2 (SkyRL's default)
+    clipped = [m["off_policy/tis_token_clip_high_ratio"] for m in rows]
+    assert all(0 <= c < 0.5 for c in clipped) and all(m["off_policy/is_ratio_max"] > 1 for m in rows)
+    assert sum(m["off_policy/rollout_kl_k3"] for m in rows) > 0
+    print(f"bf16+fp8 token TIS: tokens capped per step mean {sum(clipped) / len(clipped):.4f} max {max(clipped):.4f}; "
+          f"is_ratio max {max(m['off_policy/is_ratio_max'] for m in rows):.3f}; rollout KL k3 mean "
+          f"{sum(m['off_policy/rollout_kl_k3'] for m in rows) / len(rows):.5f}; reward {first:.3f} -> {last:.3f}")
     base = AutoModelForCausalLM.from_pretrained(str(tmp_path / "assets" / "tiny-llama"))
     PeftModel.from_pretrained(base, str(tmp_path / "fp8" / "final_adapter"))

@@ -1,6 +1,6 @@
 """Vocab-parallel log-probs and entropy at TP 2 == full vocabulary within 1e-5, without gathering it; also
 at a sampling temperature, and the log-probs of vLLM's min-p / top-k / top-p distribution vs vLLM's rule
-(sort, cumsum, mask) on the whole vocabulary."""
+(sort, cumsum, mask) on the whole vocabulary; rollout correction (TIS, masks, rollout_is) on those log-probs, loss and gradient."""
 
 from __future__ import annotations
 
@@ -28,3 +28,7 @@ def test_vocab_parallel_logprobs_entropy(tmp_path):
             assert set(ops) == {"all_reduce"}, ops  # per-token scalars only: no gather of the vocabulary
             # bisection: <= 2 x 32 steps + max, sums, kept masses; each a few scalars per token
             assert ops["all_reduce"][0] <= 72 and ops["all_reduce"][1] / ops["all_reduce"][0] < r["vocab_bytes"] / 50
+        # rollout correction (token TIS + outlier mask on PPO, and rollout_is) on TP-2 log-probs == full vocabulary
+        for name, c in r["correction"].items():
+            assert c["loss"] < TOL and c["grad"] < TOL and c["grad_norm"] > 1e-3 and c["metrics_equal"], (name, c)
+            assert 0 < c["clipped"] < 1 and 0 < c["masked"] < 1, (name, c)  # the cap and the mask both acted

@@ -27,7 +27,7 @@ DATA_PARALLEL_STRATEGIES = ("fsdp", "fsdp2")  # SkyRL's: run as a TP1 x PP1 mega
 REFUSED_STRATEGIES = ("deepspeed",)
 LOSS_REDUCTIONS = {"token_mean": "token-mean", "sequence_mean": "seq-mean-token-mean",
                    "seq_mean_token_sum_norm": "seq-mean-token-sum-norm"}
-POLICY_LOSS_TYPES = ("regular", "dual_clip")
+POLICY_LOSS_TYPES = ("regular", "dual_clip", "rollout_is")
 WEIGHT_SYNC = ("disk", "memory", "tensors")
 # trainer.logger -> the package its backend needs (installed by the extra ``mlora[logging]``)
 LOGGER_PACKAGES = {"console": None, "wandb": "wandb", "tensorboard": "tensorboard"}
@@ -247,6 +247,74 @@ def _check_trainer(cfg: TrainConfig) -> None:
                               "(set both to the same model)")
 
 
+def _check_off_policy(cfg: TrainConfig) -> list[str]:
+    """SkyRL's older ``use_tis``/``tis_imp_ratio_cap`` into ``off_policy_correction`` (as SkyRL does), then the
+    correction's values. Returns the note of the rename."""
+    from mlora.rl.rollout_correction import OffPolicyCorrection
+
+    a = cfg.trainer.algorithm
+    o, notes = a.off_policy_correction, []
+    if a.use_tis:
+        if not a.tis_imp_ratio_cap > 0:
+            raise ConfigError(f"trainer.algorithm.use_tis=true needs trainer.algorithm.tis_imp_ratio_cap > 0 (the TIS "
+                              f"cap C of min(π_old/μ, C)), got {a.tis_imp_ratio_cap}")
+        if o.tis_ratio_type not in (None, "token"):
+            raise ConfigError(f"trainer.algorithm.use_tis=true (token TIS) contradicts trainer.algorithm."
+                              f"off_policy_correction.tis_ratio_type={o.tis_ratio_type!r}; set one of them")
+        o.tis_ratio_type, o.token_tis_ratio_clip_high = "token", a.tis_imp_ratio_cap
+        notes.append(f"trainer.algorithm.use_tis=true is SkyRL's older name: it runs as trainer.algorithm."
+                     f"off_policy_correction.tis_ratio_type=token with token_tis_ratio_clip_high={a.tis_imp_ratio_cap}")
+    elif a.tis_imp_ratio_cap != -1.0:
+        raise ConfigError(f"trainer.algorithm.tis_imp_ratio_cap={a.tis_imp_ratio_cap} applies with "
+                          "trainer.algorithm.use_tis=true only (or use off_policy_correction.token_tis_ratio_clip_high)")
+    try:
+        OffPolicyCorrection(**vars(o))
+    except ValueError as exc:
+        raise ConfigError(f"trainer.algorithm.{exc}") from None
+    return notes
+
+
+def _check_async(cfg: TrainConfig, cuda: bool) -> list[str]:
+    """``trainer.fully_async``: bounds and what asynchronous generation needs (engines that keep running while
+    the trainer updates). Returns notes."""
+    f, t = cfg.trainer.fully_async, cfg.trainer
+    defaults = TrainConfig().trainer.fully_async
+    if not f.enabled:
+        changed = [k for k in ("max_staleness_steps", "num_parallel_generation_workers",
+                               "clear_kv_cache_on_weight_sync") if getattr(f, k) != getattr(defaults, k)]
+        if changed:
+            raise ConfigError(f"{', '.join('trainer.fully_async.' + k for k in changed)} set, but "
+                              "trainer.fully_async.enabled=false: they apply to asynchronous training only")
+        return []
+    if cfg.preference.stage not in (None, "null", "none"):
+        raise ConfigError(f"trainer.fully_async.enabled=true applies to the RL loop, not preference.stage="
+                          f"{cfg.preference.stage}")
+    if f.max_staleness_steps < 1:
+        raise ConfigError(f"trainer.fully_async.max_staleness_steps={f.max_staleness_steps} must be >= 1 (0 is the "
+                          "synchronous loop: set trainer.fully_async.enabled=false)")
+    if f.num_parallel_generation_workers < t.train_batch_size:
+        raise ConfigError(f"trainer.fully_async.num_parallel_generation_workers={f.num_parallel_generation_workers} "
+                          f"must be >= trainer.train_batch_size={t.train_batch_size} (prompt groups of one training "
+                          "batch generate together)")
+    if cuda and t.placement.colocate_all:
+        raise ConfigError("trainer.fully_async.enabled=true needs trainer.placement.colocate_all=false: the engines "
+                          "generate the next batches while the trainer updates, so they cannot share its GPUs and "
+                          "sleep")
+    ahead = async_batches_ahead(cfg)
+    notes = [f"trainer.fully_async: {ahead} batch{'es' if ahead > 1 else ''} of {t.train_batch_size} prompts generate "
+             f"ahead of the update (num_parallel_generation_workers={f.num_parallel_generation_workers}, "
+             f"max_staleness_steps={f.max_staleness_steps}): a batch trained at step j was sampled by policy version "
+             f">= j - 1 - {ahead}"]
+    return notes
+
+
+def async_batches_ahead(cfg: TrainConfig) -> int:
+    """How many training batches generate ahead of the update in asynchronous training: the parallel
+    generation workers' whole batches, at most ``max_staleness_steps`` (so no sample is staler), at least 1."""
+    f = cfg.trainer.fully_async
+    return max(1, min(f.max_staleness_steps, f.num_parallel_generation_workers // cfg.trainer.train_batch_size))
+
+
 def _check_reward_model(cfg: TrainConfig) -> None:
     """``reward_model.*`` (a learned reward, mlora.train.learned_reward): the adapter directory is required
     and checked when ``environment.env_class=reward_model``; otherwise no key of the section may be set
@@ -445,6 +513,7 @@ def finalize(cfg: TrainConfig, world_size: int, cuda: bool = False, explicit: It
     _resolve_recompute(cfg.trainer)
     _check_placement(cfg, world_size, gpus_per_node if cuda else None, ranks_per_node)
     _check_reward_model(cfg)
+    notes += _check_off_policy(cfg) + _check_async(cfg, cuda)
     if cfg.trainer.strategy in DATA_PARALLEL_STRATEGIES:
         notes.append(f"trainer.strategy={cfg.trainer.strategy} runs as a data-parallel megatron-core mesh (TP1 x PP1 x "
                      f"DP{world_size}): the frozen base is replicated on every rank, not sharded; only the LoRA "

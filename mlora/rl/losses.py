@@ -44,14 +44,16 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean
 
 def policy_loss(logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
-                agg_mode: str = "token-mean", normalizer: float | None = None, max_seq_len: int | None = None
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                agg_mode: str = "token-mean", normalizer: float | None = None, max_seq_len: int | None = None,
+                token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with separate low/high clip (DAPO's clip-higher) and optional dual clip.
 
     ``ρ = exp(log π - log π_old)``; per token
     ``ℓ = max(-A·ρ, -A·clip(ρ, 1 - ε_low, 1 + ε_high))``; with dual clip ``c > 1`` and ``A < 0``
-    the loss is further capped: ``ℓ = min(ℓ, -A·c)`` (Ye et al., 2020). Returns the aggregated
-    loss and metrics (clip fraction, approximate KL to the old policy).
+    the loss is further capped: ``ℓ = min(ℓ, -A·c)`` (Ye et al., 2020). ``token_weights`` multiplies
+    each ``ℓ`` before aggregation (rollout correction: :func:`mlora.rl.rollout_correction.off_policy_correction`'s
+    TIS weights and masks). Returns the aggregated loss and metrics (clip fraction, approximate KL to the
+    old policy).
     """
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip={dual_clip} must be > 1")
@@ -67,6 +69,8 @@ def policy_loss(logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: to
         loss = torch.where(advantages < 0, capped, loss)
         metrics["dual_clipfrac"] = masked_mean(((advantages < 0) & (capped < torch.maximum(unclipped, clipped)))
                                                .to(loss.dtype), mask.to(loss.dtype)).detach()
+    if token_weights is not None:
+        loss = loss * token_weights
     return agg_loss(loss, mask, agg_mode, normalizer, max_seq_len), metrics
 
 

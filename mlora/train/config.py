@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mlora.rl.advantages import ADVANTAGE_ESTIMATORS
 from mlora.rl.kl import KL_CONTROLLERS, KL_ESTIMATORS
 from mlora.rl.losses import LOSS_AGG_MODES
 from mlora.rl.lr_schedule import LR_SCHEDULES
+from mlora.rl.rollout_correction import OffPolicyCorrection
 from mlora.rollout.generator import check_truncation
+
+POLICY_LOSSES = ("regular", "rollout_is")
 
 
 @dataclass
@@ -26,6 +29,10 @@ class PPOConfig:
     eps_clip_low: float = 0.2
     eps_clip_high: float = 0.2
     dual_clip: float | None = None
+    # regular (PPO's clipped ratio to π_old; dual clip when dual_clip is set) | rollout_is (SkyRL's: ratio to the
+    # engine's μ, hard-zeroed outside the clip range; mlora.rl.rollout_correction.rollout_is_loss)
+    policy_loss_type: str = "regular"
+    off_policy: OffPolicyCorrection = field(default_factory=OffPolicyCorrection)  # TIS and masks (off by default)
     value_clip: float = 0.2
     loss_agg_mode: str = "token-mean"
     max_seq_len: int | None = None  # the constant divisor of "seq-mean-token-sum-norm" (Dr. GRPO); required there
@@ -68,6 +75,11 @@ class PPOConfig:
                              f"valid: {', '.join(ADVANTAGE_ESTIMATORS)}")
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"unknown loss aggregation mode {self.loss_agg_mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
+        if self.policy_loss_type not in POLICY_LOSSES:
+            raise ValueError(f"unknown policy_loss_type {self.policy_loss_type!r}; valid: {', '.join(POLICY_LOSSES)}")
+        if self.policy_loss_type == "rollout_is" and self.dual_clip is not None:
+            raise ValueError("policy_loss_type='rollout_is' has no dual clip (it zeroes ratios outside the clip "
+                             "range): leave dual_clip None")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
         if self.kl_ctrl not in KL_CONTROLLERS:

@@ -39,6 +39,7 @@ from mlora.rl import (
 from mlora.rl.advantages import broadcast_to_tokens
 from mlora.rl.kl import apply_kl_in_reward
 from mlora.rl.masked import masked_mean, masked_sum
+from mlora.rl.rollout_correction import off_policy_correction, rollout_is_loss
 from mlora.rl.vocab_parallel import next_token_logits, vocab_parallel_logprobs, vocab_parallel_truncation_logmass
 from mlora.train.batch import RolloutBatch
 from mlora.train.config import PPOConfig
@@ -319,8 +320,14 @@ class ActorCriticEngine:
         def loss_fn(logits, mb):
             mask = mb["action_mask"].to(logits.device)
             logprob, entropy = self._token_logprobs(logits, mb["input_ids"], with_entropy=True)
-            pg, m = policy_loss(logprob, mb["old_logprobs"], mb["advantages"], mask, c.eps_clip_low,
-                                c.eps_clip_high, c.dual_clip, c.loss_agg_mode, normalizer, c.max_seq_len)
+            weights = mb.get("is_weights")  # rollout correction (TIS, masks): None when off
+            if c.policy_loss_type == "rollout_is":
+                pg, m = rollout_is_loss(logprob, mb["rollout_logprobs"], mb["advantages"], mask, c.eps_clip_low,
+                                        c.eps_clip_high, weights, c.loss_agg_mode, normalizer, c.max_seq_len)
+            else:
+                pg, m = policy_loss(logprob, mb["old_logprobs"], mb["advantages"], mask, c.eps_clip_low,
+                                    c.eps_clip_high, c.dual_clip, c.loss_agg_mode, normalizer, c.max_seq_len,
+                                    weights)
             ent = agg_loss(entropy, mask, c.loss_agg_mode, normalizer, c.max_seq_len)
             kl = agg_loss(kl_penalty(logprob, mb["ref_logprobs"], c.kl_estimator), mask, c.loss_agg_mode, normalizer,
                           c.max_seq_len)
@@ -367,15 +374,27 @@ class ActorCriticEngine:
             "advantages/mean": float(masked_mean(adv["advantages"], mask)),
             "response_length/mean": float(mask.sum(-1).mean()),
         }
+        actor_extra = {"old_logprobs": old, "ref_logprobs": ref, "advantages": adv["advantages"]}
         if with_rollout:
             # like with like: the engine reports log-probs of its processed (tempered, truncated) distribution
             gap = torch.where(mask > 0, (batch.rollout_logprobs - sampled_logprobs).abs(), 0.0)
             metrics["rollout/logprob_abs_diff"] = float(gap.sum() / mask.sum().clamp(min=1))
             metrics["rollout/logprob_abs_diff_max"] = float(gap.max())
+            # μ in the trainer's untruncated space (the engine's log-prob minus the truncation's log-mass), so
+            # that π_old / μ is the processed distributions' ratio and log π - log μ is comparable to it
+            mu = batch.rollout_logprobs - (sampled_logprobs - old)
+            weights, corr = off_policy_correction(old, mu, mask, self.cfg.off_policy)
+            metrics.update({f"off_policy/{k}": v for k, v in corr.items()})
+            if self.cfg.off_policy.enabled:
+                actor_extra["is_weights"] = weights
+            if self.cfg.policy_loss_type == "rollout_is":
+                actor_extra["rollout_logprobs"] = mu
+        elif self.cfg.policy_loss_type == "rollout_is" or self.cfg.off_policy.enabled:
+            raise ValueError("rollout correction (policy_loss_type='rollout_is', off_policy_correction) needs the "
+                             "engine's log-probs of the sampled tokens: RolloutBatch.rollout_logprobs is None")
         if self.cfg.use_kl_in_reward:
             self.kl_ctrl.update(metrics["kl/mean"], batch.size)
             metrics["kl/coef"] = self.kl_ctrl.value
-        actor_extra = {"old_logprobs": old, "ref_logprobs": ref, "advantages": adv["advantages"]}
         actor_steps = self._update(batch, actor_extra, self.actor_params, self.actor_opt, self.actor_sched,
                                    self._actor_loss, hidden=False, adapters=actor,
                                    mini_batch_size=self.cfg.mini_batch_size, max_grad_norm=self.cfg.max_grad_norm)

@@ -7,6 +7,7 @@ import torch
 import mlora
 from mlora.config.schema import LoraSection, SamplingSection, TrainConfig, TrainerSection
 from mlora.config.validate import LOSS_REDUCTIONS
+from mlora.rl.rollout_correction import OffPolicyCorrection
 from mlora.rollout.generator import SamplingConfig
 from mlora.train.config import PPOConfig
 
@@ -29,6 +30,8 @@ def ppo_config(cfg: TrainConfig, total_steps: int) -> PPOConfig:
         micro_forward_batch_size=t.micro_forward_batch_size_per_gpu,
         eps_clip_low=a.eps_clip_low, eps_clip_high=a.eps_clip_high,
         dual_clip=a.clip_ratio_c if a.policy_loss_type == "dual_clip" else None, value_clip=a.value_clip,
+        policy_loss_type="rollout_is" if a.policy_loss_type == "rollout_is" else "regular",
+        off_policy=OffPolicyCorrection(**vars(a.off_policy_correction)),
         loss_agg_mode=LOSS_REDUCTIONS[a.loss_reduction], max_seq_len=a.max_seq_len,
         use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_estimator=a.kl_estimator_type,
         use_kl_in_reward=a.use_kl_in_reward, kl_ctrl=a.kl_ctrl.type,

@@ -43,6 +43,47 @@ def vllm_rule_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top
     return u.scatter(-1, index, ascending).log_softmax(-1)
 
 
+def _correction_case(full, target, lo, per, valid, mesh, g) -> dict:
+    """Rollout correction on vocab-parallel log-probs: token TIS + an outlier mask on PPO's loss, and SkyRL's
+    rollout_is loss, with the gradients they send into each rank's vocabulary shard, vs the same on the full
+    vocabulary (float64). The engine's log-probs μ are the trainer's plus noise (a bf16 engine)."""
+    from mlora.rl.losses import policy_loss
+    from mlora.rl.rollout_correction import OffPolicyCorrection, off_policy_correction, rollout_is_loss
+
+    temperature = 0.8
+    mask = torch.ones(3, 7, dtype=torch.float64)
+    mask[2, 5:] = 0
+    adv = torch.randn(3, 7, generator=g, dtype=torch.float64)
+    noise = 0.3 * torch.randn(3, 7, generator=g, dtype=torch.float64)
+    cfg = OffPolicyCorrection(tis_ratio_type="token", token_tis_ratio_clip_high=1.2,
+                              outlier_token_is_threshold_high=2.0)
+    out = {}
+    for name in ("ppo_tis", "rollout_is"):
+        results = []
+        for shard in (True, False):
+            logits = (full[..., lo:lo + per] if shard else full[..., :full.shape[-1] - 1]).double().requires_grad_(True)
+            if shard:
+                lp, _ = vocab_parallel_logprobs(logits, target, lo, valid, mesh.tp_group, False, temperature)
+            else:
+                lp = torch.log_softmax(logits / temperature, -1).gather(-1, target[..., None])[..., 0]
+            old = lp.detach()
+            mu = old + noise
+            weights, metrics = off_policy_correction(old, mu, mask, cfg)
+            if name == "ppo_tis":
+                loss, _ = policy_loss(lp, old - 0.1, adv, mask, token_weights=weights)
+            else:
+                loss, _ = rollout_is_loss(lp, mu, adv, mask, 0.5, 0.5, token_weights=weights)
+            loss.backward()
+            grad = logits.grad if shard else torch.cat([logits.grad, torch.zeros(3, 7, full.shape[-1] - logits.shape[-1],
+                                                                                  dtype=torch.float64)], -1)[..., lo:lo + per]
+            results.append((loss.detach(), grad, metrics))
+        (l_tp, g_tp, m_tp), (l_ref, g_ref, m_ref) = results
+        out[name] = {"loss": (l_tp - l_ref).abs().item(), "grad": (g_tp - g_ref).abs().max().item(),
+                     "grad_norm": g_ref.norm().item(), "metrics_equal": m_tp == m_ref,
+                     "clipped": m_ref["tis_token_clip_high_ratio"], "masked": m_ref["outlier_seq_masked_ratio"]}
+    return out
+
+
 def main() -> None:
     mesh = mlora.init_parallel(tp=2, pp=1)
     g = torch.Generator().manual_seed(0)
@@ -93,6 +134,7 @@ def main() -> None:
             "kept_mass": (torch.log_softmax(full[..., :V] / temperature, -1).gather(-1, drawn[..., None])[..., 0]
                           - ref_sampled).exp().mean().item(),  # M = p_T(y) / p_processed(y): truncation happened
             "collectives": {k: list(v) for k, v in summarize(calls).items()}})
+    record["correction"] = _correction_case(full, target, lo, per, valid, mesh, g)
     parts: list = [None] * 2
     dist.all_gather_object(parts, record)
     if mesh.rank == 0:
