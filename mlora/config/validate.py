@@ -301,8 +301,8 @@ def _check_async(cfg: TrainConfig, cuda: bool) -> list[str]:
                           "generate the next batches while the trainer updates, so they cannot share its GPUs and "
                           "sleep")
     ahead = async_batches_ahead(cfg)
-    notes = [f"trainer.fully_async: {ahead} batch{'es' if ahead > 1 else ''} of {t.train_batch_size} prompts generate "
-             f"ahead of the update (num_parallel_generation_workers={f.num_parallel_generation_workers}, "
+    notes = [f"trainer.fully_async: {ahead} batch{'es' if ahead > 1 else ''} of {t.train_batch_size} prompts "
+             f"generate{'' if ahead > 1 else 's'} ahead of the update (num_parallel_generation_workers={f.num_parallel_generation_workers}, "
              f"max_staleness_steps={f.max_staleness_steps}): a batch trained at step j was sampled by policy version "
              f">= j - 1 - {ahead}"]
     return notes

@@ -18,20 +18,39 @@ import torch.distributed as dist
 from mlora.rollout.generator import Generation, SamplingConfig
 
 
-def generate_scored(engines, slots: Sequence[int], total: int, prompts: list[list[int]], sampling: SamplingConfig,
-                    score: Callable[[int, Generation], float]) -> tuple[list[Generation], list[float], float]:
-    """Collective: ``(generations, rewards, seconds)`` of the whole batch on every rank.
+def submit_generation(engines, slots: Sequence[int], total: int, prompts: list[list[int]], sampling: SamplingConfig
+                      ) -> tuple | None:
+    """Queue a batch's generation on this rank's engines (None where it holds none); not collective.
+    :func:`collect_scored` waits for it."""
+    if engines is None:
+        return None
+    return engines.submit_generate(prompts, sampling, slots=list(slots), total=total), time.perf_counter()
 
-    ``engines``: this rank's :class:`~mlora.rollout.vllm_engine.EngineGroup` (None where it holds none),
-    engines ``slots`` of ``total``; ``score(prompt index, generation)``: the reward. ``seconds``: the
-    slowest holder's time to generate and score."""
+
+def collect_scored(engines, pending: tuple | None, score: Callable[[int, Generation], float]
+                   ) -> tuple[list[Generation], list[float], float]:
+    """Collective: ``(generations, rewards, seconds)`` of a :func:`submit_generation` batch on every rank.
+
+    ``score(prompt index, generation)``: the reward, computed beside the engine that answered. ``seconds``: the
+    slowest holder's time from submitting to having scored (for a batch queued ahead, it includes the wait
+    behind the earlier work)."""
     part: tuple = ([], [], 0.0)
-    if engines is not None:
-        t0 = time.perf_counter()
-        gens = engines.generate(prompts, sampling, slots=list(slots), total=total)
+    if pending is not None:
+        calls, t0 = pending
+        gens = engines.finish_generate(calls)
         part = (gens, [score(g.prompt_index, g) for g in gens], time.perf_counter() - t0)
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, part)
     pairs = [(g, r) for gens, rewards, _ in parts for g, r in zip(gens, rewards)]
     pairs.sort(key=lambda pair: pair[0].prompt_index)  # stable: the samples of a prompt keep their order
     return [g for g, _ in pairs], [r for _, r in pairs], max(p[2] for p in parts)
+
+
+def generate_scored(engines, slots: Sequence[int], total: int, prompts: list[list[int]], sampling: SamplingConfig,
+                    score: Callable[[int, Generation], float]) -> tuple[list[Generation], list[float], float]:
+    """Collective: ``(generations, rewards, seconds)`` of the whole batch on every rank, generated now.
+
+    ``engines``: this rank's :class:`~mlora.rollout.vllm_engine.EngineGroup` (None where it holds none),
+    engines ``slots`` of ``total``; ``score(prompt index, generation)``: the reward. ``seconds``: the
+    slowest holder's time to generate and score."""
+    return collect_scored(engines, submit_generation(engines, slots, total, prompts, sampling), score)

@@ -16,6 +16,7 @@ after an error.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import functools
 import multiprocessing as mp
@@ -141,6 +142,11 @@ class VLLMServer:
 
     def set_adapter(self, adapter_dir: str | os.PathLike, name: str) -> None:
         self._swap(str(adapter_dir), name)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the cached KV blocks (computed under the previous adapter; SkyRL's
+        ``clear_kv_cache_on_weight_sync``). Returns whether vLLM reset it."""
+        return bool(self.llm.reset_prefix_cache())
 
     def set_adapter_tensors(self, path: str, name: str) -> None:
         """Serve the adapter in the shared-memory segment ``path`` (``mlora-shm://<segment>#<version>``)."""
@@ -523,36 +529,84 @@ def _check_model_dir(model) -> None:
         raise FileNotFoundError(f"vLLM engine: {str(model)!r} is not an HF model directory (no config.json)")
 
 
+class _Call:
+    """One call submitted to one engine: its reply, once read from the engine's ordered replies."""
+
+    __slots__ = ("engine", "handle", "done", "value", "error")
+
+    def __init__(self, engine: int, handle) -> None:
+        self.engine, self.handle, self.done, self.value, self.error = engine, handle, False, None, None
+
+
 class EngineGroup:
     """Several engines (``generator.inference_engine.num_engines``), all busy at once; prompts are split
-    round-robin and the results come back in prompt order."""
+    round-robin and the results come back in prompt order.
+
+    Every call goes through one queue per engine: an engine answers in the order it was asked (a local
+    engine's pipe, a Ray actor's task order), so calls may be submitted ahead (asynchronous training queues
+    the next batches' generation and the adapter swaps between them) and are waited for in any order; the
+    replies that arrive first are kept for their own waiters."""
 
     def __init__(self, engines: list, on_close=None) -> None:
         if not engines:
             raise ValueError("generator.inference_engine.num_engines must be >= 1")
         self.engines, self._on_close = engines, on_close
+        self._queues: list[collections.deque] = [collections.deque() for _ in engines]
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, slots: list[int] | None = None,
-                 total: int | None = None) -> list[Generation]:
-        """``slots``/``total``: these engines are engines ``slots`` of ``total`` started by several ranks
-        (:mod:`mlora.rollout.spread`); prompt ``i`` belongs to engine ``i mod total``."""
+    def submit(self, engine: int, method: str, *args) -> _Call:
+        """``method(*args)`` on engine ``engine`` (its index here), not waited for."""
+        call = _Call(engine, self.engines[engine].submit(method, *args))
+        self._queues[engine].append(call)
+        return call
+
+    def wait(self, call: _Call):
+        """The reply to ``call`` (the engine's earlier replies are read first and kept for their calls)."""
+        queue, engine = self._queues[call.engine], self.engines[call.engine]
+        while not call.done:
+            head = queue.popleft()
+            try:
+                head.value = engine.result(head.handle)
+            except Exception as exc:  # raised to whoever waits for that call
+                head.error = exc
+            head.done = True
+        if call.error is not None:
+            raise call.error
+        return call.value
+
+    def submit_generate(self, prompts: list[list[int]], sampling: SamplingConfig, slots: list[int] | None = None,
+                        total: int | None = None) -> list[tuple[_Call, list[int]]]:
+        """Queue a batch's generation on the engines; :meth:`finish_generate` collects it. ``slots``/``total``:
+        these engines are engines ``slots`` of ``total`` started by several ranks (:mod:`mlora.rollout.spread`);
+        prompt ``i`` belongs to engine ``i mod total``."""
         n = len(self.engines)
         slots, total = (list(range(n)), n) if slots is None else (list(slots), total)
         if len(slots) != n:
             raise ValueError(f"{n} engines, {len(slots)} slots {slots}")
         chunks = [list(range(i, len(prompts), total)) for i in slots]
-        pending = [(e, idx, e.submit("generate", [prompts[i] for i in idx], sampling, idx))
-                   for e, idx in zip(self.engines, chunks) if idx]
+        return [(self.submit(e, "generate", [prompts[i] for i in idx], sampling, idx), idx)
+                for e, idx in enumerate(chunks) if idx]
+
+    def finish_generate(self, pending: list[tuple[_Call, list[int]]]) -> list[Generation]:
+        """The generations of a :meth:`submit_generate` batch, in prompt order."""
         out: list[Generation] = []
-        for engine, idx, handle in pending:
-            for g in engine.result(handle):
+        for call, idx in pending:
+            for g in self.wait(call):
                 g.prompt_index = idx[g.prompt_index]
                 out.append(g)
         return sorted(out, key=lambda g: g.prompt_index)  # stable: samples of a prompt keep their order
 
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, slots: list[int] | None = None,
+                 total: int | None = None) -> list[Generation]:
+        """Generate a batch now (:meth:`submit_generate`, then :meth:`finish_generate`)."""
+        return self.finish_generate(self.submit_generate(prompts, sampling, slots, total))
+
+    def submit_all(self, method: str, *args) -> list[_Call]:
+        """``method`` on every engine, not waited for."""
+        return [self.submit(i, method, *args) for i in range(len(self.engines))]
+
     def _all(self, method: str, *args) -> list:
         """``method`` on every engine at once (all submitted, then all awaited); results in engine order."""
-        return [engine.result(handle) for engine, handle in [(e, e.submit(method, *args)) for e in self.engines]]
+        return [self.wait(call) for call in self.submit_all(method, *args)]
 
     def _timed(self, method: str, *args) -> float:
         t0 = time.perf_counter()

@@ -20,13 +20,14 @@ import torch
 import torch.distributed as dist
 
 from mlora.config.schema import TrainConfig
+from mlora.config.validate import async_batches_ahead
 from mlora.parallel.small_collectives import all_flags, broadcast_json, ranks_seeing_folder
-from mlora.rollout.data import Prompt, load_prompt_set
+from mlora.rollout.data import Prompt, epoch_batches, load_prompt_set
 from mlora.rollout.envs import make_env
 from mlora.rollout.generator import Generation, SamplingConfig
 from mlora.rollout.placement import Placement, cuda_visible_devices, plan_placement
 from mlora.rollout.shm_names import SHM_DIR, remove_stale, shm_name
-from mlora.rollout.spread import generate_scored
+from mlora.rollout.spread import collect_scored, generate_scored, submit_generation
 from mlora.train import loop
 from mlora.train.batch import RolloutBatch
 from mlora.train.engine import ActorCriticEngine
@@ -91,6 +92,10 @@ class Rollouts:
         self.sync_dir = Path(broadcast_json(str(_sync_dir(cfg, adapter)) if mesh.rank == 0 else None))
         self.tensors = cfg.generator.weight_sync == "tensors"
         self.handoff = None  # weight_sync=tensors: the segment, made at the first sync (it needs the model)
+        # asynchronous training (trainer.fully_async): swaps are queued between generation requests, not waited for
+        self.queued = cfg.trainer.fully_async.enabled
+        self.swaps: list = []  # the last queued swap's calls
+        self.version = -1  # the policy version (updates applied) of the adapter last handed to the engines
         self.generator = None
         self.envs: dict = {}
         self.engine_base = cfg.trainer.policy.model.path
@@ -161,15 +166,26 @@ class Rollouts:
             self.envs[prompt.env_class] = make_env(prompt.env_class, **env_kwargs(self.cfg, prompt.env_class))
         return self.envs[prompt.env_class].reward(prompt.row, gen.text, gen.token_ids)
 
-    def sync(self, model) -> dict[str, float]:
-        """Wake sleeping engines, hand the policy adapter to them (collective) and hot-swap it in: PEFT files
-        in the sync directory, or (``weight_sync=tensors``) each rank's shards copied into the shared segment."""
+    def sync(self, model, version: int) -> dict[str, float]:
+        """Wake sleeping engines, hand the policy adapter (policy version ``version``: updates applied) to them
+        (collective) and hot-swap it in: PEFT files in the sync directory, or (``weight_sync=tensors``) each
+        rank's shards copied into the shared segment.
+
+        Asynchronous training (``trainer.fully_async``): the swap is queued behind the generation requests
+        already submitted (they finish on the version they started with) and not waited for; the next hand-off
+        first waits for it, since it overwrites the files or segment the engines read."""
         t0 = time.perf_counter()
         out = {}
         if self.asleep:  # back on the GPUs before the adapter goes in
             if self.generator is not None:
                 out["timing/engine_wake_s"] = self.generator.wake_up()
             self.asleep = False
+        if self.queued:
+            for call in self.swaps:
+                self.generator.wait(call)
+            self.swaps = []
+            out["timing/swap_wait_s"] = time.perf_counter() - t0
+            dist.barrier()  # no rank overwrites its part before every engine has loaded the previous version
         if self.tensors:
             if self.handoff is None:
                 from mlora.rollout.tensor_sync import TensorHandoff
@@ -180,15 +196,34 @@ class Rollouts:
             model.save_adapter(self.adapter, self.sync_dir)
         out["timing/adapter_gather_s"] = time.perf_counter() - t0
         if self.generator is not None:
-            out["timing/adapter_swap_s"] = (self.generator.update_adapter_tensors(path, self.adapter) if self.tensors
-                                            else self.generator.update_adapter(self.sync_dir, self.adapter))
+            method, arg = ("set_adapter_tensors", path) if self.tensors else ("set_adapter", str(self.sync_dir))
+            if self.queued:
+                self.swaps = self.generator.submit_all(method, arg, self.adapter)
+                if self.cfg.trainer.fully_async.clear_kv_cache_on_weight_sync:
+                    self.swaps += self.generator.submit_all("reset_prefix_cache")
+            else:
+                out["timing/adapter_swap_s"] = (self.generator.update_adapter_tensors(path, self.adapter)
+                                                if self.tensors else self.generator.update_adapter(self.sync_dir,
+                                                                                                   self.adapter))
+        self.version = version
         out["timing/adapter_sync_s"] = time.perf_counter() - t0
         return out
 
-    def collect(self, prompts: list[Prompt], sampling: SamplingConfig, pad_id: int) -> tuple[RolloutBatch, dict]:
-        """Generate and score where the engines are; every rank gets the batch. Colocated engines that can
-        sleep go to sleep after it (:meth:`sync` wakes them)."""
-        gens, rewards, seconds = self._generate([p.token_ids for p in prompts], sampling,
+    def submit(self, prompts: list[Prompt], sampling: SamplingConfig) -> dict:
+        """Queue a batch's generation on this rank's engines, behind what is queued already: it runs on the
+        adapter of the last hand-off (:attr:`version`). :meth:`collect` waits for it."""
+        return {"prompts": prompts, "version": self.version,
+                "pending": submit_generation(self.generator, self.slots, self.total, [p.token_ids for p in prompts],
+                                             sampling)}
+
+    def collect(self, prompts: list[Prompt] | dict, sampling: SamplingConfig | None, pad_id: int
+                ) -> tuple[RolloutBatch, dict]:
+        """Generate and score where the engines are (``prompts``), or wait for a batch :meth:`submit` queued
+        (``prompts`` is what it returned); every rank gets the batch. Colocated engines that can sleep go to
+        sleep after it (:meth:`sync` wakes them)."""
+        queued = prompts if isinstance(prompts, dict) else self.submit(prompts, sampling)
+        prompts = queued["prompts"]
+        gens, rewards, seconds = collect_scored(self.generator, queued["pending"],
                                                 lambda i, g: self.score(prompts[i], g))
         metrics = {"timing/generate_s": seconds}
         if self.sleeps:  # the trainer has the GPUs until the next hand-off
@@ -197,6 +232,7 @@ class Rollouts:
             self.asleep = True
         # what the learned reward (env_class=reward_model) needs of each row, scored on the trainer later
         self.last_rows = [(prompts[g.prompt_index].env_class, g.finish_reason) for g in gens]
+        self.last_version = queued["version"]
         return build_batch([p.token_ids for p in prompts], gens, rewards, pad_id), metrics
 
     def evaluate(self, prompts: list[Prompt], step: int, run_dir: Path) -> dict[str, float]:
@@ -318,20 +354,59 @@ class RLStage:
                                             run_frozen=FROZEN if reference else None)
         self.rollouts: Rollouts | None = None
         self.run_dir: Path | None = None
+        # asynchronous training: the batches queued on the engines ahead of the update, by the step they are for
+        self.ahead = async_batches_ahead(cfg) if t.fully_async.enabled else 0
+        self.queued: dict[int, dict] = {}
+        self.schedule: dict[int, list[int]] = {}
 
     def open(self, run_dir: Path) -> None:
-        """The engines, serving the initial policy adapter."""
+        """The engines, serving the initial policy adapter (or the resumed one)."""
         self.run_dir = run_dir
         self.rollouts = Rollouts(self.cfg, self.mesh, run_dir, POLICY, self.placement)
-        self.rollouts.sync(self.model)
+        self.rollouts.sync(self.model, self.engine.global_step)
+
+    def _sampling(self, step: int) -> SamplingConfig:
+        g, t = self.cfg.generator, self.cfg.trainer
+        # rollouts of step s sample with seed + 1000·s (+ the prompt's index): no RNG to carry
+        return sampling_config(g.sampling_params, g.n_samples_per_prompt, t.seed + step * 1000)
+
+    def _queue_ahead(self, step: int, picked: list[int]) -> None:
+        """Asynchronous training: queue the generation of batches ``step .. step + ahead`` not queued yet, on the
+        adapter the engines have now (the hand-off of policy version ``step - 1``). The prompts of a later step
+        are the ones the run loop will pass then (:func:`~mlora.rollout.data.epoch_batches` is deterministic)."""
+        if not self.schedule:  # the first step of this launch (a resumed run starts after its checkpoint)
+            t = self.cfg.trainer
+            self.schedule = {s: p for _, s, p in epoch_batches(self.n_examples, t.train_batch_size, t.seed,
+                                                               self.total_steps, step - 1)}
+            if step > 1 and self.mesh.rank == 0:
+                n = self.ahead * t.train_batch_size * self.cfg.generator.n_samples_per_prompt
+                log.info("trainer.fully_async: resumed at step %d; the samples the stopped run had generated ahead "
+                         "(up to %d: %d batches) are not in the checkpoint and are discarded: steps %d.. are "
+                         "generated again from the resumed policy, none is used twice", step - 1, n, self.ahead,
+                         step)
+        if self.schedule[step] != picked:
+            raise RuntimeError(f"asynchronous training: step {step}'s prompts differ from the queued schedule")
+        for s in range(step, min(step + self.ahead, self.total_steps) + 1):
+            if s not in self.queued and s in self.schedule:
+                self.queued[s] = self.rollouts.submit([self.train[i] for i in self.schedule[s]], self._sampling(s))
 
     def step(self, step: int, picked: list[int]) -> dict[str, float]:
         """Rollouts -> rewards -> (colocated engines sleep) -> shared-base update -> (the trainer frees its
-        cached blocks, the engines wake) -> hand-off."""
-        g, t = self.cfg.generator, self.cfg.trainer
-        # rollouts of step s sample with seed + 1000·s (+ the prompt's index): no RNG to carry
-        sampling = sampling_config(g.sampling_params, g.n_samples_per_prompt, t.seed + step * 1000)
-        batch, metrics = self.rollouts.collect([self.train[i] for i in picked], sampling, self.pad_id)
+        cached blocks, the engines wake) -> hand-off.
+
+        Asynchronous training (``trainer.fully_async``): the rollouts are a batch queued up to ``ahead`` steps
+        earlier, sampled by the adapter of that time; the next batches generate while this one trains."""
+        if self.ahead:
+            self._queue_ahead(step, picked)
+            t0 = time.perf_counter()
+            batch, metrics = self.rollouts.collect(self.queued.pop(step), None, self.pad_id)
+            metrics["timing/rollout_wait_s"] = time.perf_counter() - t0  # what the trainer waited for generation
+            version, trained = self.rollouts.last_version, self.engine.global_step
+            metrics.update({"async/generation_version": version, "async/trainer_version": trained,
+                            "async/staleness": trained - version, "async/engine_version": self.rollouts.version,
+                            "async/queued_batches": len(self.queued)})
+        else:
+            batch, metrics = self.rollouts.collect([self.train[i] for i in picked], self._sampling(step), self.pad_id)
         if self.learned is not None:  # the model-based part of the reward, on the trainer
             metrics.update(self.learned.apply(batch, self.rollouts.last_rows))
         t0 = time.perf_counter()
@@ -339,7 +414,7 @@ class RLStage:
         metrics["timing/train_s"] = time.perf_counter() - t0
         if self.rollouts.asleep:  # the engines wake into the memory the step held
             release_cached_memory()
-        metrics.update(self.rollouts.sync(self.model))
+        metrics.update(self.rollouts.sync(self.model, self.engine.global_step))
         return metrics
 
     def evaluate(self, step: int) -> dict[str, float]:

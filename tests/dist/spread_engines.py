@@ -58,7 +58,7 @@ def main() -> None:
         rollouts = Rollouts(cfg, mesh, work / name.replace(" ", "_"), "policy", starts=starts.get(mesh.rank, []))
         try:
             assert rollouts.starters == sorted(starts), (rollouts.starters, starts)
-            rollouts.sync(model)
+            rollouts.sync(model, 0)
             batch, _ = rollouts.collect(prompts, sampling, tokenizer.pad_token_id or 0)
             evaluation = rollouts.evaluate(val, 1, work / name.replace(" ", "_"))
         finally:
