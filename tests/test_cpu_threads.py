@@ -14,6 +14,7 @@ from mlora.rollout.cpu_threads import (
     engine_core_sets,
     engine_environment,
     local_engine_cores,
+    overlap_split,
     trainer_threads,
     user_omp_threads,
 )
@@ -127,3 +128,15 @@ def test_engine_options_place_local_cpu_engines(tmp_path, monkeypatch):
     bad.trainer.cpu_threads = 0
     with pytest.raises(ConfigError, match="trainer.cpu_threads=0 must be >= 1"):
         finalize(bad, 1, cuda=False)
+
+
+def test_overlap_split():
+    """Asynchronous training: engines and trainer ranks compute at once, each on cores of its own."""
+    assert overlap_split(2, 1, 1) == (1, 1)
+    assert overlap_split(16, 1, 1) == (8, 8)
+    assert overlap_split(16, 4, 1) == (3, 3)  # engines 16 / 5 -> 3 cores, 13 left: 3 per rank
+    assert overlap_split(1, 1, 1) == (1, 1)  # one core: shared (the split cannot give less than one)
+    assert overlap_split(4, 2, 2) == (1, 2)
+    cores = sorted(os.sched_getaffinity(0))
+    engines = local_engine_cores(1, {}, overlap=True)
+    assert engines == [cores[len(cores) - overlap_split(len(cores), 1, 1)[1]:]]  # the last cores

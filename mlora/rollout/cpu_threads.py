@@ -10,6 +10,9 @@ may run on (``os.sched_getaffinity``). The split, on CPU only (with CUDA nothing
   the user's (torchrun sets it only to 1 and only when it starts several local ranks, so a value
   with one local rank, or a value other than 1, is the user's); else ``cores // local ranks``, at
   least 1;
+- asynchronous training (``trainer.fully_async``): the engines generate while the trainer updates, so the
+  phases overlap and the cores are split instead (:func:`overlap_split`): the local engines get the last
+  ``cores · engines / (ranks + engines)`` cores (at least one each), the trainer ranks of that node the rest;
 - each local engine: the cores divided among the local engines, with ``OMP_WAIT_POLICY=PASSIVE``
   (unless the user set a policy) when it gets more than one; an engine with TP > 1 binds an equal
   share to each worker (``VLLM_CPU_OMP_THREADS_BIND``, which wins when the user sets it). A provably
@@ -83,6 +86,16 @@ def trainer_threads(cores: int, ranks: int, explicit: int | None = None, user_om
     return max(1, cores // ranks)
 
 
+def overlap_split(cores: int, ranks: int, engines: int) -> tuple[int, int]:
+    """``(threads per trainer rank, cores for the engines)`` on a node where ``engines`` local engines generate
+    while ``ranks`` trainer ranks update (asynchronous training): each process its own cores, in proportion
+    to how many there are, at least one each."""
+    if cores < 1 or ranks < 1 or engines < 1:
+        raise ValueError(f"cores={cores}, local ranks={ranks} and engines={engines} must be >= 1")
+    engine_cores = min(cores, max(engines, cores * engines // (ranks + engines)))
+    return max(1, (cores - engine_cores) // ranks), engine_cores
+
+
 def engine_core_sets(cores: Sequence[int], engines: int) -> list[list[int]]:
     """The cores of each of ``engines`` local engines (they generate at the same time): contiguous,
     equal slices of ``cores``; with fewer cores than engines, engine i gets core ``i mod len(cores)``."""
@@ -97,12 +110,18 @@ def engine_core_sets(cores: Sequence[int], engines: int) -> list[list[int]]:
     return [cores[i * per:(i + 1) * per] for i in range(engines)]
 
 
-def local_engine_cores(engines: int, env: Mapping[str, str] = os.environ) -> list[list[int]] | None:
-    """Each local engine's cores (:func:`engine_core_sets` of this process's cores), or None when a
-    user-set ``OMP_NUM_THREADS`` (:func:`user_omp_threads`) decides the engines' threads."""
-    if user_omp_threads(env, local_ranks(env)) is not None:
+def local_engine_cores(engines: int, env: Mapping[str, str] = os.environ, overlap: bool = False
+                       ) -> list[list[int]] | None:
+    """Each local engine's cores (:func:`engine_core_sets` of this process's cores; with ``overlap``, the
+    engines generating while the trainer updates, of the last cores :func:`overlap_split` gives them), or
+    None when a user-set ``OMP_NUM_THREADS`` (:func:`user_omp_threads`) decides the engines' threads."""
+    ranks = local_ranks(env)
+    if user_omp_threads(env, ranks) is not None:
         return None
-    return engine_core_sets(available_cores(), engines)
+    cores = available_cores()
+    if overlap:
+        cores = cores[len(cores) - overlap_split(len(cores), ranks, engines)[1]:]
+    return engine_core_sets(cores, engines)
 
 
 def engine_environment(threads: int, env: Mapping[str, str]) -> dict[str, str]:
@@ -114,15 +133,21 @@ def engine_environment(threads: int, env: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
-def apply_trainer_threads(explicit: int | None, cuda: bool) -> int | None:
+def apply_trainer_threads(explicit: int | None, cuda: bool, overlapping_engines: int = 0) -> int | None:
     """Set this trainer rank's torch threads for the node; returns the count, or None when left alone
-    (CUDA without ``trainer.cpu_threads``). ``OMP_NUM_THREADS`` stays as the launcher set it: it tells
-    the engines' placement (:func:`local_engine_cores`) whether the user chose threads."""
+    (CUDA without ``trainer.cpu_threads``). ``overlapping_engines``: local engines on this node that generate
+    while the trainer updates (asynchronous training): the trainer ranks leave them their cores
+    (:func:`overlap_split`). ``OMP_NUM_THREADS`` stays as the launcher set it: it tells the engines'
+    placement (:func:`local_engine_cores`) whether the user chose threads."""
     if cuda and explicit is None:
         return None
     import torch
 
-    ranks = local_ranks()
-    threads = trainer_threads(len(available_cores()), ranks, explicit, user_omp_threads(os.environ, ranks))
+    ranks, cores = local_ranks(), len(available_cores())
+    user = user_omp_threads(os.environ, ranks)
+    if overlapping_engines and explicit is None and user is None:
+        threads = overlap_split(cores, ranks, overlapping_engines)[0]
+    else:
+        threads = trainer_threads(cores, ranks, explicit, user)
     torch.set_num_threads(threads)
     return threads

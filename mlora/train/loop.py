@@ -127,7 +127,11 @@ def start_run(cfg: TrainConfig, notes: Sequence[str], build_assets: Callable[[st
     if cfg.demo.prepare and build_assets is None:
         raise ValueError("demo.prepare=true: the demo's assets are built by the entry point (mlora-train); "
                          "pass build_assets (e.g. mlora.demos.rl_assets.build_demo_assets) or set demo.prepare=false")
-    threads = apply_trainer_threads(t.cpu_threads, torch.cuda.is_available())
+    e = cfg.generator.inference_engine
+    # asynchronous training: rank 0's node runs its local engines beside the update (torchrun's GROUP_RANK)
+    overlapping = (e.num_engines if t.fully_async.enabled and e.run_engines_locally
+                   and os.environ.get("GROUP_RANK", "0") == "0" else 0)
+    threads = apply_trainer_threads(t.cpu_threads, torch.cuda.is_available(), overlapping)
     if cfg.demo.prepare and int(os.environ.get("RANK", "0")) == 0:
         build_assets(cfg.demo.dir)
     mc = t.policy.megatron_config
@@ -184,7 +188,9 @@ def _train(cfg: TrainConfig, make_stage: Callable[[TrainConfig, object], Stage],
         # 3. the steps: the stage's update -> eval / checkpoint -> agreed stop -> log
         for epoch, step, picked in epoch_batches(stage.n_examples, t.train_batch_size, t.seed, stage.total_steps,
                                                  start_step):
+            t0 = time.perf_counter()
             metrics = stage.step(step, picked)
+            metrics["timing/step_s"] = time.perf_counter() - t0
             metrics["trainer/epoch"] = epoch
             if evaluating and (step % t.eval_interval == 0 or step == stage.total_steps):
                 metrics.update(stage.evaluate(step))

@@ -305,7 +305,8 @@ def engine_options(cfg: TrainConfig, engine_base: str | os.PathLike, cuda: bool)
     return dict(num_engines=e.num_engines, tensor_parallel_size=e.tensor_parallel_size,
                 run_locally=e.run_engines_locally, ship_adapter=g.weight_sync == "memory",
                 tensor_lora=g.weight_sync == "tensors", sleep_mode=cuda and t.placement.colocate_all,
-                engine_cores=local_engine_cores(e.num_engines) if local_cpu else None,
+                engine_cores=(local_engine_cores(e.num_engines, overlap=t.fully_async.enabled) if local_cpu
+                              else None),
                 max_lora_rank=t.policy.model.lora.rank, dtype=t.dtype, seed=t.seed,
                 kv_cache_memory_bytes=g.kv_cache_memory_bytes, **extra)
 
