@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -69,6 +70,16 @@ def _sync_dir(cfg: TrainConfig, adapter: str) -> Path:
         return SHM_DIR / shm_name(f"sync-{cfg.trainer.run_name}") / adapter
     root = cfg.trainer.policy.model.lora.lora_sync_path or Path(cfg.trainer.run_dir) / "lora_sync"
     return Path(root) / shm_name(cfg.trainer.run_name) / adapter
+
+
+@dataclass
+class QueuedBatch:
+    """A batch whose generation is queued on the engines (:meth:`Rollouts.submit`): its prompts, the policy
+    version of the adapter it samples with, and this rank's pending engine calls (None where it holds none)."""
+
+    prompts: list[Prompt]
+    version: int
+    pending: tuple | None
 
 
 class Rollouts:
@@ -209,22 +220,21 @@ class Rollouts:
         out["timing/adapter_sync_s"] = time.perf_counter() - t0
         return out
 
-    def submit(self, prompts: list[Prompt], sampling: SamplingConfig) -> dict:
+    def submit(self, prompts: list[Prompt], sampling: SamplingConfig) -> QueuedBatch:
         """Queue a batch's generation on this rank's engines, behind what is queued already: it runs on the
-        adapter of the last hand-off (:attr:`version`). :meth:`collect` waits for it."""
-        return {"prompts": prompts, "version": self.version,
-                "pending": submit_generation(self.generator, self.slots, self.total, [p.token_ids for p in prompts],
-                                             sampling)}
+        adapter of the last hand-off (:attr:`version`). :meth:`collect_queued` waits for it."""
+        return QueuedBatch(prompts, self.version, submit_generation(self.generator, self.slots, self.total,
+                                                                    [p.token_ids for p in prompts], sampling))
 
-    def collect(self, prompts: list[Prompt] | dict, sampling: SamplingConfig | None, pad_id: int
-                ) -> tuple[RolloutBatch, dict]:
-        """Generate and score where the engines are (``prompts``), or wait for a batch :meth:`submit` queued
-        (``prompts`` is what it returned); every rank gets the batch. Colocated engines that can sleep go to
-        sleep after it (:meth:`sync` wakes them)."""
-        queued = prompts if isinstance(prompts, dict) else self.submit(prompts, sampling)
-        prompts = queued["prompts"]
-        gens, rewards, seconds = collect_scored(self.generator, queued["pending"],
-                                                lambda i, g: self.score(prompts[i], g))
+    def collect(self, prompts: list[Prompt], sampling: SamplingConfig, pad_id: int) -> tuple[RolloutBatch, dict]:
+        """Generate and score where the engines are; every rank gets the batch (:meth:`collect_queued`)."""
+        return self.collect_queued(self.submit(prompts, sampling), pad_id)
+
+    def collect_queued(self, queued: QueuedBatch, pad_id: int) -> tuple[RolloutBatch, dict]:
+        """Wait for a batch :meth:`submit` queued and score it where the engines are; every rank gets the batch.
+        Colocated engines that can sleep go to sleep after it (:meth:`sync` wakes them)."""
+        prompts = queued.prompts
+        gens, rewards, seconds = collect_scored(self.generator, queued.pending, lambda i, g: self.score(prompts[i], g))
         metrics = {"timing/generate_s": seconds}
         if self.sleeps:  # the trainer has the GPUs until the next hand-off
             if self.generator is not None:
@@ -232,7 +242,7 @@ class Rollouts:
             self.asleep = True
         # what the learned reward (env_class=reward_model) needs of each row, scored on the trainer later
         self.last_rows = [(prompts[g.prompt_index].env_class, g.finish_reason) for g in gens]
-        self.last_version = queued["version"]
+        self.last_version = queued.version
         return build_batch([p.token_ids for p in prompts], gens, rewards, pad_id), metrics
 
     def evaluate(self, prompts: list[Prompt], step: int, run_dir: Path) -> dict[str, float]:
@@ -357,7 +367,7 @@ class RLStage:
         self.run_dir: Path | None = None
         # asynchronous training: the batches queued on the engines ahead of the update, by the step they are for
         self.ahead = async_batches_ahead(cfg) if t.fully_async.enabled else 0
-        self.queued: dict[int, dict] = {}
+        self.queued: dict[int, QueuedBatch] = {}
         self.schedule: dict[int, list[int]] = {}
 
     def open(self, run_dir: Path) -> None:
@@ -400,7 +410,7 @@ class RLStage:
         if self.ahead:
             self._queue_ahead(step, picked)
             t0 = time.perf_counter()
-            batch, metrics = self.rollouts.collect(self.queued.pop(step), None, self.pad_id)
+            batch, metrics = self.rollouts.collect_queued(self.queued.pop(step), self.pad_id)
             metrics["timing/rollout_wait_s"] = time.perf_counter() - t0  # what the trainer waited for generation
             version, trained = self.rollouts.last_version, self.engine.global_step
             metrics.update({"async/generation_version": version, "async/trainer_version": trained,
