@@ -239,7 +239,8 @@ class ActorCriticEngine:
                            values: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """Token rewards (outcome reward on the last response token, KL penalty if in reward),
         then GAE / GRPO / RLOO advantages. Pure given its inputs; identical on every rank."""
-        c, mask = self.cfg, batch.action_mask
+        # a filtered row (batch.loss_mask) keeps its reward at its last token: it counts in its group's statistics
+        c, mask = self.cfg, batch.response_positions
         last = mask.shape[1] - 1 - torch.flip(mask, dims=[1]).argmax(dim=1)  # last response position per row
         token_rewards = torch.zeros_like(mask)
         token_rewards[torch.arange(batch.size), last] = batch.rewards.float()
