@@ -1318,3 +1318,68 @@ def test_dapo_script_trains_two_steps(gsm8k):  # noqa: F811
         dumped = torch.load(export / "dumped_data" / f"global_step_{step}_training_input.pt")
         assert dumped["input_ids"].shape[0] == 16 and dumped["loss_mask"].shape == (16,)
         assert dumped["rewards"].shape == (16,) and dumped["rewards"].min() >= -1.0
+
+
+def sft_overrides(model: str, data: str, drop: tuple[str, ...] = ()) -> list[str]:
+    """The SFT LoRA script's lines (no shell variables) with the tiny model and a local SFT file for its
+    Hugging Face model and dataset names (mlora reads local files); ``drop``: keys left out."""
+    replace = {"model.path": model, "train_datasets": f"['{data}']"}
+    return script_overrides("RUN_SFT_LORA", {}, replace, drop)
+
+
+SFT_REFUSED = {"train_dataset_splits": "Hugging Face split slicing", "messages_key": "a single conversation column"}
+
+
+def test_sft_script_keys(tmp_path):
+    """SkyRL's SFT keys under their mlora names; the ones without an mlora meaning are refused naming the key."""
+    from mlora.config.errors import ConfigError
+    from mlora.config.skyrl_sft import skyrl_sft_overrides
+
+    data = tmp_path / "sft.parquet"
+    data.touch()
+    with pytest.raises(ConfigError, match="train_datasets=.*'yahma/alpaca-cleaned' is not a local parquet/jsonl"):
+        skyrl_sft_overrides(script_overrides("RUN_SFT_LORA", {}, drop=tuple(SFT_REFUSED)))
+    for key, message in SFT_REFUSED.items():
+        others = tuple(k for k in SFT_REFUSED if k != key)
+        with pytest.raises(ConfigError, match=f"{key}=.*{message}"):
+            skyrl_sft_overrides(sft_overrides("/m", str(data), others))
+    with pytest.raises(ConfigError, match="sampler=random: a key of neither"):
+        skyrl_sft_overrides(["sampler=random"])
+    args = skyrl_sft_overrides(sft_overrides("/m", str(data), tuple(SFT_REFUSED)))
+    assert {"trainer.strategy=fsdp", "trainer.policy.model.path=/m", "trainer.policy.model.lora.alpha=16",
+            f"data.train_data=[{data}]", "preference.max_length=512", "trainer.total_steps=10",
+            "trainer.train_batch_size=4", "trainer.policy.optimizer_config.scheduler=constant_with_warmup",
+            "trainer.placement.policy_num_gpus_per_node=1", "trainer.policy.fsdp_config.reshard_after_forward=true",
+            "trainer.ckpt_path=null", "trainer.resume_mode=none", "trainer.run_name=skyrl_sft_lora_fsdp_run"} <= set(args)
+    assert skyrl_sft_overrides(["resume_from=/c/global_step_3"]) == ["trainer.resume_mode=from_path",
+                                                                     "trainer.resume_path=/c/global_step_3"]
+
+
+def test_sft_script_trains_two_steps(tmp_path):
+    """SkyRL's SFT LoRA script (its model and dataset: the tiny ones) runs 2 steps of mlora's SFT stage,
+    in this process as tests/test_preference_training.py runs it; the adapter has the script's r and alpha."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from mlora.config.schema import register_schema
+    from mlora.config.skyrl_sft import skyrl_sft_overrides
+    from mlora.config.validate import finalize
+    from mlora.demos.preference_assets import build_preference_assets
+    from mlora.train.__main__ import CONFIG_DIR
+    from mlora.train.preference_stage import run_preference
+
+    assets = build_preference_assets(tmp_path / "assets", n_train=16, n_val=4)
+    run_dir = tmp_path / "run"
+    # the script's "$@": 2 steps (its usage line shows num_steps=20), the run folder
+    args = skyrl_sft_overrides(sft_overrides(str(assets / "tiny-llama"), str(assets / "sft_train.parquet"),
+                                             tuple(SFT_REFUSED)) + ["num_steps=2", f"trainer.run_dir={run_dir}"])
+    register_schema()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = OmegaConf.to_object(compose(config_name="sft", overrides=args))
+    notes = finalize(cfg, 1, False, [a.split("=", 1)[0] for a in args])
+    assert any(n.startswith("trainer.policy.fsdp_config.reshard_after_forward=True has no effect") for n in notes)
+    run_preference(cfg, notes)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2] and all(r["lr"] == 2e-5 for r in rows[1:]), rows
+    config = json.loads((run_dir / "final_adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (32, 16)

@@ -87,10 +87,19 @@ class MegatronSection:
 
 
 @dataclass
+class FsdpSection:
+    """SkyRL's ``fsdp_config`` (trainer.strategy=fsdp|fsdp2 runs as a data-parallel megatron-core mesh)."""
+
+    cpu_offload: bool = False  # only false: the replicated frozen base stays on the device
+    reshard_after_forward: Optional[bool] = None  # FSDP's parameter resharding; the replicated base has no shards
+
+
+@dataclass
 class PolicySection:
     model: PolicyModelSection = field(default_factory=PolicyModelSection)
     optimizer_config: OptimizerSection = field(default_factory=OptimizerSection)
     megatron_config: MegatronSection = field(default_factory=MegatronSection)
+    fsdp_config: FsdpSection = field(default_factory=FsdpSection)
     language_model_only: Optional[bool] = None  # SkyRL: train a VL checkpoint's text part; mlora's are text-only
 
 

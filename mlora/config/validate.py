@@ -58,6 +58,9 @@ NO_EFFECT = {
     "generator.eval_sampling_params.logprobs": "evaluation needs no log-probs",
     "trainer.policy.language_model_only": _TEXT_ONLY,
     "generator.inference_engine.language_model_only": _TEXT_ONLY,
+    "trainer.policy.fsdp_config.reshard_after_forward": "trainer.strategy=fsdp|fsdp2 runs as a data-parallel "
+                                                        "megatron-core mesh: the frozen base is replicated, there are "
+                                                        "no parameter shards to gather or reshard",
     "trainer.log_path": "mlora has no separate infrastructure log: every rank logs to stdout/stderr, and metrics, "
                         "plots and dumps go to trainer.run_dir (exports to trainer.export_path)",
 }
@@ -499,6 +502,10 @@ def _check_skyrl_keys(cfg: TrainConfig) -> list[str]:
         raise ConfigError(f"trainer.max_tokens_per_microbatch={t.max_tokens_per_microbatch}: token-budget "
                           "micro-batches are not supported; valid: -1 (micro-batches of trainer.micro_*_batch_size_"
                           "per_gpu sequences)")
+    if t.policy.fsdp_config.cpu_offload:
+        raise ConfigError("trainer.policy.fsdp_config.cpu_offload=true: offloading the frozen base to the CPU is not "
+                          "supported (only the adapters train; their optimizer state is small and stays on device); "
+                          "valid: false")
     if t.fused_lm_head_logprob:
         raise ConfigError("trainer.fused_lm_head_logprob=true: mlora computes log-probs from the vocab-parallel "
                           "logits of each micro-batch (mlora.rl.vocab_parallel); the fused LM-head path is not "

@@ -81,12 +81,24 @@ def skyrl_override(arg: str) -> str:
     return arg if literal is None else f"{key}={literal}"
 
 
+def _config_name(args: list[str]) -> str | None:
+    for i, arg in enumerate(args):
+        key, sep, value = arg.partition("=")
+        if key in CONFIG_NAME_OPTIONS:
+            return value if sep else (args[i + 1] if i + 1 < len(args) else None)
+    return None
+
+
 def hydra_argv(args: list[str]) -> list[str]:
     """Options first, then the user's overrides, then the quiet defaults the user did not set.
 
     Hydra parses overrides as one positional list, so argparse rejects overrides on both sides of
     an option (``key=v --config-name x``); keeping options first accepts any order."""
     overrides = [skyrl_override(a) for a in args if _is_override(a)]
+    if _config_name(args) == "sft":  # SkyRL's SFT keys (skyrl.train.main_sft) under their mlora names
+        from mlora.config.skyrl_sft import skyrl_sft_overrides
+
+        overrides = skyrl_sft_overrides(overrides)
     given = {o.split("=", 1)[0] for o in overrides}
     return ([a for a in args if not _is_override(a)] + overrides
             + [o for o in HYDRA_QUIET if o.split("=", 1)[0] not in given])
@@ -186,6 +198,10 @@ def main() -> None:
 
             name, overrides = plain
             try:
+                if name == "sft":  # SkyRL's SFT keys (skyrl.train.main_sft) under their mlora names
+                    from mlora.config.skyrl_sft import skyrl_sft_overrides
+
+                    overrides = skyrl_sft_overrides(overrides)
                 with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
                     dict_cfg = compose(config_name=name, overrides=overrides)
             except Exception as exc:  # noqa: BLE001 - a bad key, value or config name: reported once
