@@ -366,7 +366,7 @@ class ActorCriticEngine:
             "reward/mean": float(batch.rewards.float().mean()),
             "kl/mean": float(masked_mean(adv["kl"], mask)),
             "advantages/mean": float(masked_mean(adv["advantages"], mask)),
-            "response_length/mean": float(mask.sum(-1).mean()),
+            "response_length/mean": float(batch.response_positions.sum(-1).mean()),  # filtered rows too
         }
         if with_rollout:
             # like with like: the engine reports log-probs of its processed (tempered, truncated) distribution
