@@ -373,27 +373,30 @@ class RLStage:
         if self.learned is not None:  # the model-based part of the reward, on the trainer
             metrics.update(self.learned.apply(batch, self.rollouts.last_rows))
         metrics.update(dapo_shaping(self.cfg, batch, [reason for _, reason in self.rollouts.last_rows]))
-        self._export(step, batch)
+        self._dump_batch(step, batch)
         t0 = time.perf_counter()
         metrics.update(self.engine.step(batch))
         metrics["timing/train_s"] = time.perf_counter() - t0
-        self._export(step)
+        self._export_adapter(step)
         if self.rollouts.asleep:  # the engines wake into the memory the step held
             release_cached_memory()
         metrics.update(self.rollouts.sync(self.model))
         return metrics
 
-    def _export(self, step: int, batch: RolloutBatch | None = None) -> None:
-        """Under ``trainer.export_path`` (unset: the run directory), as SkyRL: before the update the batch it
-        trains on (``dump_data_batch``, rank 0), after it the policy adapter when ``hf_save_interval`` says
-        (collective)."""
+    def _dump_batch(self, step: int, batch: RolloutBatch) -> None:
+        """``trainer.dump_data_batch``: the batch the update trains on, under ``trainer.export_path`` (unset:
+        the run directory), as SkyRL; rank 0."""
         t = self.cfg.trainer
-        export = Path(t.export_path or self.run_dir)
-        if batch is not None:
-            if t.dump_data_batch and self.mesh.rank == 0:
-                dump_batch(batch, export / "dumped_data" / f"global_step_{step}_training_input.pt")
-        elif hf_save_due(step, t.hf_save_interval, self.total_steps, self.n_examples // t.train_batch_size):
-            self.model.save_adapter(POLICY, export / f"global_step_{step}" / POLICY)
+        if t.dump_data_batch and self.mesh.rank == 0:
+            dump_batch(batch, Path(t.export_path or self.run_dir) / "dumped_data" /
+                       f"global_step_{step}_training_input.pt")
+
+    def _export_adapter(self, step: int) -> None:
+        """``trainer.hf_save_interval``: the policy adapter (PEFT) in ``<export_path>/global_step_<k>/policy``,
+        SkyRL's layout (collective)."""
+        t = self.cfg.trainer
+        if hf_save_due(step, t.hf_save_interval, self.total_steps, self.n_examples // t.train_batch_size):
+            self.model.save_adapter(POLICY, Path(t.export_path or self.run_dir) / f"global_step_{step}" / POLICY)
 
     def evaluate(self, step: int) -> dict[str, float]:
         return self.rollouts.evaluate(self.val, step, self.run_dir)
