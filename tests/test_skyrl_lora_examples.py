@@ -1242,9 +1242,8 @@ def test_overlong_filtering_and_shaping_of_a_batch():
 
     from mlora.config.schema import TrainConfig
     from mlora.rl.reward_shaping import overlong_filter_mask
-    from mlora.train.rl_stage import dapo_shaping
     from mlora.rollout.generator import Generation
-    from mlora.train.rl_stage import build_batch
+    from mlora.train.rl_stage import build_batch, dapo_shaping
 
     assert torch.equal(overlong_filter_mask(["stop", "length", None, "abort"]), torch.tensor([1.0, 0.0, 0.0, 0.0]))
     gens = [Generation(0, [5] * n, [0.0] * n, "", reason) for n, reason in ((2, "stop"), (7, "stop"), (8, "length"))]
