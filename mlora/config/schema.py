@@ -48,6 +48,8 @@ class ModelSection:
 class PolicyModelSection(ModelSection):
     path: str = MISSING
     frozen_adapter_path: Optional[str] = None  # a PEFT adapter (e.g. SFT) stacked under policy, critic and ref
+    # SkyRL's INT4 fake-quant QAT of MoE experts (enabled, group_size, scale_divisor, bf16_base_path): refused when on
+    fake_int4_qat: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -62,6 +64,11 @@ class OptimizerSection:
 
 
 @dataclass
+class MegatronLoraSection:
+    merge_lora: Optional[bool] = None  # SkyRL's true merges LoRA into the engines' base; mlora hands adapters (false)
+
+
+@dataclass
 class MegatronSection:
     """SkyRL's ``megatron_config``: the mesh of the shared base (policy, critic and ref are one model)."""
 
@@ -69,6 +76,22 @@ class MegatronSection:
     pipeline_model_parallel_size: Optional[int] = None
     context_parallel_size: Optional[int] = None  # only 1 is supported
     sequence_parallel: Optional[bool] = None  # mlora: megatron sequence parallelism (needs TP > 1)
+    # MoE expert parallelism: 1 / null (no expert sharding) only, until a later issue brings MoE models
+    expert_model_parallel_size: Optional[int] = None
+    expert_tensor_parallel_size: Optional[int] = None
+    lora_config: MegatronLoraSection = field(default_factory=MegatronLoraSection)
+    # SkyRL's pass-through kwargs of megatron's OptimizerConfig / TransformerConfig: the entries that mean
+    # something for an adapter-only run map onto mlora's keys (mlora.config.validate._resolve_megatron_kwargs)
+    optimizer_config_kwargs: dict[str, Any] = field(default_factory=dict)
+    transformer_config_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FsdpSection:
+    """SkyRL's ``fsdp_config`` (trainer.strategy=fsdp|fsdp2 runs as a data-parallel megatron-core mesh)."""
+
+    cpu_offload: bool = False  # only false: the replicated frozen base stays on the device
+    reshard_after_forward: Optional[bool] = None  # FSDP's parameter resharding; the replicated base has no shards
 
 
 @dataclass
@@ -76,6 +99,8 @@ class PolicySection:
     model: PolicyModelSection = field(default_factory=PolicyModelSection)
     optimizer_config: OptimizerSection = field(default_factory=OptimizerSection)
     megatron_config: MegatronSection = field(default_factory=MegatronSection)
+    fsdp_config: FsdpSection = field(default_factory=FsdpSection)
+    language_model_only: Optional[bool] = None  # SkyRL: train a VL checkpoint's text part; mlora's are text-only
 
 
 @dataclass
@@ -160,6 +185,10 @@ class AlgorithmSection:
     off_policy_correction: OffPolicyCorrectionSection = field(default_factory=OffPolicyCorrectionSection)
     use_tis: bool = False  # SkyRL's older name: = off_policy_correction.tis_ratio_type=token
     tis_imp_ratio_cap: float = -1.0  # SkyRL's older name of token_tis_ratio_clip_high (with use_tis)
+    # DAPO's soft overlong punishment (SkyRL's main_dapo.py): reward - factor x (length into the last
+    # overlong_buffer_len tokens of max_generate_length) / overlong_buffer_len; null: off
+    overlong_buffer_len: Optional[int] = None
+    overlong_buffer_penalty_factor: float = 1.0
 
 
 @dataclass
@@ -183,6 +212,8 @@ class TrainerSection:
     cpu_threads: Optional[int] = None
     epochs: int = 1
     total_steps: Optional[int] = None  # mlora: None = epochs x (prompts // train_batch_size)
+    max_training_steps: Optional[int] = None  # SkyRL: stop after this many steps at most (caps epochs' steps)
+    max_tokens_per_microbatch: int = -1  # SkyRL's token-budget micro-batches; only -1 (off: sequence counts)
     train_batch_size: int = 8  # prompts per step
     policy_mini_batch_size: int = 4  # prompts per actor optimizer step (x n_samples_per_prompt sequences)
     critic_mini_batch_size: Optional[int] = None  # prompts per critic optimizer step; None: policy_mini_batch_size
@@ -217,6 +248,13 @@ class TrainerSection:
     eval_before_train: bool = True
     eval_interval: int = 5  # <= 0: no evaluation
     dump_eval_results: bool = True  # <run_dir>/dumped_evals/eval_step_<k>.jsonl
+    # SkyRL: every hf_save_interval steps (and at the end) the policy adapter (PEFT) goes to
+    # <export_path>/global_step_<k>/policy; <= 0: never. export_path null: <run_dir>/exports
+    hf_save_interval: int = -1
+    export_path: Optional[str] = None
+    dump_data_batch: bool = False  # <export_path>/dumped_data/global_step_<k>_training_input.pt (each step's batch)
+    log_path: Optional[str] = None  # SkyRL's infra log folder; mlora logs to stdout/stderr and run_dir
+    fused_lm_head_logprob: bool = False  # SkyRL's fused LM-head log-probs; only false
     logger: str = "console"  # console | wandb | tensorboard (SkyRL: wandb)
     project_name: str = "mlora"
     run_name: str = "run"
@@ -251,6 +289,11 @@ class InferenceEngineSection:
     run_engines_locally: Optional[bool] = None  # default true: child processes here; false: Ray actors
     weight_sync_backend: Optional[str] = None  # SkyRL's NCCL broadcast; mlora hands adapters over as files
     gpu_memory_utilization: Optional[float] = None  # passed to vLLM (GPU engines)
+    # vLLM's enforce_eager (no CUDA graphs / torch.compile); null: true (mlora's engines, eager on CPU and GPU)
+    enforce_eager: Optional[bool] = None
+    engine_init_kwargs: dict[str, Any] = field(default_factory=dict)  # alias of generator.engine_init_kwargs
+    distributed_executor_backend: Optional[str] = None  # vLLM's executor of a TP > 1 engine: mp | ray; null: mlora's
+    language_model_only: Optional[bool] = None  # SkyRL: serve a VL checkpoint's text part; mlora's are text-only
 
 
 @dataclass
@@ -272,6 +315,12 @@ class GeneratorSection:
     engine_init_kwargs: dict[str, Any] = field(default_factory=dict)  # more vllm.LLM arguments
     n_samples_per_prompt: int = 1  # SkyRL: 5 (GRPO groups); PPO with a critic needs one
     zero_reward_on_non_stop: bool = False  # reward 0 for responses cut at max_generate_length
+    apply_overlong_filtering: bool = False  # DAPO: responses cut at max_generate_length are masked out of the loss
+    max_input_length: Optional[int] = None  # SkyRL: the engine's input bound; single-turn: = trainer.max_prompt_length
+    # multi-turn and vision-language rollouts (issue 24): only the single-turn text values
+    max_turns: int = 1
+    use_conversation_multi_turn: Optional[bool] = None
+    vision_language_generator: bool = False
     sampling_params: SamplingSection = field(default_factory=SamplingSection)
     eval_sampling_params: SamplingSection = field(
         default_factory=lambda: SamplingSection(max_generate_length=None, temperature=0.0))
@@ -281,6 +330,7 @@ class GeneratorSection:
 @dataclass
 class EnvironmentSection:
     env_class: str = "gsm8k"  # a registered environment (mlora.rollout.envs.register_env)
+    skyrl_gym: dict[str, Any] = field(default_factory=dict)  # SkyRL-Gym environments' settings (refused: none here)
 
 
 @dataclass

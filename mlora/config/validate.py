@@ -36,6 +36,8 @@ BACKENDS = ("vllm",)
 
 _FILE_HANDOFF = ("mlora hands the adapter to the engines as PEFT files (generator.weight_sync=disk|memory) or as "
                  "tensors in shared memory (tensors), not by NCCL broadcast")
+_TEXT_ONLY = ("mlora loads text-only decoder checkpoints (config.json of a causal LM): the language model is all there "
+              "is to train and serve")
 # Keys SkyRL users pass that change nothing here; each is harmless to ignore (memory or
 # throughput knobs of SkyRL's own stack), and the run says so once when one is set.
 NO_EFFECT = {
@@ -54,6 +56,13 @@ NO_EFFECT = {
                                              "on or off)",
     "generator.sampling_params.logprobs": "the trainer always takes the sampled token's log-prob",
     "generator.eval_sampling_params.logprobs": "evaluation needs no log-probs",
+    "trainer.policy.language_model_only": _TEXT_ONLY,
+    "generator.inference_engine.language_model_only": _TEXT_ONLY,
+    "trainer.policy.fsdp_config.reshard_after_forward": "trainer.strategy=fsdp|fsdp2 runs as a data-parallel "
+                                                        "megatron-core mesh: the frozen base is replicated, there are "
+                                                        "no parameter shards to gather or reshard",
+    "trainer.log_path": "mlora has no separate infrastructure log: every rank logs to stdout/stderr, and metrics, "
+                        "plots and dumps go to trainer.run_dir (exports to trainer.export_path)",
 }
 _CPU_KV_CACHE = ("on the CPU build vLLM would take that fraction of the host's RAM for its KV cache, next to the "
                  "trainer ranks' memory; there the KV cache is generator.kv_cache_memory_bytes (null: vLLM's "
@@ -105,6 +114,13 @@ def _resolve_generator(cfg: TrainConfig) -> None:
              "nccl"), ("gpu_memory_utilization", "gpu_memory_utilization", None))
     for name, alias, default in pairs:
         _merge_alias(e, name, g, alias, default, f"generator.inference_engine.{name}", f"generator.{alias}")
+    if e.engine_init_kwargs:  # SkyRL's current place of generator.engine_init_kwargs
+        if g.engine_init_kwargs and dict(g.engine_init_kwargs) != dict(e.engine_init_kwargs):
+            raise ConfigError(f"generator.inference_engine.engine_init_kwargs={dict(e.engine_init_kwargs)!r} and its "
+                              f"alias generator.engine_init_kwargs={dict(g.engine_init_kwargs)!r} disagree; set one "
+                              "of them")
+        g.engine_init_kwargs = dict(e.engine_init_kwargs)
+    e.engine_init_kwargs = g.engine_init_kwargs
     _check_choice(e.backend, BACKENDS, "generator.inference_engine.backend")
     _check_positive(e, "generator.inference_engine", ("num_engines", "tensor_parallel_size"))
     if e.gpu_memory_utilization is not None and not 0 < e.gpu_memory_utilization <= 1:
@@ -358,7 +374,8 @@ def _check_reward_model(cfg: TrainConfig) -> None:
 
 # trainer.* keys of rollouts, PPO epochs and the critic, which the one-step-per-batch stages never read
 RL_ONLY_TRAINER_KEYS = ("update_epochs_per_batch", "micro_forward_batch_size_per_gpu", "max_prompt_length",
-                        "critic_mini_batch_size", "eval_batch_size", "dump_eval_results")
+                        "critic_mini_batch_size", "eval_batch_size", "dump_eval_results", "hf_save_interval",
+                        "export_path", "dump_data_batch")
 
 
 def _check_preference(cfg: TrainConfig, world_size: int) -> None:
@@ -448,6 +465,154 @@ def _check_resume(t) -> None:
         raise ConfigError("trainer.max_ckpts_to_keep=0 would delete every checkpoint; valid: -1 (keep all) or N >= 1")
 
 
+MOE_ISSUE = "expert parallelism (MoE): a later issue"
+MULTI_TURN_ISSUE = "multi-turn: issue 24"
+# megatron_config.optimizer_config_kwargs entries for a full-model optimizer's memory (offloading its states to the
+# CPU, keeping them in lower precision): an adapter-only run's states are tiny and stay float32 on the device
+_ADAPTER_STATE = ("the adapter optimizer state is small and stays on device in float32 (SkyRL sets it to save the GPU "
+                  "memory of full-model optimizer states, which LoRA-only training does not have)")
+OPTIMIZER_KWARGS_NO_EFFECT = {"optimizer_cpu_offload": _ADAPTER_STATE, "optimizer_offload_fraction": _ADAPTER_STATE,
+                              "overlap_cpu_optimizer_d2h_h2d": _ADAPTER_STATE,
+                              "use_precision_aware_optimizer": _ADAPTER_STATE}
+# megatron OptimizerConfig names -> mlora's optimizer_config keys (adam_beta1/2 -> adam_betas[0/1])
+OPTIMIZER_KWARGS = {"lr": "lr", "weight_decay": "weight_decay", "clip_grad": "max_grad_norm",
+                    "adam_beta1": "adam_betas", "adam_beta2": "adam_betas"}
+# megatron TransformerConfig names -> trainer.* recompute keys
+TRANSFORMER_KWARGS = {"recompute_granularity": "recompute", "recompute_method": "recompute_method",
+                      "recompute_num_layers": "recompute_num_layers", "recompute_modules": "recompute_modules"}
+
+
+def _leaf_keys(d: Any, prefix: str) -> list[str]:
+    if isinstance(d, dict) and d:
+        return [k for name, v in d.items() for k in _leaf_keys(v, f"{prefix}.{name}")]
+    return [prefix]
+
+
+def _resolve_megatron_kwargs(cfg: TrainConfig) -> list[str]:
+    """SkyRL's ``trainer.policy.megatron_config.optimizer_config_kwargs`` / ``transformer_config_kwargs`` onto
+    mlora's keys (SkyRL: they win over ``optimizer_config``; a recompute value that contradicts a ``trainer.*``
+    recompute key set differently is an error). Entries of a full-model optimizer's memory get a note;
+    any other entry, or any on ``trainer.ref`` (the reference is the policy's base), is an error."""
+    t, notes = cfg.trainer, []
+    mc, prefix = t.policy.megatron_config, "trainer.policy.megatron_config"
+    for name in ("optimizer_config_kwargs", "transformer_config_kwargs"):
+        if getattr(t.ref.megatron_config, name):
+            raise ConfigError(f"trainer.ref.megatron_config.{name}={getattr(t.ref.megatron_config, name)!r}: the "
+                              "reference is the policy's own base with the adapters off; set them on trainer.policy."
+                              "megatron_config")
+    opt = t.policy.optimizer_config
+    for key, value in mc.optimizer_config_kwargs.items():
+        where = f"{prefix}.optimizer_config_kwargs.{key}"
+        if key in OPTIMIZER_KWARGS_NO_EFFECT:
+            notes.append(f"{where}={value!r} has no effect in mlora: {OPTIMIZER_KWARGS_NO_EFFECT[key]}")
+        elif key in ("adam_beta1", "adam_beta2"):
+            opt.adam_betas = list(opt.adam_betas)
+            opt.adam_betas[key == "adam_beta2"] = float(value)
+        elif key in OPTIMIZER_KWARGS:
+            setattr(opt, OPTIMIZER_KWARGS[key], float(value))
+        else:
+            raise ConfigError(f"{where}={value!r}: not an optimizer setting of mlora's adapter AdamW; valid: "
+                              f"{', '.join([*OPTIMIZER_KWARGS, *OPTIMIZER_KWARGS_NO_EFFECT])} (or trainer.policy."
+                              "optimizer_config.*)")
+    for key, value in mc.transformer_config_kwargs.items():
+        where = f"{prefix}.transformer_config_kwargs.{key}"
+        if key == "num_layers_in_last_pipeline_stage":
+            raise ConfigError(f"{where}={value!r}: mlora splits the layers evenly over the pipeline stages (uneven "
+                              "stages are not supported); pick a pipeline_model_parallel_size that divides the layers")
+        if key not in TRANSFORMER_KWARGS:
+            raise ConfigError(f"{where}={value!r}: not a TransformerConfig setting mlora takes; valid: "
+                              f"{', '.join(TRANSFORMER_KWARGS)} (activation recompute, = trainer.recompute*)")
+        if key == "recompute_granularity":
+            value = "none" if value is None else value
+            if t.gradient_checkpointing is not None and t.recompute is None:
+                t.recompute = "full" if t.gradient_checkpointing else "none"
+        mine = TRANSFORMER_KWARGS[key]
+        if getattr(t, mine) is not None and getattr(t, mine) != value:
+            raise ConfigError(f"{where}={value!r} contradicts trainer.{mine}={getattr(t, mine)!r}; set one of them")
+        setattr(t, mine, value)
+    return notes
+
+
+def _check_skyrl_keys(cfg: TrainConfig) -> list[str]:
+    """SkyRL keys of features mlora does not have (refused, naming the issue that brings them) and the
+    DAPO / export / engine keys' values. Returns notes."""
+    t, g, e, notes = cfg.trainer, cfg.generator, cfg.generator.inference_engine, []
+    for role in ("policy", "ref"):
+        mc = getattr(t, role).megatron_config
+        for name in ("expert_model_parallel_size", "expert_tensor_parallel_size"):
+            value = getattr(mc, name)
+            if value not in (None, 1):
+                raise ConfigError(f"trainer.{role}.megatron_config.{name}={value}: mlora trains dense models; "
+                                  f"{MOE_ISSUE}. Valid now: 1 or null")
+        if mc.lora_config.merge_lora:
+            raise ConfigError(f"trainer.{role}.megatron_config.lora_config.merge_lora=true: mlora hands the adapter "
+                              "to the engines as LoRA (vLLM applies it), never merged into their base; valid: false")
+    qat = dict(t.policy.model.fake_int4_qat)
+    if qat and qat != {"enabled": False}:
+        key = "enabled" if "enabled" in qat else next(iter(qat))
+        raise ConfigError(f"trainer.policy.model.fake_int4_qat.{key}={qat[key]!r}: INT4 fake-quant QAT (of MoE "
+                          f"expert GEMMs, for an INT4 engine checkpoint) is not supported; {MOE_ISSUE}. mlora's "
+                          "quantized base is trainer.fp8")
+    if g.max_turns != 1:
+        raise ConfigError(f"generator.max_turns={g.max_turns}: multi-turn rollouts are not supported yet "
+                          f"({MULTI_TURN_ISSUE}); valid: 1")
+    if g.use_conversation_multi_turn is not None:
+        raise ConfigError(f"generator.use_conversation_multi_turn={g.use_conversation_multi_turn}: how multi-turn "
+                          f"histories are kept; multi-turn rollouts are not supported yet ({MULTI_TURN_ISSUE})")
+    if g.vision_language_generator:
+        raise ConfigError("generator.vision_language_generator=true: vision-language (image) rollouts are not "
+                          "supported; mlora trains text-only decoder models")
+    if cfg.environment.skyrl_gym:
+        key = _leaf_keys(dict(cfg.environment.skyrl_gym), "environment.skyrl_gym")[0]
+        raise ConfigError(f"{key}: SkyRL-Gym's environments (text2sql, search, ...; multi-turn tool use, "
+                          f"{MULTI_TURN_ISSUE}) are not part of mlora, whose environments take no settings here")
+    if t.max_tokens_per_microbatch > 0:
+        raise ConfigError(f"trainer.max_tokens_per_microbatch={t.max_tokens_per_microbatch}: token-budget "
+                          "micro-batches are not supported; valid: -1 (micro-batches of trainer.micro_*_batch_size_"
+                          "per_gpu sequences)")
+    if t.policy.fsdp_config.cpu_offload:
+        raise ConfigError("trainer.policy.fsdp_config.cpu_offload=true: offloading the frozen base to the CPU is not "
+                          "supported (only the adapters train; their optimizer state is small and stays on device); "
+                          "valid: false")
+    if t.fused_lm_head_logprob:
+        raise ConfigError("trainer.fused_lm_head_logprob=true: mlora computes log-probs from the vocab-parallel "
+                          "logits of each micro-batch (mlora.rl.vocab_parallel); the fused LM-head path is not "
+                          "implemented. valid: false")
+    if t.max_training_steps is not None:
+        if t.max_training_steps < 1:
+            raise ConfigError(f"trainer.max_training_steps={t.max_training_steps} must be >= 1")
+        if t.total_steps is not None and t.total_steps != t.max_training_steps:
+            raise ConfigError(f"trainer.max_training_steps={t.max_training_steps} and trainer.total_steps="
+                              f"{t.total_steps} disagree; set one of them")
+    a, max_len = t.algorithm, g.sampling_params.max_generate_length
+    if a.overlong_buffer_len is not None and not 0 < a.overlong_buffer_len <= max_len:
+        raise ConfigError(f"trainer.algorithm.overlong_buffer_len={a.overlong_buffer_len} must be in [1, generator."
+                          f"sampling_params.max_generate_length={max_len}] (the penalty ramps over the last "
+                          "overlong_buffer_len tokens of a response)")
+    if a.overlong_buffer_len is None and a.overlong_buffer_penalty_factor != 1.0:
+        raise ConfigError(f"trainer.algorithm.overlong_buffer_penalty_factor={a.overlong_buffer_penalty_factor} "
+                          "applies with trainer.algorithm.overlong_buffer_len only (DAPO's soft overlong punishment)")
+    if not a.overlong_buffer_penalty_factor >= 0:
+        raise ConfigError(f"trainer.algorithm.overlong_buffer_penalty_factor={a.overlong_buffer_penalty_factor} "
+                          "must be >= 0 (the penalty at max_generate_length is -factor)")
+    if g.max_input_length is None:
+        g.max_input_length = t.max_prompt_length
+    elif g.max_input_length < t.max_prompt_length:
+        raise ConfigError(f"generator.max_input_length={g.max_input_length} < trainer.max_prompt_length="
+                          f"{t.max_prompt_length}: in single-turn generation the engine's input is the prompt, which "
+                          "trainer.max_prompt_length bounds; set them equal or leave max_input_length unset")
+    elif g.max_input_length > t.max_prompt_length:
+        notes.append(f"generator.max_input_length={g.max_input_length} > trainer.max_prompt_length="
+                     f"{t.max_prompt_length}: single-turn inputs are the prompts, bounded by max_prompt_length (the "
+                     "larger bound is for multi-turn conversations)")
+    if e.distributed_executor_backend is not None:
+        _check_choice(e.distributed_executor_backend, ("mp", "ray", "uni"),
+                      "generator.inference_engine.distributed_executor_backend")
+    if t.export_path is None:
+        t.export_path = t.run_dir
+    return notes
+
+
 def _resolve_recompute(t) -> None:
     """``trainer.recompute`` from itself or SkyRL's ``trainer.gradient_checkpointing`` (true: full, uniform,
     1 layer per group, as SkyRL's megatron defaults), and its method/num_layers/modules, which apply to
@@ -510,6 +675,7 @@ def finalize(cfg: TrainConfig, world_size: int, cuda: bool = False, explicit: It
     _check_trainer(cfg)
     _resolve_generator(cfg)
     _resolve_mesh(cfg, world_size)
+    notes += _resolve_megatron_kwargs(cfg) + _check_skyrl_keys(cfg)
     _resolve_recompute(cfg.trainer)
     _check_placement(cfg, world_size, gpus_per_node if cuda else None, ranks_per_node)
     _check_reward_model(cfg)

@@ -26,12 +26,79 @@ def _is_override(arg: str) -> bool:
     return not arg.startswith("-") and ("=" in arg or arg.startswith("~"))
 
 
+def _hydra_literal(value) -> str | None:
+    """``value`` (parsed JSON) in Hydra's override grammar; None when a key is no plain identifier."""
+    if isinstance(value, dict):
+        items = [(k, _hydra_literal(v)) for k, v in value.items()]
+        if any(not k.isidentifier() or v is None for k, v in items):
+            return None
+        return "{" + ",".join(f"{k}:{v}" for k, v in items) + "}"
+    if isinstance(value, list):
+        items = [_hydra_literal(v) for v in value]
+        return None if None in items else "[" + ",".join(items) + "]"
+    if isinstance(value, str):
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else repr(value)
+
+
+def _dict_fields(node=None, prefix: str = "") -> list[str]:
+    """The schema's dict-typed keys (``generator.engine_init_kwargs``, ...): free-form, any entry."""
+    from dataclasses import fields, is_dataclass
+
+    from mlora.config.schema import TrainConfig
+
+    out = []
+    for f in fields(node or TrainConfig):
+        default = f.default_factory() if callable(f.default_factory) else f.default
+        if is_dataclass(default):
+            out += _dict_fields(default, f"{prefix}{f.name}.")
+        elif "dict[" in str(f.type):
+            out.append(prefix + f.name)
+    return out
+
+
+def skyrl_override(arg: str) -> str:
+    """A SkyRL command-line override in Hydra's terms. SkyRL sets a dict key, or an entry of one, without
+    Hydra's ``+`` (``...transformer_config_kwargs.recompute_method=uniform``): such a key is set with
+    ``++`` (add or replace). SkyRL takes a JSON object as a dict value (its scripts pass
+    ``engine_init_kwargs`` so); Hydra's grammar has no quoted keys, so the value is rewritten in it.
+    Anything else is returned unchanged."""
+    import json
+
+    key, sep, value = arg.partition("=")
+    if not sep:
+        return arg
+    if not key.startswith(("+", "~")) and any(key == d or key.startswith(d + ".") for d in _dict_fields()):
+        key, arg = "++" + key, "++" + arg
+    if not value.startswith("{"):
+        return arg
+    try:
+        literal = _hydra_literal(json.loads(value))
+    except ValueError:
+        return arg
+    return arg if literal is None else f"{key}={literal}"
+
+
+def _config_name(args: list[str]) -> str | None:
+    for i, arg in enumerate(args):
+        key, sep, value = arg.partition("=")
+        if key in CONFIG_NAME_OPTIONS:
+            return value if sep else (args[i + 1] if i + 1 < len(args) else None)
+    return None
+
+
 def hydra_argv(args: list[str]) -> list[str]:
     """Options first, then the user's overrides, then the quiet defaults the user did not set.
 
     Hydra parses overrides as one positional list, so argparse rejects overrides on both sides of
     an option (``key=v --config-name x``); keeping options first accepts any order."""
-    overrides = [a for a in args if _is_override(a)]
+    overrides = [skyrl_override(a) for a in args if _is_override(a)]
+    if _config_name(args) == "sft":  # SkyRL's SFT keys (skyrl.train.main_sft) under their mlora names
+        from mlora.config.skyrl_sft import skyrl_sft_overrides
+
+        overrides = skyrl_sft_overrides(overrides)
     given = {o.split("=", 1)[0] for o in overrides}
     return ([a for a in args if not _is_override(a)] + overrides
             + [o for o in HYDRA_QUIET if o.split("=", 1)[0] not in given])
@@ -56,7 +123,7 @@ def plain_argv(args: list[str]) -> tuple[str, list[str]] | None:
             else:
                 return None
         elif _is_override(arg) and not key.lstrip("+~").startswith(("hydra.", "hydra/")):
-            overrides.append(arg)
+            overrides.append(skyrl_override(arg))
         else:
             return None
         i += 1
@@ -131,6 +198,10 @@ def main() -> None:
 
             name, overrides = plain
             try:
+                if name == "sft":  # SkyRL's SFT keys (skyrl.train.main_sft) under their mlora names
+                    from mlora.config.skyrl_sft import skyrl_sft_overrides
+
+                    overrides = skyrl_sft_overrides(overrides)
                 with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
                     dict_cfg = compose(config_name=name, overrides=overrides)
             except Exception as exc:  # noqa: BLE001 - a bad key, value or config name: reported once

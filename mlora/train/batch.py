@@ -21,6 +21,9 @@ class RolloutBatch:
     response_mask: torch.Tensor  # [B, S]
     rewards: torch.Tensor  # [B]
     rollout_logprobs: torch.Tensor | None = None  # [B, S - 1], from the inference engine
+    # [B] 0/1: a 0 row's tokens stay out of the loss (DAPO's overlong filtering) but keep their reward,
+    # so group statistics (GRPO, RLOO) still see it, as in SkyRL
+    loss_mask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         b, s = self.input_ids.shape
@@ -29,7 +32,9 @@ class RolloutBatch:
                 raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, input_ids {(b, s)}")
         if tuple(self.rewards.shape) != (b,):
             raise ValueError(f"rewards must have shape ({b},), got {tuple(self.rewards.shape)}")
-        empty = (self.action_mask.sum(-1) == 0).nonzero().flatten().tolist()
+        if self.loss_mask is not None and tuple(self.loss_mask.shape) != (b,):
+            raise ValueError(f"loss_mask must have shape ({b},), got {tuple(self.loss_mask.shape)}")
+        empty = (self.response_positions.sum(-1) == 0).nonzero().flatten().tolist()
         if empty:
             raise ValueError(f"responses of length zero in rows {empty[:8]}; every sequence needs at least one "
                              "response token (drop empty generations before training)")
@@ -39,11 +44,19 @@ class RolloutBatch:
         return self.input_ids.shape[0]
 
     @property
-    def action_mask(self) -> torch.Tensor:
+    def response_positions(self) -> torch.Tensor:
         """``[B, S - 1]`` float: 1 where position ``t`` predicts a response token."""
         return (self.response_mask[:, 1:] * self.attention_mask[:, 1:]).float()
+
+    @property
+    def action_mask(self) -> torch.Tensor:
+        """``[B, S - 1]`` float: the positions that enter the loss, :attr:`response_positions` of the rows
+        ``loss_mask`` keeps."""
+        mask = self.response_positions
+        return mask if self.loss_mask is None else mask * self.loss_mask[:, None].to(mask.dtype)
 
     def rows(self, index: slice) -> "RolloutBatch":
         return RolloutBatch(self.input_ids[index], self.attention_mask[index], self.response_mask[index],
                             self.rewards[index],
-                            None if self.rollout_logprobs is None else self.rollout_logprobs[index])
+                            None if self.rollout_logprobs is None else self.rollout_logprobs[index],
+                            None if self.loss_mask is None else self.loss_mask[index])

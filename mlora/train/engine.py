@@ -240,7 +240,8 @@ class ActorCriticEngine:
                            values: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """Token rewards (outcome reward on the last response token, KL penalty if in reward),
         then GAE / GRPO / RLOO advantages. Pure given its inputs; identical on every rank."""
-        c, mask = self.cfg, batch.action_mask
+        # a filtered row (batch.loss_mask) keeps its reward at its last token: it counts in its group's statistics
+        c, mask = self.cfg, batch.response_positions
         last = mask.shape[1] - 1 - torch.flip(mask, dims=[1]).argmax(dim=1)  # last response position per row
         token_rewards = torch.zeros_like(mask)
         token_rewards[torch.arange(batch.size), last] = batch.rewards.float()
@@ -372,7 +373,7 @@ class ActorCriticEngine:
             "reward/mean": float(batch.rewards.float().mean()),
             "kl/mean": float(masked_mean(adv["kl"], mask)),
             "advantages/mean": float(masked_mean(adv["advantages"], mask)),
-            "response_length/mean": float(mask.sum(-1).mean()),
+            "response_length/mean": float(batch.response_positions.sum(-1).mean()),  # filtered rows too
         }
         actor_extra = {"old_logprobs": old, "ref_logprobs": ref, "advantages": adv["advantages"]}
         if with_rollout:

@@ -78,9 +78,11 @@ class Stage(Protocol):
 
 
 def total_steps(cfg: TrainConfig, n_examples: int) -> int:
-    """``trainer.total_steps``, or ``trainer.epochs`` whole epochs of ``train_batch_size``."""
+    """``trainer.total_steps``, or ``trainer.epochs`` whole epochs of ``train_batch_size``, at most
+    ``trainer.max_training_steps`` (SkyRL's cap)."""
     t = cfg.trainer
-    return t.total_steps or t.epochs * (n_examples // t.train_batch_size)
+    steps = t.total_steps or t.epochs * (n_examples // t.train_batch_size)
+    return steps if t.max_training_steps is None else min(steps, t.max_training_steps)
 
 
 def load_model(cfg: TrainConfig, mesh) -> tuple[mlora.MLoraModel, tuple[str, ...]]:

