@@ -1100,18 +1100,9 @@ def _compose(args: list[str], config: str = "ppo", world_size: int = 4):
     return cfg, notes
 
 
-def _needs_rollout_is(name: str) -> None:
-    """The fully-async script's policy_loss_type=rollout_is comes with the off-policy work of issue 23."""
-    from mlora.config.validate import POLICY_LOSS_TYPES
-
-    if name.startswith("FULLY_ASYNC") and "rollout_is" not in POLICY_LOSS_TYPES:
-        pytest.skip("trainer.algorithm.policy_loss_type=rollout_is lands with the off-policy branch of issue 23")
-
-
 @pytest.mark.parametrize("name", RL_SCRIPTS)
 def test_script_composes_without_refused_keys(name, tmp_path):
     """Every key of the script but the refused ones composes and validates; the refused ones are all there."""
-    _needs_rollout_is(name)
     import yaml
 
     from mlora.config.validate import _get
@@ -1326,6 +1317,37 @@ def test_dapo_script_trains_two_steps(gsm8k):  # noqa: F811
         dumped = torch.load(export / "dumped_data" / f"global_step_{step}_training_input.pt")
         assert dumped["input_ids"].shape[0] == 16 and dumped["loss_mask"].shape == (16,)
         assert dumped["rewards"].shape == (16,) and dumped["rewards"].min() >= -1.0
+
+
+def test_fully_async_script_trains_two_steps(gsm8k):  # noqa: F811
+    """SkyRL's fully-async GSM8K Megatron LoRA script (CPU-sized) trains 2 steps on its own layout (megatron
+    without TP/PP: DP over its 2 policy GPUs, 2 ranks here): rollout_is with the geometric sequence mask,
+    generation queued one step ahead (step 2 trains policy version 1 on samples of version 0)."""
+    root = Path(gsm8k["root"])
+    run_dir = root / "run_fully_async"
+    sizes = {"NUM_POLICY_GPUS": "2", "MINI_BATCH_SIZE": "4", "MAX_STALENESS_STEPS": "1",
+             "NUM_PARALLEL_GENERATION_WORKERS": "8", "RUN_NAME": "gsm8k-fully-async-tiny",
+             "DATA_DIR": gsm8k["DATA_DIR"]}
+    # the script's literal micro-batches (8 sequences) and response length (1024) sized for 2 cores
+    cpu = {"trainer.micro_forward_batch_size_per_gpu": "2", "trainer.micro_train_batch_size_per_gpu": "2",
+           "generator.sampling_params.max_generate_length": "8"}
+    args = [f"{a.split('=', 1)[0]}={cpu[a.split('=', 1)[0]]}" if a.split("=", 1)[0] in cpu else a
+            for a in rl_overrides("FULLY_ASYNC_RUN_GSM8K_MEGATRON_LORA", root, gsm8k["MODEL"], **sizes)]
+    args += ["trainer.total_steps=2", f"trainer.run_dir={run_dir}", "generator.kv_cache_memory_bytes=67108864"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+           "-m", "mlora.train", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          cwd=root)
+    if proc.returncode != 0:
+        pytest.fail(f"mlora-train failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert [(r["async/trainer_version"], r["async/generation_version"]) for r in steps] == [(0, 0), (1, 0)]
+    for r in steps:
+        assert 0 <= r["off_policy/geo_sequence_mask_masked_ratio"] <= 1 and "actor/clipfrac" in r
+    assert "eval/all/reward_mean" in steps[-1]  # the script's evaluation (interval 4) at the last step
+    assert (root / "ckpts" / "gsm8k-fully-async-tiny" / "global_step_2").is_dir()  # its ckpt_path, final step
 
 
 def sft_overrides(model: str, data: str, drop: tuple[str, ...] = ()) -> list[str]:
