@@ -78,14 +78,14 @@ def test_sync_folder_is_the_runs_own(tmp_path):
     assert TrainConfig().trainer.policy.model.lora.lora_sync_path is None  # no fixed /tmp folder by default
 
 
-@pytest.mark.parametrize("name", ["../elsewhere", "a/b", "..", "", "-x", "run name"])
+@pytest.mark.parametrize("name", ["../elsewhere", "a/../b", "/abs", "a/", "..", "", "-x", "run name"])
 def test_run_name_cannot_escape(name):
     from mlora.config.schema import TrainConfig
     from mlora.config.validate import ConfigError, finalize
 
     cfg = TrainConfig()
     cfg.trainer.run_name = name
-    with pytest.raises(ConfigError, match=r"trainer.run_name=.*letters, digits and \. _ \+ = - only"):
+    with pytest.raises(ConfigError, match=r"trainer.run_name=.*letters, digits and \. _ \+ = - only, in parts"):
         finalize(cfg, 1)
 
 
@@ -93,7 +93,7 @@ def test_run_names_of_skyrl_scripts_pass():
     from mlora.config.schema import TrainConfig
     from mlora.config.validate import finalize
 
-    for name in ("gsm8k_0.5b_lora_grpo", "run", "Qwen2.5-7B+lora=32"):
+    for name in ("gsm8k_0.5b_lora_grpo", "run", "Qwen2.5-7B+lora=32", "Qwen/Qwen3-0.6B-megatron-lora"):
         cfg = TrainConfig()
         cfg.trainer.run_name = name
         finalize(cfg, 1)

@@ -98,6 +98,9 @@ def test_agg_modes_by_hand():
     assert agg_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx((6 + 4) / 2)
     assert agg_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
     assert agg_loss(loss, mask, "token-mean", normalizer=8).item() == pytest.approx(10 / 8)
+    # SkyRL's token_mean_legacy: each micro-batch's token mean / micro-batches; rows 0 and 1 as two micro-batches
+    legacy = sum(agg_loss(loss[i:i + 1], mask[i:i + 1], "token-mean-legacy", normalizer=2) for i in range(2))
+    assert legacy.item() == pytest.approx((6 / 3 + 4 / 1) / 2)
     with pytest.raises(ValueError, match="unknown loss aggregation mode 'sum'; valid: token-mean"):
         agg_loss(loss, mask, "sum")
 

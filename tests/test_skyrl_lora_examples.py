@@ -1013,12 +1013,9 @@ _MOE = re.escape(MOE_ISSUE)
 _TURNS = re.escape(MULTI_TURN_ISSUE)
 # key -> what its ConfigError says, per script: the features mlora does not have
 REFUSED = {
-    "RUN_DAPO_QWEN3_30B_A3B_LORA_MEGATRON_AIME": {
-        "trainer.policy.megatron_config.expert_model_parallel_size": _MOE,
-        "trainer.algorithm.loss_reduction": "'token_mean_legacy' is not valid"},
+    "RUN_DAPO_QWEN3_30B_A3B_LORA_MEGATRON_AIME": {"trainer.policy.megatron_config.expert_model_parallel_size": _MOE},
     "RUN_GEOMETRY3K_LORA": {"generator.max_turns": _TURNS,
-                            "generator.vision_language_generator": "vision-language .* not supported",
-                            "trainer.algorithm.loss_reduction": "'token_mean_legacy' is not valid"},
+                            "generator.vision_language_generator": "vision-language .* not supported"},
     "RUN_MEGATRON_DAPO_QWEN3_6_35B_A3B_LORA": {"trainer.policy.megatron_config.expert_model_parallel_size": _MOE},
     "RUN_MEGATRON_DAPO_QWEN3_6_35B_A3B_LORA_INT4_QAT": {
         "trainer.policy.megatron_config.expert_model_parallel_size": _MOE,
@@ -1034,8 +1031,6 @@ REFUSED = {
     "RUN_MEGATRON_DAPO_QWEN3_30B_A3B_LORA": {"trainer.policy.megatron_config.expert_model_parallel_size": _MOE},
     "RUN_MEGATRON_LORA_QWEN3_30B_A3B": {"trainer.policy.megatron_config.expert_model_parallel_size": _MOE,
                                         "trainer.ref.megatron_config.expert_model_parallel_size": _MOE},
-    # its run_name embeds MODEL_NAME ("Qwen/Qwen3-0.6B"): mlora's run names name folders, '/' is refused
-    "RUN_MEGATRON_LORA_QWEN3_0_6B": {"trainer.run_name": "a run name names folders"},
     "RUN_SKYRL_SQL_MEGATRON_LORA": {"generator.max_turns": _TURNS, "generator.use_conversation_multi_turn": _TURNS,
                                     "environment.skyrl_gym.text2sql.db_path": _TURNS},
 }

@@ -25,7 +25,8 @@ from mlora.rl.preference import DPO_LOSS_TYPES, PREFERENCE_STAGES
 STRATEGIES = ("megatron", "fsdp", "fsdp2")
 DATA_PARALLEL_STRATEGIES = ("fsdp", "fsdp2")  # SkyRL's: run as a TP1 x PP1 megatron-core mesh (DP = world)
 REFUSED_STRATEGIES = ("deepspeed",)
-LOSS_REDUCTIONS = {"token_mean": "token-mean", "sequence_mean": "seq-mean-token-mean",
+LOSS_REDUCTIONS = {"token_mean": "token-mean", "token_mean_legacy": "token-mean-legacy",
+                   "sequence_mean": "seq-mean-token-mean",
                    "seq_mean_token_sum_norm": "seq-mean-token-sum-norm"}
 POLICY_LOSS_TYPES = ("regular", "dual_clip", "rollout_is")
 WEIGHT_SYNC = ("disk", "memory", "tensors")
@@ -74,7 +75,9 @@ CPU_ONLY_NO_EFFECT = {
 }
 
 
-RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]*")
+# folder names joined by '/' (SkyRL's run names embed model ids such as Qwen/Qwen3-0.6B), each starting with a
+# letter or digit: no absolute path, no '.' or '..' component
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]*(/[A-Za-z0-9][A-Za-z0-9._+=-]*)*")
 
 
 def _get(cfg: Any, path: str) -> Any:
@@ -223,8 +226,8 @@ def _check_trainer(cfg: TrainConfig) -> None:
             raise ConfigError(f"trainer.train_batch_size={t.train_batch_size} is not divisible by trainer.{key}={mini}")
     if not RUN_NAME.fullmatch(t.run_name) or t.run_name in (".", ".."):
         raise ConfigError(f"trainer.run_name={t.run_name!r}: a run name names folders (the run directory, the adapter "
-                          "sync folder), so it may hold letters, digits and . _ + = - only, starting with a letter or "
-                          "digit (no path separators)")
+                          "sync folder), so it may hold letters, digits and . _ + = - only, in parts joined by '/' "
+                          "that each start with a letter or digit (no absolute path, no '.' or '..' part)")
     _check_resume(t)
     _check_choice(t.logger, LOGGERS, "trainer.logger")
     package = LOGGER_PACKAGES[t.logger]

@@ -6,7 +6,8 @@ import torch
 
 from mlora.rl.masked import masked_mean
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
+                  "token-mean-legacy")
 
 
 def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
@@ -20,6 +21,10 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean
       (Dr. GRPO; SkyRL's ``seq_mean_token_sum_norm``): no per-sequence length bias, and the
       scale does not change with the batch's lengths.
 
+    - ``token-mean-legacy``: ``(Σ ℓ·m / Σ m) / n`` per micro-batch, ``n`` = ``normalizer``, the number
+      of micro-batches the mini-batch was cut into (over DP too): summed over them, the mean of their token
+      means (SkyRL's ``token_mean_legacy``, its former ``token_mean``; ``None``: one micro-batch).
+
     ``normalizer`` replaces the denominator (token count or sequence count) so that a loss split
     into micro-batches sums to the mini-batch loss: pass the mini-batch's count.
     """
@@ -27,6 +32,8 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean
     if mode == "token-mean":
         denom = mask.sum().clamp(min=1) if normalizer is None else max(float(normalizer), 1.0)
         return (loss_mat * mask).sum() / denom
+    if mode == "token-mean-legacy":
+        return (loss_mat * mask).sum() / mask.sum().clamp(min=1) / (1.0 if normalizer is None else float(normalizer))
     has_tokens = (mask.sum(-1) > 0).to(loss_mat.dtype)
     if mode == "seq-mean-token-sum":
         per_seq = (loss_mat * mask).sum(-1)

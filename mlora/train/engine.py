@@ -265,6 +265,8 @@ class ActorCriticEngine:
     def _normalizer(self, mask: torch.Tensor) -> float:
         if self.cfg.loss_agg_mode == "token-mean":
             return float(mask.sum())
+        if self.cfg.loss_agg_mode == "token-mean-legacy":  # micro-batches of the mini-batch, all DP ranks'
+            return float(mask.shape[0] // self.cfg.micro_train_batch_size)
         return float((mask.sum(-1) > 0).sum())
 
     def _update(self, batch: RolloutBatch, extra: dict, params, opt, sched, loss_fn_factory, hidden: bool,

@@ -98,12 +98,13 @@ def _sync_dir(cfg: TrainConfig, adapter: str) -> Path:
     """Where rank 0 writes the adapter for the engines (weight_sync=disk|memory): a folder no other run
     uses (its name holds this host and process, :func:`mlora.rollout.shm_names.shm_name`), under
     ``/dev/shm`` (memory) or ``lora_sync_path`` (disk; default ``<run_dir>/lora_sync``)."""
+    name = cfg.trainer.run_name.replace("/", "_")  # one folder, also for run names like Qwen/Qwen3-0.6B-grpo
     if cfg.generator.weight_sync == "memory":
         if not SHM_DIR.is_dir():
             raise RuntimeError("generator.weight_sync=memory needs /dev/shm (shared memory); use disk")
-        return SHM_DIR / shm_name(f"sync-{cfg.trainer.run_name}") / adapter
+        return SHM_DIR / shm_name(f"sync-{name}") / adapter
     root = cfg.trainer.policy.model.lora.lora_sync_path or Path(cfg.trainer.run_dir) / "lora_sync"
-    return Path(root) / shm_name(cfg.trainer.run_name) / adapter
+    return Path(root) / shm_name(name) / adapter
 
 
 @dataclass
