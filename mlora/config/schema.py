@@ -249,7 +249,7 @@ class TrainerSection:
     eval_interval: int = 5  # <= 0: no evaluation
     dump_eval_results: bool = True  # <run_dir>/dumped_evals/eval_step_<k>.jsonl
     # SkyRL: every hf_save_interval steps (and at the end) the policy adapter (PEFT) goes to
-    # <export_path>/global_step_<k>/policy; <= 0: never. export_path null: <run_dir>/exports
+    # <export_path>/global_step_<k>/policy; <= 0: never. export_path null: trainer.run_dir
     hf_save_interval: int = -1
     export_path: Optional[str] = None
     dump_data_batch: bool = False  # <export_path>/dumped_data/global_step_<k>_training_input.pt (each step's batch)
