@@ -27,7 +27,10 @@ FAKE_QUANT_REL_TOL = 1e-3  # issue 11: max |diff| / max |logit| vs the fake-quan
 LAYOUT_KL_MEDIAN_TOL = 1e-10
 LAYOUT_KL_MEAN_TOL = 1e-5
 LAYOUT_KL_TOL = 1e-3  # max, issue 11's bound
-LAYOUT_GRAD_REL_TOL = 1e-2  # LoRA grads through the FP8 base vs TP1 (measured 1e-6, 2e-3 after a flip; 6e-2 before)
+# LoRA grads through the FP8 base vs TP1, the worst factor's relative norm difference: measured 1e-6, 2e-3 after a
+# flip (Intel Xeon), 1.18e-2 after a flip in tiny Qwen2's layer-3 q_proj (AMD EPYC family 26, TP2xPP2); 6e-2 with
+# the per-slice input scales this guards against
+LAYOUT_GRAD_REL_TOL = 2.5e-2
 ROW_PARALLEL_REL_TOL = 1e-5  # a row-parallel FP8 GEMM vs the whole one, same input: float32 summation order only
 GRAD_COSINE_MIN = 0.99  # issue 11: LoRA factor gradients, FP8 base vs bf16 base
 GRAD_COSINE_FLOOR = 0.98  # per factor, measured min 0.989 on the tiny random Llama (see the test)

@@ -25,9 +25,8 @@ from mlora.rl.preference import DPO_LOSS_TYPES, PREFERENCE_STAGES
 STRATEGIES = ("megatron", "fsdp", "fsdp2")
 DATA_PARALLEL_STRATEGIES = ("fsdp", "fsdp2")  # SkyRL's: run as a TP1 x PP1 megatron-core mesh (DP = world)
 REFUSED_STRATEGIES = ("deepspeed",)
-LOSS_REDUCTIONS = {"token_mean": "token-mean", "token_mean_legacy": "token-mean-legacy",
-                   "sequence_mean": "seq-mean-token-mean",
-                   "seq_mean_token_sum_norm": "seq-mean-token-sum-norm"}
+LOSS_REDUCTIONS = {"token_mean": "token-mean", "sequence_mean": "seq-mean-token-mean",
+                   "seq_mean_token_sum_norm": "seq-mean-token-sum-norm", "token_mean_legacy": "token-mean-legacy"}
 POLICY_LOSS_TYPES = ("regular", "dual_clip", "rollout_is")
 WEIGHT_SYNC = ("disk", "memory", "tensors")
 # trainer.logger -> the package its backend needs (installed by the extra ``mlora[logging]``)
