@@ -1173,7 +1173,9 @@ def test_skyrl_key_errors(tmp_path):
         "trainer.algorithm.overlong_buffer_len=9000": r"overlong_buffer_len=9000 must be in \[1, ",
         "trainer.algorithm.overlong_buffer_penalty_factor=-1": "penalty_factor=-1.0 must be >= 0",
         "generator.max_input_length=100": "generator.max_input_length=100 < trainer.max_prompt_length=2048",
-        "trainer.max_tokens_per_microbatch=4096": "max_tokens_per_microbatch=4096: token-budget",
+        "trainer.max_tokens_per_microbatch=4096": "max_tokens_per_microbatch=4096 sizes packed micro-batches: set "
+                                                  "trainer.use_sample_packing=true",
+        "trainer.max_tokens_per_microbatch=0": "max_tokens_per_microbatch=0 is not valid",
         "trainer.policy.megatron_config.lora_config.merge_lora=true": "merge_lora=true: mlora hands the adapter",
         "generator.inference_engine.distributed_executor_backend=external": "distributed_executor_backend='external' is "
                                                                             "not valid",

@@ -213,7 +213,10 @@ class TrainerSection:
     epochs: int = 1
     total_steps: Optional[int] = None  # mlora: None = epochs x (prompts // train_batch_size)
     max_training_steps: Optional[int] = None  # SkyRL: stop after this many steps at most (caps epochs' steps)
-    max_tokens_per_microbatch: int = -1  # SkyRL's token-budget micro-batches; only -1 (off: sequence counts)
+    # SkyRL: tokens per micro-batch (> 0, with use_sample_packing: packed micro-batches of sequences grouped
+    # first-fit decreasing under it); -1: micro_train_batch_size_per_gpu (micro_forward_batch_size_per_gpu) x the
+    # batch's padded width, the tokens of a padded micro-batch (mlora.train.micro_batches)
+    max_tokens_per_microbatch: int = -1
     train_batch_size: int = 8  # prompts per step
     policy_mini_batch_size: int = 4  # prompts per actor optimizer step (x n_samples_per_prompt sequences)
     critic_mini_batch_size: Optional[int] = None  # prompts per critic optimizer step; None: policy_mini_batch_size
@@ -235,8 +238,10 @@ class TrainerSection:
     recompute_modules: Optional[list[str]] = None  # mlora, recompute=selective only: core_attn (default), mlp
     gradient_checkpointing: Optional[bool] = None  # SkyRL (true by default there): true = recompute full, uniform, 1
     gradient_checkpointing_use_reentrant: bool = False  # SkyRL's HF checkpoint flavour; no effect here
-    use_sample_packing: bool = False  # SkyRL: true; mlora pads micro-batches (same results)
-    remove_microbatch_padding: bool = False  # newer SkyRL name of the same idea
+    # sequence packing (SkyRL's key; SkyRL's default is true, mlora's false): a micro-batch's sequences are
+    # concatenated with no padding, attention never crossing a sequence (mlora.train.micro_batches)
+    use_sample_packing: Optional[bool] = None  # null: false
+    remove_microbatch_padding: Optional[bool] = None  # newer SkyRL name of use_sample_packing
     flash_attn: bool = True  # true: torch's fused scaled_dot_product_attention; false: megatron's unfused attention
     # complete training state, any mesh can resume it; preemption (SIGTERM/SIGUSR1) saves one as well
     ckpt_interval: int = 0  # <= 0: no periodic checkpoints (as SkyRL); k: every k steps and at the end

@@ -48,8 +48,6 @@ NO_EFFECT = {
     "trainer.gradient_checkpointing_use_reentrant": "megatron's activation recompute (trainer.recompute) has one "
                                                     "checkpoint of its own (reentrant, restoring megatron's RNG "
                                                     "states); gradients are the same either way",
-    "trainer.use_sample_packing": "mlora pads micro-batches (same results, padding tokens are masked)",
-    "trainer.remove_microbatch_padding": "mlora pads micro-batches (same results, padding tokens are masked)",
     "trainer.policy.optimizer_config.offload_after_step": "adapter optimizer state is small and stays on device",
     "trainer.critic.optimizer_config.offload_after_step": "adapter optimizer state is small and stays on device",
     "trainer.placement.colocate_policy_ref": "policy and reference are always one model here (the base, adapters "
@@ -106,6 +104,28 @@ def _check_positive(cfg: Any, prefix: str, names: Iterable[str]) -> None:
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise ConfigError(f"{prefix}.{name}={value} must be >= 1")
+
+
+def _check_packing(t: Any) -> None:
+    """``trainer.use_sample_packing`` (merged with its alias ``remove_microbatch_padding``) and its token budget."""
+    _merge_alias(t, "use_sample_packing", t, "remove_microbatch_padding", False, "trainer.use_sample_packing",
+                 "trainer.remove_microbatch_padding")
+    budget = t.max_tokens_per_microbatch
+    if budget == 0 or budget < -1:
+        raise ConfigError(f"trainer.max_tokens_per_microbatch={budget} is not valid; valid: -1 (the padded "
+                          "micro-batch's tokens) or a token budget >= 1")
+    if budget > 0 and not t.use_sample_packing:
+        raise ConfigError(f"trainer.max_tokens_per_microbatch={budget} sizes packed micro-batches: set "
+                          "trainer.use_sample_packing=true too, or -1 for micro-batches of sequence counts")
+    if not t.use_sample_packing:
+        return
+    if not t.flash_attn and t.fp8 != "te":
+        raise ConfigError("trainer.use_sample_packing=true needs the fused core attention (trainer.flash_attn=true): "
+                          "megatron's unfused attention (trainer.flash_attn=false) takes no packed sequences")
+    if t.algorithm.loss_reduction == "token_mean_legacy":
+        raise ConfigError("trainer.algorithm.loss_reduction=token_mean_legacy averages per micro-batch, which "
+                          "trainer.use_sample_packing=true regroups; choose one of "
+                          + ", ".join(k for k in LOSS_REDUCTIONS if k != "token_mean_legacy") + " or turn packing off")
 
 
 def _resolve_generator(cfg: TrainConfig) -> None:
@@ -243,6 +263,7 @@ def _check_trainer(cfg: TrainConfig) -> None:
     if t.fp8_recipe != "delayed" and t.fp8 != "te":
         raise ConfigError(f"trainer.fp8_recipe={t.fp8_recipe!r} applies to trainer.fp8=te only (trainer.fp8="
                           f"{t.fp8!r})")
+    _check_packing(t)
     _check_choice(a.advantage_estimator, ADVANTAGE_ESTIMATORS, "trainer.algorithm.advantage_estimator")
     _check_choice(a.loss_reduction, tuple(LOSS_REDUCTIONS), "trainer.algorithm.loss_reduction")
     _check_choice(a.policy_loss_type, POLICY_LOSS_TYPES, "trainer.algorithm.policy_loss_type")
@@ -568,10 +589,6 @@ def _check_skyrl_keys(cfg: TrainConfig) -> list[str]:
         key = _leaf_keys(dict(cfg.environment.skyrl_gym), "environment.skyrl_gym")[0]
         raise ConfigError(f"{key}: SkyRL-Gym's environments (text2sql, search, ...; multi-turn tool use, "
                           f"{MULTI_TURN_ISSUE}) are not part of mlora, whose environments take no settings here")
-    if t.max_tokens_per_microbatch > 0:
-        raise ConfigError(f"trainer.max_tokens_per_microbatch={t.max_tokens_per_microbatch}: token-budget "
-                          "micro-batches are not supported; valid: -1 (micro-batches of trainer.micro_*_batch_size_"
-                          "per_gpu sequences)")
     if t.policy.fsdp_config.cpu_offload:
         raise ConfigError("trainer.policy.fsdp_config.cpu_offload=true: offloading the frozen base to the CPU is not "
                           "supported (only the adapters train; their optimizer state is small and stays on device); "
