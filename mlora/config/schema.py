@@ -322,9 +322,12 @@ class GeneratorSection:
     zero_reward_on_non_stop: bool = False  # reward 0 for responses cut at max_generate_length
     apply_overlong_filtering: bool = False  # DAPO: responses cut at max_generate_length are masked out of the loss
     max_input_length: Optional[int] = None  # SkyRL: the engine's input bound; single-turn: = trainer.max_prompt_length
-    # multi-turn and vision-language rollouts (issue 24): only the single-turn text values
+    # multi-turn rollouts with text environments (mlora.rollout.multi_turn): at most this many model turns per
+    # trajectory (1: single-turn); observations as chat messages through the chat template (null: true) or as
+    # plain text; turn rewards on each turn's last model token (turn_end, SkyRL's) or summed on the last (final)
     max_turns: int = 1
     use_conversation_multi_turn: Optional[bool] = None
+    turn_rewards: str = "turn_end"
     vision_language_generator: bool = False
     sampling_params: SamplingSection = field(default_factory=SamplingSection)
     eval_sampling_params: SamplingSection = field(
@@ -335,7 +338,8 @@ class GeneratorSection:
 @dataclass
 class EnvironmentSection:
     env_class: str = "gsm8k"  # a registered environment (mlora.rollout.envs.register_env)
-    skyrl_gym: dict[str, Any] = field(default_factory=dict)  # SkyRL-Gym environments' settings (refused: none here)
+    # SkyRL-Gym's: <env_class>.* = a multi-turn environment's env_config; max_env_workers = threads stepping them
+    skyrl_gym: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -375,6 +379,7 @@ class PreferenceSection:
 class DemoSection:
     prepare: bool = False  # build the CPU demo's tiny model and prompts in `dir` if missing
     dir: str = "runs/cpu_demo_assets"
+    task: str = "target_token"  # the prompts: target_token, or calculator | guess_number (multi-turn)
 
 
 @dataclass

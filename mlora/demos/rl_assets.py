@@ -8,9 +8,10 @@ from pathlib import Path
 TARGET_FRACTION = 0.1  # the targets: this share of the vocabulary
 
 
-def build_demo_assets(directory: str | Path, n_prompts: int = 256, seed: int = 0) -> Path:
+def build_demo_assets(directory: str | Path, n_prompts: int = 256, seed: int = 0, task: str = "target_token") -> Path:
     """``<dir>/tiny-llama``, ``<dir>/train.parquet`` and a held-out ``<dir>/val.parquet`` (prompt, env_class,
-    reward_spec, data_source); idempotent."""
+    reward_spec, data_source) of ``task`` (``demo.task``: ``target_token``, or a multi-turn environment's,
+    :mod:`mlora.demos.tool_tasks`); idempotent."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -20,6 +21,10 @@ def build_demo_assets(directory: str | Path, n_prompts: int = 256, seed: int = 0
     if not (root / "tiny-llama" / "config.json").exists():
         # a wider init than the default 0.02 gives the output layer enough range for a LoRA to move it
         build_tiny_model("llama", root / "tiny-llama", seed=seed, initializer_range=0.1)
+    if task != "target_token":
+        from mlora.demos.tool_tasks import build_tool_task
+
+        return build_tool_task(root, task, n_prompts, 32, seed)
     for split, count, split_seed in (("train", n_prompts, seed), ("val", 32, seed + 1)):
         if (root / f"{split}.parquet").exists():
             continue

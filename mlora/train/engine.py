@@ -250,13 +250,17 @@ class ActorCriticEngine:
     # ------------------------------------------------------------------ advantages
     def compute_advantages(self, batch: RolloutBatch, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
                            values: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """Token rewards (outcome reward on the last response token, KL penalty if in reward),
-        then GAE / GRPO / RLOO advantages. Pure given its inputs; identical on every rank."""
+        """Token rewards (outcome reward on the last response token, or the batch's per-token turn rewards;
+        KL penalty if in reward), then GAE / GRPO / RLOO advantages (GAE skips the environment tokens of a
+        multi-turn row: they are outside the mask). Pure given its inputs; identical on every rank."""
         # a filtered row (batch.loss_mask) keeps its reward at its last token: it counts in its group's statistics
         c, mask = self.cfg, batch.response_positions
-        last = mask.shape[1] - 1 - torch.flip(mask, dims=[1]).argmax(dim=1)  # last response position per row
-        token_rewards = torch.zeros_like(mask)
-        token_rewards[torch.arange(batch.size), last] = batch.rewards.float()
+        if batch.token_rewards is not None:  # multi-turn: each turn's reward where the trainer placed it
+            token_rewards = batch.token_rewards.float() * mask
+        else:
+            last = mask.shape[1] - 1 - torch.flip(mask, dims=[1]).argmax(dim=1)  # last response position per row
+            token_rewards = torch.zeros_like(mask)
+            token_rewards[torch.arange(batch.size), last] = batch.rewards.float()
         kl = kl_penalty(old_logprobs, ref_logprobs, c.kl_estimator) * mask
         out = {"kl": kl}
         if c.use_kl_in_reward:
