@@ -1,6 +1,6 @@
 """Prompt sets of the multi-turn environments (:mod:`mlora.rollout.tool_envs`), in the GSM8K schema.
 
-``calculator``: two-step sums (``a + b - c``, two-digit numbers) asked in chat form, with the calculator's
+``calculator``: two-step sums in words ("a plus b minus c", two-digit numbers) asked in chat form, with the calculator's
 instructions in the system message and one worked exchange (a one-step sum, its call, the result, the
 answer) before the question (``reward_spec``: ``ground_truth`` and the question's
 ``expression``); ``guess_number``: a hidden number in a small range.
@@ -21,12 +21,13 @@ GUESS_QUESTION = "I am thinking of a whole number from {low} to {high}. Guess it
 TASKS = ("calculator", "guess_number")
 
 
-# one worked exchange before the question: the format shown once (a one-step sum; the questions have two steps)
-CALCULATOR_EXAMPLE = [{"role": "user", "content": "What is 12 + 7?"},
+# one worked exchange before the question: the format shown once (a one-step sum in words; the questions have
+# two steps, which the model must turn into one expression, or two calls)
+CALCULATOR_EXAMPLE = [{"role": "user", "content": "What is 12 plus 7?"},
                       {"role": "assistant", "content": "<tool>12 + 7</tool>"},
                       {"role": "user", "content": "<result>19</result>"},
                       {"role": "assistant", "content": "#### 19"}]
-CALCULATOR_QUESTION = "What is {a} + {b} - {c}?"
+CALCULATOR_QUESTION = "What is {a} plus {b} minus {c}?"
 
 
 def calculator_rows(triples: list[tuple[int, int, int]]) -> list[dict]:
