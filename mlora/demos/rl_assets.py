@@ -19,8 +19,11 @@ def build_demo_assets(directory: str | Path, n_prompts: int = 256, seed: int = 0
 
     root = Path(directory)
     if not (root / "tiny-llama" / "config.json").exists():
-        # a wider init than the default 0.02 gives the output layer enough range for a LoRA to move it
-        build_tiny_model("llama", root / "tiny-llama", seed=seed, initializer_range=0.1)
+        # a wider init than the default 0.02 gives the output layer enough range for a LoRA to move it;
+        # multi-turn conversations (the calculator's instructions and worked exchange take ~240 tokens of
+        # the tiny tokenizer) need a longer context than the tiny model's 256
+        longer = {} if task == "target_token" else {"max_position_embeddings": 1024}
+        build_tiny_model("llama", root / "tiny-llama", seed=seed, initializer_range=0.1, **longer)
     if task != "target_token":
         from mlora.demos.tool_tasks import build_tool_task
 

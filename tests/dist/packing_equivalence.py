@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import merged_from_all_ranks, parse_layouts  # noqa: E402
+from common import adapter_grads, clear_adapters, parse_layouts  # noqa: E402
 
 import mlora  # noqa: E402
 from mlora.parallel import reset_parallel  # noqa: E402
@@ -58,21 +58,6 @@ def rollouts(vocab: int) -> RolloutBatch:
     return RolloutBatch(ids, attn, resp, rewards, -torch.rand(len(LENGTHS), WIDTH - 1, generator=g) * 4)
 
 
-def _grads(model, name: str, head: str | None = None) -> dict:
-    mesh = model.mesh
-    mine = {k: v.clone() for k, v in model.adapter_tensors(name, grads=True).items()} if mesh.dp_rank == 0 else {}
-    if head is not None and head in model.heads and mesh.tp_rank == 0 and mesh.dp_rank == 0:
-        mine["head.weight"] = model.heads[head].weight.grad.detach().cpu().clone()
-    return merged_from_all_ranks(mine)
-
-
-def _clear(model) -> None:
-    for name in list(model.adapters):
-        model.delete_adapter(name)
-    for name in list(model.heads):
-        del model.heads[name]
-
-
 def run(model, adapter_dir: Path, packing: Packing) -> dict:
     """Every stage's results on this mesh with ``packing`` (collective; the same dict on every rank)."""
     mesh, out = model.mesh, {}
@@ -97,7 +82,7 @@ def run(model, adapter_dir: Path, packing: Packing) -> dict:
 
         def clip_and_record(params, max_norm):  # the reduced gradients of each update, in PEFT names
             name = "policy" if params is engine.actor_params else "critic"
-            grads[name] = _grads(model, name, "critic" if name == "critic" else None)
+            grads[name] = adapter_grads(model, name, "critic" if name == "critic" else None)
             return real_clip(params, max_norm)
 
         engine_module.clip_grads = clip_and_record
@@ -107,7 +92,7 @@ def run(model, adapter_dir: Path, packing: Packing) -> dict:
             engine_module.clip_grads = real_clip
         out[estimator] = {"metrics": metrics, "logprobs": logprobs, "values": values, "mask": batch.action_mask,
                           "grads": grads}
-        _clear(model)
+        clear_adapters(model)
     ids, attn, resp = rows(vocab)
     micro = max(1, 2 // mesh.dp)
     for stage in ("sft", "dpo", "rm"):
@@ -119,8 +104,8 @@ def run(model, adapter_dir: Path, packing: Packing) -> dict:
         else:  # pairs: chosen rows 0..3, rejected rows 4..7 (a short chosen against a long rejected and so on)
             batch = SequenceBatch(ids, attn, resp, pairs=True)
         metrics = engine.forward_backward(batch)
-        out[stage] = {"metrics": metrics, "grads": _grads(model, adapter, engine.head)}
-        _clear(model)
+        out[stage] = {"metrics": metrics, "grads": adapter_grads(model, adapter, engine.head)}
+        clear_adapters(model)
     return out
 
 
