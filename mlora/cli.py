@@ -44,8 +44,14 @@ def _plan_memory(args: argparse.Namespace, spec) -> int:
     from mlora.plan.report import fit_json, fit_table, memory_json, memory_table
 
     targets = args.target_modules if isinstance(args.target_modules, str) else tuple(args.target_modules)
+    if args.max_tokens_per_microbatch is not None:  # packed: one row of that many tokens per micro-batch
+        if args.micro_batch != 1 or args.forward_micro_batch not in (None, 1):
+            raise ValueError("--max-tokens-per-microbatch plans packed micro-batches (one row of that many tokens); "
+                             "drop --micro-batch / --forward-micro-batch")
+        args.seq, args.forward_micro_batch = args.max_tokens_per_microbatch, 1
     workload = Workload(
         micro_batch=args.micro_batch, seq=args.seq, micro_batches=args.micro_batches,
+        packed=args.max_tokens_per_microbatch is not None,
         forward_micro_batch=args.forward_micro_batch, rank=args.rank, target_modules=targets,
         exclude_modules=tuple(args.exclude_modules) if args.exclude_modules else None, critic=args.critic,
         dtype=getattr(torch, args.dtype), fp8=args.fp8, attention=args.attention, recompute=args.recompute,
@@ -140,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--micro-batches", type=int, default=None,
                    help="micro-batches per update and DP rank (default: --pp, a full 1F1B pipeline)")
     m.add_argument("--seq", type=int, default=4096, help="tokens per sequence (prompt + response)")
+    m.add_argument("--max-tokens-per-microbatch", type=int, default=None, metavar="TOKENS",
+                   help="packed micro-batches (trainer.use_sample_packing) of this token budget, instead of "
+                        "--micro-batch x --seq")
     m.add_argument("--fp8", default=None, choices=["torch"], help="FP8 (e4m3) frozen linears")
     m.add_argument("--lora-compute-dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="dtype the LoRA branches compute in (default float32: the adapters' master dtype; "

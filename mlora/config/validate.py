@@ -21,6 +21,7 @@ from mlora.rl.advantages import ADVANTAGE_ESTIMATORS
 from mlora.rl.kl import KL_CONTROLLERS, KL_ESTIMATORS
 from mlora.rl.lr_schedule import LR_SCHEDULES
 from mlora.rl.preference import DPO_LOSS_TYPES, PREFERENCE_STAGES
+from mlora.rollout.multi_turn import TURN_REWARDS
 
 STRATEGIES = ("megatron", "fsdp", "fsdp2")
 DATA_PARALLEL_STRATEGIES = ("fsdp", "fsdp2")  # SkyRL's: run as a TP1 x PP1 megatron-core mesh (DP = world)
@@ -48,8 +49,6 @@ NO_EFFECT = {
     "trainer.gradient_checkpointing_use_reentrant": "megatron's activation recompute (trainer.recompute) has one "
                                                     "checkpoint of its own (reentrant, restoring megatron's RNG "
                                                     "states); gradients are the same either way",
-    "trainer.use_sample_packing": "mlora pads micro-batches (same results, padding tokens are masked)",
-    "trainer.remove_microbatch_padding": "mlora pads micro-batches (same results, padding tokens are masked)",
     "trainer.policy.optimizer_config.offload_after_step": "adapter optimizer state is small and stays on device",
     "trainer.critic.optimizer_config.offload_after_step": "adapter optimizer state is small and stays on device",
     "trainer.placement.colocate_policy_ref": "policy and reference are always one model here (the base, adapters "
@@ -106,6 +105,29 @@ def _check_positive(cfg: Any, prefix: str, names: Iterable[str]) -> None:
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise ConfigError(f"{prefix}.{name}={value} must be >= 1")
+
+
+def _check_packing(t: Any, multi_turn: bool) -> None:
+    """``trainer.use_sample_packing`` (merged with its alias ``remove_microbatch_padding``; unset: on for
+    multi-turn rollouts, whose lengths are long and uneven, off otherwise) and its token budget."""
+    _merge_alias(t, "use_sample_packing", t, "remove_microbatch_padding", multi_turn, "trainer.use_sample_packing",
+                 "trainer.remove_microbatch_padding")
+    budget = t.max_tokens_per_microbatch
+    if budget == 0 or budget < -1:
+        raise ConfigError(f"trainer.max_tokens_per_microbatch={budget} is not valid; valid: -1 (the padded "
+                          "micro-batch's tokens) or a token budget >= 1")
+    if budget > 0 and not t.use_sample_packing:
+        raise ConfigError(f"trainer.max_tokens_per_microbatch={budget} sizes packed micro-batches: set "
+                          "trainer.use_sample_packing=true too, or -1 for micro-batches of sequence counts")
+    if not t.use_sample_packing:
+        return
+    if not t.flash_attn and t.fp8 != "te":
+        raise ConfigError("trainer.use_sample_packing=true needs the fused core attention (trainer.flash_attn=true): "
+                          "megatron's unfused attention (trainer.flash_attn=false) takes no packed sequences")
+    if t.algorithm.loss_reduction == "token_mean_legacy":
+        raise ConfigError("trainer.algorithm.loss_reduction=token_mean_legacy averages per micro-batch, which "
+                          "trainer.use_sample_packing=true regroups; choose one of "
+                          + ", ".join(k for k in LOSS_REDUCTIONS if k != "token_mean_legacy") + " or turn packing off")
 
 
 def _resolve_generator(cfg: TrainConfig) -> None:
@@ -243,6 +265,7 @@ def _check_trainer(cfg: TrainConfig) -> None:
     if t.fp8_recipe != "delayed" and t.fp8 != "te":
         raise ConfigError(f"trainer.fp8_recipe={t.fp8_recipe!r} applies to trainer.fp8=te only (trainer.fp8="
                           f"{t.fp8!r})")
+    _check_packing(t, cfg.generator.max_turns > 1)
     _check_choice(a.advantage_estimator, ADVANTAGE_ESTIMATORS, "trainer.algorithm.advantage_estimator")
     _check_choice(a.loss_reduction, tuple(LOSS_REDUCTIONS), "trainer.algorithm.loss_reduction")
     _check_choice(a.policy_loss_type, POLICY_LOSS_TYPES, "trainer.algorithm.policy_loss_type")
@@ -468,7 +491,6 @@ def _check_resume(t) -> None:
 
 
 MOE_ISSUE = "expert parallelism (MoE): a later issue"
-MULTI_TURN_ISSUE = "multi-turn: issue 24"
 # megatron_config.optimizer_config_kwargs entries for a full-model optimizer's memory (offloading its states to the
 # CPU, keeping them in lower precision): an adapter-only run's states are tiny and stay float32 on the device
 _ADAPTER_STATE = ("the adapter optimizer state is small and stays on device in float32 (SkyRL sets it to save the GPU "
@@ -555,23 +577,10 @@ def _check_skyrl_keys(cfg: TrainConfig) -> list[str]:
         raise ConfigError(f"trainer.policy.model.fake_int4_qat.{key}={qat[key]!r}: INT4 fake-quant QAT (of MoE "
                           f"expert GEMMs, for an INT4 engine checkpoint) is not supported; {MOE_ISSUE}. mlora's "
                           "quantized base is trainer.fp8")
-    if g.max_turns != 1:
-        raise ConfigError(f"generator.max_turns={g.max_turns}: multi-turn rollouts are not supported yet "
-                          f"({MULTI_TURN_ISSUE}); valid: 1")
-    if g.use_conversation_multi_turn is not None:
-        raise ConfigError(f"generator.use_conversation_multi_turn={g.use_conversation_multi_turn}: how multi-turn "
-                          f"histories are kept; multi-turn rollouts are not supported yet ({MULTI_TURN_ISSUE})")
+    notes += _check_multi_turn(cfg)
     if g.vision_language_generator:
         raise ConfigError("generator.vision_language_generator=true: vision-language (image) rollouts are not "
                           "supported; mlora trains text-only decoder models")
-    if cfg.environment.skyrl_gym:
-        key = _leaf_keys(dict(cfg.environment.skyrl_gym), "environment.skyrl_gym")[0]
-        raise ConfigError(f"{key}: SkyRL-Gym's environments (text2sql, search, ...; multi-turn tool use, "
-                          f"{MULTI_TURN_ISSUE}) are not part of mlora, whose environments take no settings here")
-    if t.max_tokens_per_microbatch > 0:
-        raise ConfigError(f"trainer.max_tokens_per_microbatch={t.max_tokens_per_microbatch}: token-budget "
-                          "micro-batches are not supported; valid: -1 (micro-batches of trainer.micro_*_batch_size_"
-                          "per_gpu sequences)")
     if t.policy.fsdp_config.cpu_offload:
         raise ConfigError("trainer.policy.fsdp_config.cpu_offload=true: offloading the frozen base to the CPU is not "
                           "supported (only the adapters train; their optimizer state is small and stays on device); "
@@ -598,12 +607,13 @@ def _check_skyrl_keys(cfg: TrainConfig) -> list[str]:
         raise ConfigError(f"trainer.algorithm.overlong_buffer_penalty_factor={a.overlong_buffer_penalty_factor} "
                           "must be >= 0 (the penalty at max_generate_length is -factor)")
     if g.max_input_length is None:
-        g.max_input_length = t.max_prompt_length
+        # multi-turn: the prompt plus every earlier turn and observation, budgeted at two generations a turn
+        g.max_input_length = t.max_prompt_length + (g.max_turns - 1) * 2 * max_len
     elif g.max_input_length < t.max_prompt_length:
         raise ConfigError(f"generator.max_input_length={g.max_input_length} < trainer.max_prompt_length="
                           f"{t.max_prompt_length}: in single-turn generation the engine's input is the prompt, which "
                           "trainer.max_prompt_length bounds; set them equal or leave max_input_length unset")
-    elif g.max_input_length > t.max_prompt_length:
+    elif g.max_input_length > t.max_prompt_length and g.max_turns == 1:
         notes.append(f"generator.max_input_length={g.max_input_length} > trainer.max_prompt_length="
                      f"{t.max_prompt_length}: single-turn inputs are the prompts, bounded by max_prompt_length (the "
                      "larger bound is for multi-turn conversations)")
@@ -612,6 +622,47 @@ def _check_skyrl_keys(cfg: TrainConfig) -> list[str]:
                       "generator.inference_engine.distributed_executor_backend")
     if t.export_path is None:
         t.export_path = t.run_dir
+    return notes
+
+
+MULTI_TURN_ENV_SETTINGS = ("max_env_workers",)  # environment.skyrl_gym.* keys that are not one env's settings
+
+
+def _check_multi_turn(cfg: TrainConfig) -> list[str]:
+    """``generator.max_turns``, ``use_conversation_multi_turn``, ``turn_rewards`` and
+    ``environment.skyrl_gym.*`` (per-environment settings under the environment's name, and
+    ``max_env_workers``). Returns notes."""
+    from mlora.rollout.envs import env_class, is_multi_turn, registered_envs
+    from mlora.rollout.gym import is_text_env
+
+    g, env, notes = cfg.generator, cfg.environment, []
+    if g.max_turns < 1:
+        raise ConfigError(f"generator.max_turns={g.max_turns} must be >= 1 (1: single-turn)")
+    _check_choice(g.turn_rewards, TURN_REWARDS, "generator.turn_rewards")
+    for key, value in dict(env.skyrl_gym).items():
+        if key in MULTI_TURN_ENV_SETTINGS:
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"environment.skyrl_gym.{key}={value!r} must be an integer >= 1")
+            continue
+        text_envs = [n for n in registered_envs() if is_text_env(env_class(n))]
+        if key not in text_envs:
+            leaf = (_leaf_keys({key: value}, "environment.skyrl_gym") or [f"environment.skyrl_gym.{key}"])[0]
+            raise ConfigError(f"{leaf}: settings of environment {key!r}, which is not a "
+                              f"registered multi-turn environment; valid: {', '.join(text_envs)} (their settings, "
+                              f"passed as env_config) or {', '.join(MULTI_TURN_ENV_SETTINGS)}")
+        if not isinstance(value, dict):
+            raise ConfigError(f"environment.skyrl_gym.{key}={value!r}: an environment's settings are a dict "
+                              f"(environment.skyrl_gym.{key}.NAME=VALUE)")
+    multi = is_multi_turn(env.env_class) if env.env_class in registered_envs() else False
+    if g.max_turns > 1 and cfg.trainer.fully_async.enabled:
+        raise ConfigError(f"generator.max_turns={g.max_turns} with trainer.fully_async.enabled=true: multi-turn "
+                          "rollouts are generated synchronously (each turn waits for its environment steps); "
+                          "set trainer.fully_async.enabled=false or generator.max_turns=1")
+    if g.max_turns > 1 and not multi:
+        notes.append(f"generator.max_turns={g.max_turns}: environment.env_class={env.env_class!r} scores one "
+                     "response (rows whose env_class is a multi-turn environment take up to max_turns turns)")
+    if g.use_conversation_multi_turn is None:
+        g.use_conversation_multi_turn = True
     return notes
 
 

@@ -8,9 +8,10 @@ from pathlib import Path
 TARGET_FRACTION = 0.1  # the targets: this share of the vocabulary
 
 
-def build_demo_assets(directory: str | Path, n_prompts: int = 256, seed: int = 0) -> Path:
+def build_demo_assets(directory: str | Path, n_prompts: int = 256, seed: int = 0, task: str = "target_token") -> Path:
     """``<dir>/tiny-llama``, ``<dir>/train.parquet`` and a held-out ``<dir>/val.parquet`` (prompt, env_class,
-    reward_spec, data_source); idempotent."""
+    reward_spec, data_source) of ``task`` (``demo.task``: ``target_token``, or a multi-turn environment's,
+    :mod:`mlora.demos.tool_tasks`); idempotent."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -18,8 +19,15 @@ def build_demo_assets(directory: str | Path, n_prompts: int = 256, seed: int = 0
 
     root = Path(directory)
     if not (root / "tiny-llama" / "config.json").exists():
-        # a wider init than the default 0.02 gives the output layer enough range for a LoRA to move it
-        build_tiny_model("llama", root / "tiny-llama", seed=seed, initializer_range=0.1)
+        # a wider init than the default 0.02 gives the output layer enough range for a LoRA to move it;
+        # multi-turn conversations (the calculator's instructions and worked exchange take ~240 tokens of
+        # the tiny tokenizer) need a longer context than the tiny model's 256
+        longer = {} if task == "target_token" else {"max_position_embeddings": 1024}
+        build_tiny_model("llama", root / "tiny-llama", seed=seed, initializer_range=0.1, **longer)
+    if task != "target_token":
+        from mlora.demos.tool_tasks import build_tool_task
+
+        return build_tool_task(root, task, n_prompts, 32, seed)
     for split, count, split_seed in (("train", n_prompts, seed), ("val", 32, seed + 1)):
         if (root / f"{split}.parquet").exists():
             continue

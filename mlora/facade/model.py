@@ -107,6 +107,34 @@ class MLoraModel(AdapterHost, torch.nn.Module):
             mask = sdpa_mask(ids.shape[1], attention_mask, self.spec.sliding_window, self.dtype, device)
         return ids, positions, mask, seq
 
+    def _prepare_packed(self, micro_batches: Sequence[dict]) -> list[tuple]:
+        """Packed micro-batches (``mlora.models.packing``) for megatron's ``thd`` format: each one's
+        ``input_ids`` is ``[1, width]`` and ``packed`` its :class:`~mlora.models.packing.PackedRows`. The
+        row is right-padded with a padding segment to a multiple of TP under SP and, with pipeline
+        stages (whose point-to-point buffers have one shape per schedule), to the longest of the call."""
+        if not all("packed" in mb for mb in micro_batches):
+            raise ValueError("either every micro-batch of a call is packed or none is")
+        if self._full_mask and self.fp8 != "te":
+            raise ValueError("sequence packing needs the fused core attention (attention='sdpa', "
+                             "trainer.flash_attn=true) or Transformer Engine's; megatron's unfused attention "
+                             "takes no packed sequences")
+        multiple = self.mesh.tp if self.mesh.sp else 1
+        widths = [mb["packed"].width for mb in micro_batches]
+        common = -(-max(widths) // multiple) * multiple
+        device, out = self.mesh.device, []
+        for mb, width in zip(micro_batches, widths):
+            ids = mb["input_ids"]
+            if tuple(ids.shape) != (1, width):
+                raise ValueError(f"a packed micro-batch's input_ids must be [1, {width}], got {tuple(ids.shape)}")
+            if int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size:
+                raise ValueError(f"input_ids must lie in [0, {self.spec.vocab_size}); got "
+                                 f"[{int(ids.min())}, {int(ids.max())}]")
+            target = common if self.mesh.pp > 1 else -(-width // multiple) * multiple
+            packed = mb["packed"].widened(target)
+            ids = torch.nn.functional.pad(ids, (0, target - width)).to(device)
+            out.append((mb, ids, packed.positions(device), None, width, packed.packed_seq_params(device)))
+        return out
+
     def vocab_shard_range(self) -> tuple[int, int]:
         """Columns ``[start, stop)`` of the real vocabulary held by this TP rank's logits shard."""
         per = self.spec.padded_vocab_size(self.mesh.tp) // self.mesh.tp
@@ -157,7 +185,9 @@ class MLoraModel(AdapterHost, torch.nn.Module):
         """Run micro-batches through megatron's pipeline schedule (collective over TP and PP).
 
         Each micro-batch is a dict with ``input_ids`` ``[b, s]`` (the same shape for all) and
-        optionally ``attention_mask`` plus anything ``loss_fn`` needs. On the last stage
+        optionally ``attention_mask`` plus anything ``loss_fn`` needs; or, packed, ``input_ids``
+        ``[1, width]`` and ``packed`` (:class:`mlora.models.packing.PackedRows`), whose per-token
+        results ``loss_fn`` brings back to the padded layout with ``packed.unpack``. On the last stage
         ``loss_fn(logits, micro_batch) -> (loss, metrics)`` gets this TP rank's vocab-parallel
         logits ``[b, s, padded_vocab / TP]`` (see :meth:`vocab_shard_range`); ``loss`` is the
         micro-batch's share of the step's loss, and gradients accumulate as the plain sum of
@@ -169,23 +199,27 @@ class MLoraModel(AdapterHost, torch.nn.Module):
 
         if not micro_batches:
             raise ValueError("forward_backward needs at least one micro-batch")
-        shape = tuple(micro_batches[0]["input_ids"].shape)
-        for mb in micro_batches:
-            if tuple(mb["input_ids"].shape) != shape:
-                raise ValueError(f"all micro-batches must have the same [batch, seq] shape; got {shape} and "
-                                 f"{tuple(mb['input_ids'].shape)}")
-        shared: dict = {}  # one window mask for all micro-batches (same shape)
-        prepared = [(mb, *self._prepare(mb["input_ids"], mb.get("attention_mask"), shared)) for mb in micro_batches]
+        if any("packed" in mb for mb in micro_batches):
+            prepared = self._prepare_packed(micro_batches)
+        else:
+            shape = tuple(micro_batches[0]["input_ids"].shape)
+            for mb in micro_batches:
+                if tuple(mb["input_ids"].shape) != shape:
+                    raise ValueError(f"all micro-batches must have the same [batch, seq] shape; got {shape} and "
+                                     f"{tuple(mb['input_ids'].shape)}")
+            shared: dict = {}  # one window mask for all micro-batches (same shape)
+            prepared = [(mb, *self._prepare(mb["input_ids"], mb.get("attention_mask"), shared), None)
+                        for mb in micro_batches]
 
         last = self.mesh.is_last_stage
 
         def forward_step(data_iterator, model):
-            mb, ids, positions, mask, seq = next(data_iterator)
+            mb, ids, positions, mask, seq, packed_seq = next(data_iterator)
             if hidden_states and last:
                 with self._hidden_states_output():
-                    output = self._batch_major_hidden(model(ids, positions, mask))
+                    output = self._batch_major_hidden(model(ids, positions, mask, packed_seq_params=packed_seq))
             else:
-                output = model(ids, positions, mask)
+                output = model(ids, positions, mask, packed_seq_params=packed_seq)
             if loss_fn is None:
                 return output[:, :seq], None
 

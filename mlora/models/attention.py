@@ -16,6 +16,7 @@ Two implementations fill megatron's ``core_attention`` slot (chosen with
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -25,6 +26,9 @@ from megatron.core.transformer.module import MegatronModule
 
 ATTENTION_IMPLS = ("sdpa", "unfused")
 ATTENTION_CONFIG_ATTR = "mlora_attention"  # on megatron's TransformerConfig: which core attention block_spec uses
+# on megatron's TransformerConfig: the model's sliding window (Mistral), which packed rows apply per segment;
+# unpacked batches carry it in their mask
+WINDOW_CONFIG_ATTR = "mlora_sliding_window"
 
 # Mask types under which a missing mask means "causal" (megatron's unfused path builds a causal
 # mask for these itself; SDPA's is_causal does the same without one).
@@ -155,11 +159,11 @@ class SDPAttention(MegatronModule):
                 attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None = None,
                 attention_bias: torch.Tensor | None = None, packed_seq_params=None) -> torch.Tensor:
         """Attention output ``[s, b, heads * head_dim]`` (see the class docstring for the mask)."""
-        if packed_seq_params is not None:
-            raise NotImplementedError("packed sequences are not supported by SDPAttention")
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported by SDPAttention")
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params, mask_type)
         sq, batch, heads, _ = query.shape
         is_causal = attention_mask is None and mask_type in _CAUSAL_TYPES
         if is_causal and key.shape[0] != sq:
@@ -186,3 +190,43 @@ class SDPAttention(MegatronModule):
                                                  scale=self.softmax_scale, enable_gqa=gqa)
         # [b, h, s, d] -> [s, b, h * d]
         return out.permute(2, 0, 1, 3).reshape(sq, batch, -1)
+
+    def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed_seq_params,
+                mask_type: AttnMaskType) -> torch.Tensor:
+        """Megatron's ``thd`` format (``[t, heads, head_dim]``, segments at ``cu_seqlens``): each segment
+        attends to itself only, causal (and windowed) as an unpacked row would; ``[t, heads * head_dim]``.
+
+        One SDPA call per segment, what a varlen kernel (flash-attention, TE) does in one launch: the
+        work is ``Σ len²`` rather than ``(Σ len)²`` and no ``[t, t]`` mask is built."""
+        if packed_seq_params.qkv_format != "thd":
+            raise NotImplementedError(f"SDPAttention takes packed sequences in the 'thd' format, not "
+                                      f"{packed_seq_params.qkv_format!r}")
+        if mask_type not in _CAUSAL_TYPES:
+            raise NotImplementedError(f"packed SDPAttention is causal only, not {mask_type}")
+        cu = packed_seq_params.cu_seqlens_q.tolist()
+        if cu != packed_seq_params.cu_seqlens_kv.tolist() or cu[-1] != query.shape[0]:
+            raise ValueError(f"packed attention needs cu_seqlens_q == cu_seqlens_kv ending at the {query.shape[0]} "
+                             f"tokens, got {cu} and {packed_seq_params.cu_seqlens_kv.tolist()}")
+        heads = query.shape[1]
+        window = getattr(self.config, WINDOW_CONFIG_ATTR, None)
+        dropout = self.dropout_p if self.training else 0.0
+        fork = contextlib.nullcontext()
+        if dropout > 0.0 and not self.config.sequence_parallel:
+            from megatron.core import tensor_parallel
+
+            fork = tensor_parallel.get_cuda_rng_tracker().fork()
+        outs = []
+        with fork:
+            for a, b in zip(cu[:-1], cu[1:]):
+                # [len, h, d] -> [1, h, len, d]: views
+                q, k, v = (t[a:b].permute(1, 0, 2)[None] for t in (query, key, value))
+                mask = sdpa_mask(b - a, None, window, query.dtype, query.device)
+                gqa = k.shape[1] != heads
+                if gqa and _repeat_kv_needed(q, k, v, mask, mask is None):
+                    k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+                    gqa = False
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                     is_causal=mask is None, scale=self.softmax_scale,
+                                                     enable_gqa=gqa)
+                outs.append(out[0].permute(1, 0, 2).reshape(b - a, -1))
+        return torch.cat(outs)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from mlora.formats.hf_config import ModelSpec, hf_inv_freq
 from mlora.lora.sites import attach_lora_sites
-from mlora.models.attention import ATTENTION_CONFIG_ATTR, SDPAttention, check_attention_arg
+from mlora.models.attention import ATTENTION_CONFIG_ATTR, WINDOW_CONFIG_ATTR, SDPAttention, check_attention_arg
 from mlora.models.norm import RMSNorm
 from mlora.models.recompute import Recompute, prepare_for_recompute
 from mlora.parallel.mesh import Mesh
@@ -124,6 +124,7 @@ def build_gpt_model(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, fp8: str | 
     config = transformer_config(spec, mesh, dtype, recompute)
     setattr(config, FP8_CONFIG_ATTR, fp8)
     setattr(config, ATTENTION_CONFIG_ATTR, check_attention_arg(attention))
+    setattr(config, WINDOW_CONFIG_ATTR, spec.sliding_window)
     layer_spec = block_spec
     if fp8 == "te":
         from mlora.models.te import megatron_fp8_settings, te_block_spec

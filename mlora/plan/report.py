@@ -21,7 +21,8 @@ def describe(plan: MemoryPlan) -> str:
     recompute = w.recompute + (f" ({w.recompute_method}, {w.recompute_num_layers})" if w.recompute == "full" else "")
     engine = (f"; colocated vLLM TP{plan.engine.tp}, {plan.engine.kv_tokens:,} KV tokens" if plan.engine else "")
     return (f"{spec.architecture}: {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {spec.vocab_size} | "
-            f"{layout} | micro-batch {w.micro_batch} x {w.seq} tokens, {micro} per update | base {base} | "
+            f"{layout} | " + (f"packed micro-batch of {w.seq} tokens" if w.packed else
+                              f"micro-batch {w.micro_batch} x {w.seq} tokens") + f", {micro} per update | base {base} | "
             f"{w.attention} attention | recompute {recompute} | LoRA r {w.rank} actor"
             + (" + critic + value head" if w.critic else "")
             + f" ({str(master_dtype(w.dtype)).removeprefix('torch.')} masters and AdamW state)" + engine)

@@ -58,6 +58,12 @@ class Workload:
     :func:`mlora.from_pretrained`);
     ``fp8="torch"`` stores the four frozen linears in e4m3. ``attention`` and ``recompute*`` as in
     :func:`mlora.from_pretrained`.
+
+    ``packed``: sequence packing (``trainer.use_sample_packing`` with ``max_tokens_per_microbatch = seq``):
+    each micro-batch is one row of ``seq`` tokens holding several sequences (``micro_batch`` must be 1).
+    Its memory is that row's: every linear, norm and the logits see ``seq`` tokens, and the fused attention
+    run per sequence keeps ``O(tokens)`` (its log-sum-exp), never more than one sequence of ``seq`` tokens
+    would; so the planner sizes the token budget (:meth:`packed_budget`).
     """
 
     micro_batch: int = 1
@@ -76,6 +82,12 @@ class Workload:
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
     recompute_modules: tuple[str, ...] = ("core_attn",)
+    packed: bool = False
+
+    @classmethod
+    def packed_budget(cls, tokens: int, **kwargs) -> "Workload":
+        """Packed micro-batches of ``tokens`` tokens (forward passes too)."""
+        return cls(micro_batch=1, seq=tokens, forward_micro_batch=1, packed=True, **kwargs)
 
     def check(self, spec: ModelSpec, layout: Layout) -> None:
         """ValueError naming the first bad field."""
@@ -94,6 +106,11 @@ class Workload:
                              "memory is not modelled)")
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(f"attention={self.attention!r}; valid: {', '.join(ATTENTION_IMPLS)}")
+        if self.packed and (self.micro_batch != 1 or self.forward_batch != 1):
+            raise ValueError(f"a packed workload is one row of seq={self.seq} tokens per micro-batch: micro_batch "
+                             f"and forward_micro_batch must be 1, got {self.micro_batch} and {self.forward_batch}")
+        if self.packed and self.attention != "sdpa":
+            raise ValueError(f"packed sequences need the fused attention (attention='sdpa'), got {self.attention!r}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute={self.recompute!r}; valid: {', '.join(RECOMPUTE)}")
         if self.recompute_method not in RECOMPUTE_METHODS:

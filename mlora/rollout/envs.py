@@ -1,44 +1,35 @@
-"""Reward environments: GSM8K, synthetic tasks a tiny model learns on CPU, and user-registered ones.
+"""Environments: GSM8K, synthetic tasks a tiny model learns on CPU, multi-turn ones, user-registered ones.
 
-An environment scores one response: ``env.reward(sample, response_text, response_ids) -> float``.
-``sample`` is the prompt row (with its ``reward_spec``). Select one with ``environment.env_class``;
-register your own with :func:`register_env`.
+A reward environment scores one response: ``env.reward(sample, response_text, response_ids) -> float``.
+``sample`` is the prompt row (with its ``reward_spec``). A multi-turn text environment
+(:class:`mlora.rollout.gym.BaseTextEnv`: ``calculator``, ``guess_number``, or your own) is one object per
+trajectory that answers each model turn (:mod:`mlora.rollout.multi_turn`). Select one with
+``environment.env_class`` (or a row's ``env_class``); register your own with :func:`register_env` or
+:func:`mlora.rollout.gym.register`.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Callable, Protocol
+from typing import Protocol
+
+from mlora.rollout.gym import is_text_env
+from mlora.rollout.registry import env_class, register_env, registered_envs  # noqa: F401 (the registry's doors)
+from mlora.rollout.tool_envs import CalculatorEnv, GuessNumberEnv
 
 
 class Environment(Protocol):
     def reward(self, sample: dict, response_text: str, response_ids: list[int]) -> float: ...
 
 
-_REGISTRY: dict[str, Callable[..., Environment]] = {}
-
-
-def register_env(name: str):
-    """Class decorator: ``@register_env("my_task")`` makes ``environment.env_class=my_task`` work."""
-
-    def wrap(cls):
-        if name in _REGISTRY:
-            raise ValueError(f"environment {name!r} is already registered")
-        _REGISTRY[name] = cls
-        return cls
-
-    return wrap
-
-
 def make_env(name: str, **kwargs) -> Environment:
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown env_class {name!r}; registered: {', '.join(sorted(_REGISTRY))} "
-                         "(add your own with mlora.rollout.envs.register_env)")
-    return _REGISTRY[name](**kwargs)
+    """A reward environment (one per run); multi-turn text environments are made per trajectory."""
+    return env_class(name)(**kwargs)
 
 
-def registered_envs() -> list[str]:
-    return sorted(_REGISTRY)
+def is_multi_turn(name: str) -> bool:
+    """Whether ``name`` is a multi-turn text environment (:class:`mlora.rollout.gym.BaseTextEnv`)."""
+    return is_text_env(env_class(name))
 
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -104,6 +95,9 @@ class CopyFirstEnv:
     def reward(self, sample: dict, response_text: str, response_ids: list[int]) -> float:
         return float(bool(response_ids) and response_ids[0] == int(sample["reward_spec"]["last_prompt_token"]))
 
+
+register_env("calculator")(CalculatorEnv)
+register_env("guess_number")(GuessNumberEnv)
 
 REWARD_MODEL_ENV = "reward_model"
 

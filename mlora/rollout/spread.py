@@ -39,6 +39,12 @@ def collect_scored(engines, pending: tuple | None, score: Callable[[int, Generat
         calls, t0 = pending
         gens = engines.finish_generate(calls)
         part = (gens, [score(g.prompt_index, g) for g in gens], time.perf_counter() - t0)
+    return gather_scored(part)
+
+
+def gather_scored(part: tuple[list[Generation], list[float], float]) -> tuple[list[Generation], list[float], float]:
+    """Collective: every rank's ``(generations, rewards, seconds)`` part (empty where it holds no engine) as one
+    batch in prompt order, with the slowest part's seconds."""
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, part)
     pairs = [(g, r) for gens, rewards, _ in parts for g, r in zip(gens, rewards)]

@@ -223,8 +223,10 @@ class VLLMServer:
                                  seed=None if s.seed is None else s.seed + i,
                                  stop_token_ids=list(s.stop_token_ids) or None, stop=list(s.stop) or None)
                   for i in indices]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                                 lora_request=self.lora, use_tqdm=False)
+        outs = []
+        for part in self._prefill_groups(prompts, s):
+            outs += self.llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in part],
+                                      [params[i] for i in part], lora_request=self.lora, use_tqdm=False)
         gens = []
         for i, out in enumerate(outs):
             for c in out.outputs:
@@ -232,6 +234,32 @@ class VLLMServer:
                 gens.append(Generation(i, ids, [step[t].logprob for step, t in zip(c.logprobs, ids)], c.text,
                                        str(c.finish_reason)))
         return gens
+
+
+    def _prefill_groups(self, prompts: list[list[int]], s: SamplingConfig) -> list[list[int]]:
+        """Consecutive groups of prompt indices, one ``generate`` call each. On the CPU build a seeded request
+        must never be prefilled in chunks (vLLM's CPU sampler cannot rewind a seeded generator, "CPU Generator
+        does not use offset"), which it would be when a call's prompt tokens pass the scheduler's
+        ``max_num_batched_tokens``; so calls are cut below it (multi-turn prompts grow every turn)."""
+        from vllm.platforms import current_platform
+
+        everything = [list(range(len(prompts)))]
+        if s.seed is None or not current_platform.is_cpu() or not prompts:
+            return everything
+        budget = self.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+        groups, used = [[]], 0
+        for i, p in enumerate(prompts):
+            need = len(p) * s.n_samples_per_prompt
+            if need > budget:
+                raise ValueError(f"a prompt of {len(p)} tokens x {s.n_samples_per_prompt} samples passes vLLM's "
+                                 f"max_num_batched_tokens={budget}: raise it (generator.engine_init_kwargs."
+                                 "max_num_batched_tokens) or lower the sample count")
+            if used + need > budget and groups[-1]:
+                groups.append([])
+                used = 0
+            groups[-1].append(i)
+            used += need
+        return groups
 
 
 def _use_cores(tp: int, cores: list[int] | None) -> None:

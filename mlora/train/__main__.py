@@ -158,7 +158,7 @@ def _train(dict_cfg, explicit: list[str]) -> None:
             from mlora.demos.rl_assets import build_demo_assets
             from mlora.train.rl_stage import run_rl
 
-            run_rl(cfg, notes, build_assets=build_demo_assets)
+            run_rl(cfg, notes, build_assets=lambda directory: build_demo_assets(directory, task=cfg.demo.task))
     except (Preempted, KeyboardInterrupt):
         raise
     except SystemExit as stop:

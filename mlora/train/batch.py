@@ -13,7 +13,9 @@ class RolloutBatch:
 
     ``response_mask`` is 1 on response tokens. Per-token quantities (log-probs, values,
     advantages) live on the ``S - 1`` *action* positions: position ``t`` holds the prediction
-    of token ``t + 1``. ``rewards`` are outcome rewards, one per sequence.
+    of token ``t + 1``. ``rewards`` are outcome rewards, one per sequence. Multi-turn rollouts hold the
+    model's tokens only in ``response_mask`` (environment tokens are 0 there) and may place their turns'
+    rewards per token in ``token_rewards`` (``rewards`` is then their sum).
     """
 
     input_ids: torch.Tensor  # [B, S] int64
@@ -24,6 +26,9 @@ class RolloutBatch:
     # [B] 0/1: a 0 row's tokens stay out of the loss (DAPO's overlong filtering) but keep their reward,
     # so group statistics (GRPO, RLOO) still see it, as in SkyRL
     loss_mask: torch.Tensor | None = None
+    # [B, S - 1]: rewards on action positions (multi-turn: each turn's on its last model token); None: each
+    # row's outcome reward on its last response position
+    token_rewards: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         b, s = self.input_ids.shape
@@ -34,6 +39,8 @@ class RolloutBatch:
             raise ValueError(f"rewards must have shape ({b},), got {tuple(self.rewards.shape)}")
         if self.loss_mask is not None and tuple(self.loss_mask.shape) != (b,):
             raise ValueError(f"loss_mask must have shape ({b},), got {tuple(self.loss_mask.shape)}")
+        if self.token_rewards is not None and tuple(self.token_rewards.shape) != (b, s - 1):
+            raise ValueError(f"token_rewards must have shape {(b, s - 1)}, got {tuple(self.token_rewards.shape)}")
         empty = (self.response_positions.sum(-1) == 0).nonzero().flatten().tolist()
         if empty:
             raise ValueError(f"responses of length zero in rows {empty[:8]}; every sequence needs at least one "
@@ -59,4 +66,5 @@ class RolloutBatch:
         return RolloutBatch(self.input_ids[index], self.attention_mask[index], self.response_mask[index],
                             self.rewards[index],
                             None if self.rollout_logprobs is None else self.rollout_logprobs[index],
-                            None if self.loss_mask is None else self.loss_mask[index])
+                            None if self.loss_mask is None else self.loss_mask[index],
+                            None if self.token_rewards is None else self.token_rewards[index])

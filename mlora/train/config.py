@@ -10,6 +10,7 @@ from mlora.rl.losses import LOSS_AGG_MODES
 from mlora.rl.lr_schedule import LR_SCHEDULES
 from mlora.rl.rollout_correction import OffPolicyCorrection
 from mlora.rollout.generator import check_truncation
+from mlora.train.micro_batches import Packing
 
 POLICY_LOSSES = ("regular", "rollout_is")
 
@@ -26,6 +27,7 @@ class PPOConfig:
     critic_mini_batch_size: int | None = None  # sequences per critic optimizer step; None: mini_batch_size
     micro_train_batch_size: int = 2  # sequences per micro-batch on one DP rank
     micro_forward_batch_size: int = 4  # for the forward-only passes
+    packing: Packing = field(default_factory=Packing)  # sequence packing (trainer.use_sample_packing)
     eps_clip_low: float = 0.2
     eps_clip_high: float = 0.2
     dual_clip: float | None = None
@@ -106,6 +108,10 @@ class PPOConfig:
             raise ValueError(f"temperature={self.temperature} must be > 0 (PPO needs the log-probs of a sampling "
                              "distribution; greedy rollouts have none)")
         check_truncation(self.top_p, self.top_k, self.min_p)
+        if self.packing.enabled and self.loss_agg_mode == "token-mean-legacy":
+            raise ValueError("loss_agg_mode='token-mean-legacy' averages per micro-batch, which packing regroups: "
+                             "with use_sample_packing choose one of " + ", ".join(
+                                 m for m in LOSS_AGG_MODES if m != "token-mean-legacy"))
 
     @property
     def critic_mini_batch(self) -> int:

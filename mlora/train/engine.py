@@ -43,6 +43,7 @@ from mlora.rl.rollout_correction import off_policy_correction, rollout_is_loss
 from mlora.rl.vocab_parallel import next_token_logits, vocab_parallel_logprobs, vocab_parallel_truncation_logmass
 from mlora.train.batch import RolloutBatch
 from mlora.train.config import PPOConfig
+from mlora.train.micro_batches import group_units, last_token_scores, micro_batch, unpack_tokens
 from mlora.train.optim import build_optimizer
 
 
@@ -119,14 +120,26 @@ class ActorCriticEngine:
         return slice(start + self.mesh.dp_rank * per, start + (self.mesh.dp_rank + 1) * per)
 
     def _micro_batches(self, batch: RolloutBatch, rows: slice, size: int, extra: dict) -> list[dict]:
-        out, action_mask = [], batch.action_mask
-        for s in range(rows.start, rows.stop, size):
-            r = slice(s, s + size)
-            mb = {"input_ids": batch.input_ids[r], "attention_mask": batch.attention_mask[r],
-                  "action_mask": action_mask[r]}
-            mb.update({k: v[r] for k, v in extra.items()})
-            out.append({k: v.to(self.mesh.device) for k, v in mb.items()})
+        """Micro-batches of ``rows`` (``size`` sequences each, or packed under the token budget); each
+        holds ``rows``, its sequences' places in the slice, for :meth:`_in_row_order`."""
+        per_row = {"action_mask": batch.action_mask, **extra}
+        tokens = batch.attention_mask[rows].sum(-1).tolist()
+        out = []
+        for group in group_units(tokens, size, self.cfg.packing, batch.input_ids.shape[1]):
+            local = torch.tensor(group)
+            mb = micro_batch(batch.input_ids, batch.attention_mask, local + rows.start, per_row,
+                             self.cfg.packing.enabled, self.mesh.device)
+            mb["rows"] = local
+            out.append(mb)
         return out
+
+    @staticmethod
+    def _in_row_order(outs: list[dict] | None, mbs: list[dict]) -> torch.Tensor | None:
+        """The micro-batches' ``out`` rows put back in the order of the slice (packing regroups rows)."""
+        if outs is None:
+            return None
+        local = torch.cat([o["out"].float() for o in outs])
+        return local[torch.argsort(torch.cat([mb["rows"] for mb in mbs])).to(local.device)]
 
     def _from_last_stage(self, t: torch.Tensor | None, shape, dtype=torch.float32) -> torch.Tensor:
         """Broadcast a tensor computed on the last pipeline stage to every stage."""
@@ -159,34 +172,35 @@ class ActorCriticEngine:
                 m.training = mode
 
     # ------------------------------------------------------------------ forward-only passes
-    def _token_logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: bool):
-        """Log-probs (and entropy) of the next tokens under ``softmax(logits / temperature)``, the
-        distribution the rollouts were sampled from before truncation; vocab-parallel."""
+    def _token_logprobs(self, logits: torch.Tensor, mb: dict, with_entropy: bool):
+        """``[rows, S - 1]`` log-probs (and entropy) of the next tokens under ``softmax(logits / temperature)``,
+        the distribution the rollouts were sampled from before truncation; vocab-parallel."""
         lo, hi = self.model.vocab_shard_range()
-        return vocab_parallel_logprobs(next_token_logits(logits), input_ids[:, 1:].to(logits.device), lo, hi - lo,
-                                       self.mesh.tp_group if self.mesh.tp > 1 else None, with_entropy,
-                                       self.cfg.temperature)
+        logprob, entropy = vocab_parallel_logprobs(
+            next_token_logits(logits), mb["input_ids"][:, 1:].to(logits.device), lo, hi - lo,
+            self.mesh.tp_group if self.mesh.tp > 1 else None, with_entropy, self.cfg.temperature)
+        return unpack_tokens(logprob, mb, 1), None if entropy is None else unpack_tokens(entropy, mb, 1)
 
     @property
     def _sampling_truncated(self) -> bool:
         c = self.cfg
         return c.top_p < 1.0 or c.top_k > 0 or c.min_p > 0.0
 
-    def _old_and_sampled_logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def _old_and_sampled_logprobs(self, logits: torch.Tensor, mb: dict) -> torch.Tensor:
         """``[b, S - 1, 2]``: the tempered log-probs (PPO's old log-probs) and the log-probs under the
         distribution vLLM sampled from (tempered, then min-p / top-k / top-p, renormalised), which
         is what the engine reports with ``logprobs_mode="processed_logprobs"``: for the gap metric only."""
-        logprob, _ = self._token_logprobs(logits, input_ids, False)
+        logprob, _ = self._token_logprobs(logits, mb, False)
         sampled = logprob
         if self._sampling_truncated:
             c, (lo, hi) = self.cfg, self.model.vocab_shard_range()
-            sampled = logprob - vocab_parallel_truncation_logmass(
+            sampled = logprob - unpack_tokens(vocab_parallel_truncation_logmass(
                 next_token_logits(logits), hi - lo, self.mesh.tp_group if self.mesh.tp > 1 else None, c.temperature, c.top_k,
-                c.top_p, c.min_p)
+                c.top_p, c.min_p), mb, 1)
         return torch.stack([logprob, sampled], dim=-1)
 
-    def _values(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.heads[self.critic](hidden)[..., 0][:, :-1].float()
+    def _values(self, hidden: torch.Tensor, mb: dict) -> torch.Tensor:
+        return unpack_tokens(self.model.heads[self.critic](hidden)[..., 0][:, :-1].float(), mb, 1)
 
     @torch.no_grad()
     def _forward_pass(self, batch: RolloutBatch, adapters: tuple[str, ...], values: bool,
@@ -198,16 +212,16 @@ class ActorCriticEngine:
         rows = self._dp_rows(0, batch.size)
         mbs = self._micro_batches(batch, rows, self.cfg.micro_forward_batch_size, {})
         if values:
-            fn = lambda hidden, mb: (torch.zeros(()), {"out": self._values(hidden)})  # noqa: E731
+            fn = lambda hidden, mb: (torch.zeros(()), {"out": self._values(hidden, mb)})  # noqa: E731
         elif sampled:
             def fn(logits, mb):
-                return torch.zeros(()), {"out": self._old_and_sampled_logprobs(logits, mb["input_ids"])}
+                return torch.zeros(()), {"out": self._old_and_sampled_logprobs(logits, mb)}
         else:
-            fn = lambda logits, mb: (torch.zeros(()), {"out": self._token_logprobs(logits, mb["input_ids"], False)[0]})  # noqa: E731
+            fn = lambda logits, mb: (torch.zeros(()), {"out": self._token_logprobs(logits, mb, False)[0]})  # noqa: E731
         with self.model.use_adapters(*adapters), self._mode(training=False):
             outs = self.model.forward_backward(mbs, fn, forward_only=True, hidden_states=values)
         # collectives run on the mesh's device (NCCL needs CUDA tensors); results come back to CPU
-        local = torch.cat([o["out"].float() for o in outs]) if outs is not None else None
+        local = self._in_row_order(outs, mbs)
         shape = (rows.stop - rows.start, batch.input_ids.shape[1] - 1) + ((2,) if sampled and not values else ())
         local = self._from_last_stage(local, shape)
         return self._dp_gather(local).cpu()
@@ -219,32 +233,34 @@ class ActorCriticEngine:
         under ``adapters`` (a frozen reward adapter on this same base; see
         :func:`mlora.export.reward_adapter.load_reward_adapter`). The same forward-only pass as the
         values: micro-batches through megatron's schedule, each DP rank its slice, eval mode."""
-        from mlora.export.reward_adapter import last_token_scores
-
         self._check_sizes(batch)
         rows = self._dp_rows(0, batch.size)
         mbs = self._micro_batches(batch, rows, self.cfg.micro_forward_batch_size, {})
         module = self.model.heads[head] if self.mesh.is_last_stage else None
 
         def fn(hidden, mb):
-            return torch.zeros(()), {"out": last_token_scores(module, hidden, mb["attention_mask"])}
+            return torch.zeros(()), {"out": last_token_scores(module, hidden, mb)}
 
         with self.model.use_adapters(*adapters), self._mode(training=False):
             outs = self.model.forward_backward(mbs, fn, forward_only=True, hidden_states=True)
-        local = torch.cat([o["out"] for o in outs]) if outs is not None else None
+        local = self._in_row_order(outs, mbs)
         local = self._from_last_stage(local, (rows.stop - rows.start,))
         return self._dp_gather(local).cpu()
 
     # ------------------------------------------------------------------ advantages
     def compute_advantages(self, batch: RolloutBatch, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
                            values: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """Token rewards (outcome reward on the last response token, KL penalty if in reward),
-        then GAE / GRPO / RLOO advantages. Pure given its inputs; identical on every rank."""
+        """Token rewards (outcome reward on the last response token, or the batch's per-token turn rewards;
+        KL penalty if in reward), then GAE / GRPO / RLOO advantages (GAE skips the environment tokens of a
+        multi-turn row: they are outside the mask). Pure given its inputs; identical on every rank."""
         # a filtered row (batch.loss_mask) keeps its reward at its last token: it counts in its group's statistics
         c, mask = self.cfg, batch.response_positions
-        last = mask.shape[1] - 1 - torch.flip(mask, dims=[1]).argmax(dim=1)  # last response position per row
-        token_rewards = torch.zeros_like(mask)
-        token_rewards[torch.arange(batch.size), last] = batch.rewards.float()
+        if batch.token_rewards is not None:  # multi-turn: each turn's reward where the trainer placed it
+            token_rewards = batch.token_rewards.float() * mask
+        else:
+            last = mask.shape[1] - 1 - torch.flip(mask, dims=[1]).argmax(dim=1)  # last response position per row
+            token_rewards = torch.zeros_like(mask)
+            token_rewards[torch.arange(batch.size), last] = batch.rewards.float()
         kl = kl_penalty(old_logprobs, ref_logprobs, c.kl_estimator) * mask
         out = {"kl": kl}
         if c.use_kl_in_reward:
@@ -322,7 +338,7 @@ class ActorCriticEngine:
 
         def loss_fn(logits, mb):
             mask = mb["action_mask"].to(logits.device)
-            logprob, entropy = self._token_logprobs(logits, mb["input_ids"], with_entropy=True)
+            logprob, entropy = self._token_logprobs(logits, mb, with_entropy=True)
             weights = mb.get("is_weights")  # rollout correction (TIS, masks): None when off
             if c.policy_loss_type == "rollout_is":
                 pg, m = rollout_is_loss(logprob, mb["rollout_logprobs"], mb["advantages"], mask, c.eps_clip_low,
@@ -346,7 +362,7 @@ class ActorCriticEngine:
 
         def loss_fn(hidden, mb):
             mask = mb["action_mask"].to(hidden.device)
-            values = self._values(hidden)
+            values = self._values(hidden, mb)
             vl, m = value_loss(values, mb["old_values"], mb["returns"], mask, c.value_clip, c.loss_agg_mode,
                                normalizer, c.max_seq_len)
             share = mask.sum() / max(tokens, 1.0)

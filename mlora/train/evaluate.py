@@ -41,14 +41,14 @@ def evaluate(generate: Callable, prompts: list[Prompt], sampling: SamplingConfig
     """Generate ``sampling.n_samples_per_prompt`` responses per prompt, ``batch_size`` prompts per call,
     score them, and (with ``dump_dir``) write ``eval_step_<step>.jsonl``, one response per line.
 
-    ``generate(prompt ids, sampling, score_of) -> (generations, rewards)`` runs the engines and
+    ``generate(prompts, sampling, score_of) -> (generations, rewards)`` runs the engines (multi-turn
+    environments: whole trajectories, their rewards summed over turns) and
     ``score_of(prompt index, generation)`` beside them (:func:`mlora.rollout.spread.generate_scored`, which
     is collective: then every rank calls this, and only one passes ``dump_dir``)."""
     prompt_of, rewards, dump = [], [], []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
-        gens, scores = generate([p.token_ids for p in chunk], sampling,
-                                lambda i, g, chunk=chunk: score(chunk[i], g))
+        gens, scores = generate(chunk, sampling, lambda i, g, chunk=chunk: score(chunk[i], g))
         for g, reward in zip(gens, scores):
             prompt = chunk[g.prompt_index]
             prompt_of.append(start + g.prompt_index)

@@ -10,6 +10,7 @@ from mlora.config.validate import LOSS_REDUCTIONS
 from mlora.rl.rollout_correction import OffPolicyCorrection
 from mlora.rollout.generator import SamplingConfig
 from mlora.train.config import PPOConfig
+from mlora.train.micro_batches import Packing
 
 
 def ppo_config(cfg: TrainConfig, total_steps: int) -> PPOConfig:
@@ -27,7 +28,7 @@ def ppo_config(cfg: TrainConfig, total_steps: int) -> PPOConfig:
         mini_batch_size=t.policy_mini_batch_size * n,
         critic_mini_batch_size=critic_mini * n,
         micro_train_batch_size=t.micro_train_batch_size_per_gpu,
-        micro_forward_batch_size=t.micro_forward_batch_size_per_gpu,
+        micro_forward_batch_size=t.micro_forward_batch_size_per_gpu, packing=packing(t),
         eps_clip_low=a.eps_clip_low, eps_clip_high=a.eps_clip_high,
         dual_clip=a.clip_ratio_c if a.policy_loss_type == "dual_clip" else None, value_clip=a.value_clip,
         policy_loss_type="rollout_is" if a.policy_loss_type == "rollout_is" else "regular",
@@ -43,6 +44,11 @@ def ppo_config(cfg: TrainConfig, total_steps: int) -> PPOConfig:
         critic_lr=cri.lr, critic_weight_decay=cri.weight_decay, critic_betas=tuple(cri.adam_betas),
         critic_warmup_steps=cri.num_warmup_steps, critic_lr_schedule=cri.scheduler,
         critic_max_grad_norm=cri.max_grad_norm, total_steps=actor_steps, critic_total_steps=critic_steps)
+
+
+def packing(t: TrainerSection) -> Packing:
+    """``trainer.use_sample_packing`` and ``trainer.max_tokens_per_microbatch`` (after validation merged the alias)."""
+    return Packing(enabled=bool(t.use_sample_packing), max_tokens=max(t.max_tokens_per_microbatch, 0))
 
 
 def recompute_kwargs(t: TrainerSection) -> dict:

@@ -18,13 +18,12 @@ travel together in one micro-batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
 from mlora.checkpoint.run_state import SCORE_HEAD, StageState, TrainedAdapter, head_parameters
-from mlora.export.reward_adapter import last_token_scores
 from mlora.facade.model import MLoraModel
 from mlora.lora.config import LoraConfig
 from mlora.lora.grads import clip_grads, finalize_grads
@@ -39,6 +38,7 @@ from mlora.rl.preference import (
 )
 from mlora.rl.vocab_parallel import next_token_logits, vocab_parallel_logprobs
 from mlora.train.engine import ActorCriticEngine
+from mlora.train.micro_batches import Packing, group_units, last_token_scores, micro_batch, unpack_tokens
 from mlora.train.optim import build_optimizer
 from mlora.train.preference_data import SequenceBatch
 
@@ -56,6 +56,7 @@ class PreferenceConfig:
     margin: float | None = None  # RM: Bradley-Terry margin subtracted from r_c - r_r (None: 0)
     head_init_std: float = 0.02  # RM: score head ~ N(0, std²) (HF's initializer_range default)
     micro_batch_size: int = 2  # examples (pairs for rm/dpo) per micro-batch on one DP rank
+    packing: Packing = field(default_factory=Packing)  # sequence packing (trainer.use_sample_packing)
     lr: float = 1e-4
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -145,31 +146,42 @@ class PreferenceEngine:
                              f"{self.cfg.micro_batch_size} x {self.mesh.dp}; valid batch sizes are multiples of {per}")
 
     def _micro_batches(self, batch: SequenceBatch, extra: dict[str, torch.Tensor]) -> list[dict]:
-        """This DP rank's examples in micro-batches; ``extra`` holds per-row tensors."""
+        """This DP rank's examples in micro-batches (``micro_batch_size`` each, or packed under the token
+        budget; a pair's rows always together); ``extra`` holds per-row tensors. Each micro-batch holds
+        ``rows``, its examples' places in the slice."""
         per = batch.size // self.mesh.dp
-        first, m = self.mesh.dp_rank * per, self.cfg.micro_batch_size
-        action = batch.action_mask
+        first = self.mesh.dp_rank * per
+        examples = torch.arange(first, first + per)
+        lengths = batch.attention_mask.sum(-1)
+        tokens = (lengths[examples] + (lengths[examples + batch.size] if batch.pairs else 0)).tolist()
+        unit_width = batch.input_ids.shape[1] * (2 if batch.pairs else 1)
+        per_row = {"action_mask": batch.action_mask, **extra}
         out = []
-        for s in range(first, first + per, m):
-            rows = batch.example_rows(s, s + m)
-            mb = {"input_ids": batch.input_ids[rows], "attention_mask": batch.attention_mask[rows],
-                  "action_mask": action[rows], **{k: v[rows] for k, v in extra.items()}}
-            out.append({k: v.to(self.mesh.device) for k, v in mb.items()})
+        for group in group_units(tokens, self.cfg.micro_batch_size, self.cfg.packing, unit_width):
+            local = torch.tensor(group)
+            ex = local + first
+            rows = torch.cat([ex, ex + batch.size]) if batch.pairs else ex  # chosen rows, then rejected
+            mb = micro_batch(batch.input_ids, batch.attention_mask, rows, per_row, self.cfg.packing.enabled,
+                             self.mesh.device)
+            mb["rows"] = local
+            out.append(mb)
         return out
 
     # ------------------------------------------------------------------ per micro-batch quantities
-    def _token_logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def _token_logprobs(self, logits: torch.Tensor, mb: dict) -> torch.Tensor:
+        """``[rows, S - 1]`` log-probs of the next tokens; vocab-parallel."""
         lo, hi = self.model.vocab_shard_range()
-        return vocab_parallel_logprobs(next_token_logits(logits), input_ids[:, 1:].to(logits.device), lo, hi - lo,
-                                       self.mesh.tp_group if self.mesh.tp > 1 else None, False, 1.0)[0]
+        logprob = vocab_parallel_logprobs(next_token_logits(logits), mb["input_ids"][:, 1:].to(logits.device), lo,
+                                          hi - lo, self.mesh.tp_group if self.mesh.tp > 1 else None, False, 1.0)[0]
+        return unpack_tokens(logprob, mb, 1)
 
     def _seq_logps(self, logits: torch.Tensor, mb: dict) -> torch.Tensor:
         mask = mb["action_mask"].to(logits.device)
-        return (self._token_logprobs(logits, mb["input_ids"]).float() * mask).sum(-1)
+        return (self._token_logprobs(logits, mb).float() * mask).sum(-1)
 
     def _scores(self, hidden: torch.Tensor, mb: dict) -> torch.Tensor:
         """The head on the final hidden state of each row's last non-pad token (HF's sequence classifier)."""
-        return last_token_scores(self.model.heads[self.head], hidden, mb["attention_mask"])
+        return last_token_scores(self.model.heads[self.head], hidden, mb)
 
     # ------------------------------------------------------------------ losses
     def _loss_fn(self, batch: SequenceBatch):
@@ -180,7 +192,7 @@ class PreferenceEngine:
 
             def sft(logits, mb):
                 mask = mb["action_mask"].to(logits.device)
-                lp = self._token_logprobs(logits, mb["input_ids"])
+                lp = self._token_logprobs(logits, mb)
                 loss = sft_nll(lp, mask, normalizer=tokens)
                 return loss, {"loss": loss.detach()}
 
@@ -222,7 +234,7 @@ class PreferenceEngine:
         fn = lambda logits, mb: (torch.zeros(()), {"out": self._seq_logps(logits, mb).reshape(2, -1).T})  # noqa: E731
         with self.model.use_adapters(*self.reference), self._mode(training=False):
             outs = self.model.forward_backward(mbs, fn, forward_only=True)
-        local = torch.cat([o["out"] for o in outs]) if outs is not None else None  # [pairs here, 2]
+        local = ActorCriticEngine._in_row_order(outs, mbs)  # [pairs here, 2] in example order
         local = self._from_last_stage(local, (batch.size // self.mesh.dp, 2))
         both = self._dp_gather(local).cpu()  # [pairs, 2] in example order
         return torch.cat([both[:, 0], both[:, 1]])

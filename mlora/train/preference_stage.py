@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 from mlora.config.schema import TrainConfig
 from mlora.train import loop
-from mlora.train.from_config import lora_config
+from mlora.train.from_config import lora_config, packing
 from mlora.train.metrics_log import log
 from mlora.train.preference_data import Example, SequenceBatch, collate, load_examples, split_held_out
 from mlora.train.preference_engine import PreferenceConfig, PreferenceEngine
@@ -33,7 +33,7 @@ def preference_config(cfg: TrainConfig, total_steps: int) -> PreferenceConfig:
                             margin=p.margin, micro_batch_size=t.micro_train_batch_size_per_gpu, lr=opt.lr,
                             weight_decay=opt.weight_decay, betas=tuple(opt.adam_betas),
                             max_grad_norm=opt.max_grad_norm, warmup_steps=opt.num_warmup_steps,
-                            total_steps=total_steps, lr_schedule=opt.scheduler)
+                            total_steps=total_steps, lr_schedule=opt.scheduler, packing=packing(t))
 
 
 def _load_data(cfg: TrainConfig, tokenizer) -> tuple[list[Example], list[Example]]:

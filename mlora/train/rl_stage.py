@@ -23,12 +23,13 @@ import torch.distributed as dist
 from mlora.config.schema import TrainConfig
 from mlora.config.validate import async_batches_ahead
 from mlora.parallel.small_collectives import all_flags, broadcast_json, ranks_seeing_folder
-from mlora.rollout.data import Prompt, epoch_batches, load_prompt_set
-from mlora.rollout.envs import make_env
+from mlora.rollout.data import Prompt, epoch_batches, load_prompt_set, prompt_text
+from mlora.rollout.envs import env_class, is_multi_turn, make_env
 from mlora.rollout.generator import Generation, SamplingConfig
+from mlora.rollout.multi_turn import TURN_REWARDS, TurnFormat, end_reason_counts, run_episodes
 from mlora.rollout.placement import Placement, cuda_visible_devices, plan_placement
 from mlora.rollout.shm_names import SHM_DIR, remove_stale, shm_name
-from mlora.rollout.spread import collect_scored, generate_scored, submit_generation
+from mlora.rollout.spread import collect_scored, gather_scored, generate_scored, submit_generation
 from mlora.train import loop
 from mlora.train.batch import RolloutBatch
 from mlora.train.engine import ActorCriticEngine
@@ -41,9 +42,15 @@ from mlora.train.metrics_log import log, step_line
 POLICY, CRITIC = "policy", "critic"  # the trainer's adapter names; the engines serve POLICY under this name
 
 
-def build_batch(prompt_ids: list[list[int]], gens: list[Generation], rewards: list[float], pad_id: int
-                ) -> RolloutBatch:
-    """Right-padded prompt+response sequences, response mask and the engine's log-probs per action."""
+def build_batch(prompt_ids: list[list[int]], gens: list[Generation], rewards: list[float], pad_id: int,
+                turn_rewards: str = "turn_end") -> RolloutBatch:
+    """Right-padded prompt+response sequences, response mask and the engine's log-probs per action.
+
+    Multi-turn generations (:mod:`mlora.rollout.multi_turn`: ``extra["model_mask"]``) keep only the model's
+    tokens in the response mask, and their turn rewards become per-token rewards: each on its turn's last
+    model token (``turn_rewards="turn_end"``, SkyRL's) or their sum on the last one (``"final"``)."""
+    if turn_rewards not in TURN_REWARDS:
+        raise ValueError(f"turn_rewards={turn_rewards!r}; valid: {', '.join(TURN_REWARDS)}")
     seqs = [prompt_ids[g.prompt_index] + g.token_ids for g in gens]
     width = max(len(s) for s in seqs)
     b = len(seqs)
@@ -51,13 +58,28 @@ def build_batch(prompt_ids: list[list[int]], gens: list[Generation], rewards: li
     attn = torch.zeros(b, width, dtype=torch.long)
     resp = torch.zeros(b, width, dtype=torch.long)
     rollout_lp = torch.zeros(b, width - 1)
+    multi = any("model_mask" in g.extra for g in gens)
+    token_rewards = torch.zeros(b, width - 1) if multi else None
     for i, (seq, g) in enumerate(zip(seqs, gens)):
         n_prompt = len(prompt_ids[g.prompt_index])
         ids[i, :len(seq)] = torch.tensor(seq)
         attn[i, :len(seq)] = 1
-        resp[i, n_prompt:len(seq)] = 1
         rollout_lp[i, n_prompt - 1:len(seq) - 1] = torch.tensor(g.logprobs, dtype=torch.float32)
-    return RolloutBatch(ids, attn, resp, torch.tensor(rewards, dtype=torch.float32), rollout_lp)
+        if "model_mask" not in g.extra:
+            resp[i, n_prompt:len(seq)] = 1
+            if multi:
+                token_rewards[i, len(seq) - 2] = rewards[i]
+            continue
+        resp[i, n_prompt:len(seq)] = torch.tensor(g.extra["model_mask"], dtype=torch.long)
+        # the token at sequence index n_prompt + e is predicted at action position n_prompt + e - 1
+        ends = [n_prompt + e - 1 for e in g.extra["turn_ends"]]
+        if turn_rewards == "final":
+            token_rewards[i, ends[-1]] = sum(g.extra["turn_rewards"])
+        else:
+            for at, r in zip(ends, g.extra["turn_rewards"]):
+                token_rewards[i, at] += r
+    return RolloutBatch(ids, attn, resp, torch.tensor(rewards, dtype=torch.float32), rollout_lp,
+                        token_rewards=token_rewards)
 
 
 def dapo_shaping(cfg: TrainConfig, batch: RolloutBatch, finish_reasons: Sequence[str | None]) -> dict[str, float]:
@@ -126,8 +148,10 @@ class Rollouts:
     ``evaluate`` are collective: every rank gets the same batch."""
 
     def __init__(self, cfg: TrainConfig, mesh, run_dir: Path, adapter: str, placement: Placement | None = None,
-                 starts: Sequence[int] | None = None) -> None:
+                 starts: Sequence[int] | None = None, tokenizer=None) -> None:
         self.cfg, self.mesh, self.adapter = cfg, mesh, adapter
+        # multi-turn environments (mlora.rollout.multi_turn) turn observations into tokens with the tokenizer
+        self.turns = TurnFormat(tokenizer, cfg.generator.use_conversation_multi_turn is not False) if tokenizer else None
         e = cfg.generator.inference_engine
         self.total = e.num_engines
         if starts is None:
@@ -202,8 +226,51 @@ class Rollouts:
                              f"under trainer.run_dir) is not visible to ranks {blind}, which start engines: put it "
                              "on a file system every node mounts")
 
-    def _generate(self, prompts: list[list[int]], sampling: SamplingConfig, score_of) -> tuple[list, list, float]:
-        return generate_scored(self.generator, self.slots, self.total, prompts, sampling, score_of)
+    def _generate(self, prompts: list[Prompt], sampling: SamplingConfig, score_of) -> tuple[list, list, float]:
+        """Collective: generations, rewards and seconds of ``prompts`` (multi-turn episodes where their
+        environment is a multi-turn one)."""
+        if self.multi_turn(prompts):
+            return self._episodes(prompts, sampling)
+        return generate_scored(self.generator, self.slots, self.total, [p.token_ids for p in prompts], sampling,
+                               score_of)
+
+    @staticmethod
+    def multi_turn(prompts: list[Prompt]) -> bool:
+        return bool(prompts) and is_multi_turn(prompts[0].env_class)
+
+    def _episodes(self, prompts: list[Prompt], sampling: SamplingConfig) -> tuple[list, list, float]:
+        """Collective: multi-turn trajectories of ``prompts`` (:func:`mlora.rollout.multi_turn.run_episodes`),
+        prompt ``i`` on the rank holding engine ``i mod total``, its environment steps beside it; every rank
+        gets every trajectory and its total reward, in prompt order."""
+        g, env = self.cfg.generator, self.cfg.environment
+        part: tuple = ([], [], 0.0)
+        if self.generator is not None:
+            t0 = time.perf_counter()
+            mine = [i for i in range(len(prompts)) if i % self.total in self.slots]
+            settings = dict(env.skyrl_gym)
+
+            def make(prompt: Prompt):
+                extras = {**prompt.row, "max_turns": prompt.row.get("max_turns") or g.max_turns}
+                return env_class(prompt.env_class)(env_config=dict(settings.get(prompt.env_class) or {}),
+                                                   extras=extras)
+
+            def ids_of(prompt: Prompt, conversation) -> list[int]:
+                text = prompt_text({**prompt.row, "prompt": conversation}, self.turns.tokenizer)
+                return self.turns.tokenizer(text, add_special_tokens=True)["input_ids"]
+
+            # a next turn's input must leave the engine's context room for one more generation
+            bound = min(g.max_input_length or self.cfg.trainer.max_prompt_length,
+                        engine_max_model_len(self.cfg, self.engine_base) - sampling.max_generate_length)
+            gens = run_episodes(self.generator.generate, [prompts[i] for i in mine], sampling, make, self.turns,
+                                g.max_turns, bound, ids_of, int(settings.get("max_env_workers", 1)))
+            for gen in gens:
+                gen.prompt_index = mine[gen.prompt_index]
+            if g.zero_reward_on_non_stop:  # SkyRL's: a trajectory whose last turn was cut scores nothing
+                for gen in gens:
+                    if gen.finish_reason != "stop":
+                        gen.extra["turn_rewards"] = [0.0] * len(gen.extra["turn_rewards"])
+            part = (gens, [sum(gen.extra["turn_rewards"]) for gen in gens], time.perf_counter() - t0)
+        return gather_scored(part)
 
     def score(self, prompt: Prompt, gen: Generation) -> float:
         if self.cfg.generator.zero_reward_on_non_stop and gen.finish_reason != "stop":
@@ -262,23 +329,53 @@ class Rollouts:
                                                                     [p.token_ids for p in prompts], sampling))
 
     def collect(self, prompts: list[Prompt], sampling: SamplingConfig, pad_id: int) -> tuple[RolloutBatch, dict]:
-        """Generate and score where the engines are; every rank gets the batch (:meth:`collect_queued`)."""
+        """Generate and score where the engines are; every rank gets the batch (:meth:`collect_queued`;
+        multi-turn environments: :meth:`_episodes`)."""
+        if self.multi_turn(prompts):
+            gens, rewards, seconds = self._episodes(prompts, sampling)
+            return self._batch(prompts, gens, rewards, seconds, self.version, pad_id)
         return self.collect_queued(self.submit(prompts, sampling), pad_id)
 
     def collect_queued(self, queued: QueuedBatch, pad_id: int) -> tuple[RolloutBatch, dict]:
-        """Wait for a batch :meth:`submit` queued and score it where the engines are; every rank gets the batch.
-        Colocated engines that can sleep go to sleep after it (:meth:`sync` wakes them)."""
+        """Wait for a batch :meth:`submit` queued and score it where the engines are; every rank gets the batch."""
         prompts = queued.prompts
         gens, rewards, seconds = collect_scored(self.generator, queued.pending, lambda i, g: self.score(prompts[i], g))
+        return self._batch(prompts, gens, rewards, seconds, queued.version, pad_id)
+
+    def _batch(self, prompts: list[Prompt], gens: list[Generation], rewards: list[float], seconds: float,
+               version: int, pad_id: int) -> tuple[RolloutBatch, dict]:
+        """The batch of scored generations and its metrics. Colocated engines that can sleep go to sleep after
+        it (:meth:`sync` wakes them)."""
         metrics = {"timing/generate_s": seconds}
+        if gens and "end_reason" in gens[0].extra:
+            metrics.update(self._turn_metrics(gens))
         if self.sleeps:  # the trainer has the GPUs until the next hand-off
             if self.generator is not None:
                 metrics["timing/engine_sleep_s"] = self.generator.sleep()
             self.asleep = True
         # what the learned reward (env_class=reward_model) needs of each row, scored on the trainer later
         self.last_rows = [(prompts[g.prompt_index].env_class, g.finish_reason) for g in gens]
-        self.last_version = queued.version
-        return build_batch([p.token_ids for p in prompts], gens, rewards, pad_id), metrics
+        self.last_version = version
+        return build_batch([p.token_ids for p in prompts], gens, rewards, pad_id, self.cfg.generator.turn_rewards), metrics
+
+    def _turn_metrics(self, gens: list[Generation]) -> dict[str, float]:
+        """Turns, environment tokens and end reasons of multi-turn trajectories; the faults are logged once per
+        batch with the first message of each kind (the run goes on without those trajectories' rewards)."""
+        counts = end_reason_counts(gens)
+        n = len(gens)
+        out = {"multi_turn/turns_mean": sum(g.extra["turns"] for g in gens) / n,
+               "multi_turn/env_tokens_mean": sum(len(g.token_ids) - sum(g.extra["model_mask"]) for g in gens) / n,
+               **{f"multi_turn/ended_{k}": float(v) for k, v in counts.items()}}
+        if self.mesh.rank == 0:
+            faults = {}
+            for g in gens:
+                reason = str(g.extra["end_reason"])
+                if reason.split(":", 1)[0] in ("env_error", "malformed"):
+                    faults.setdefault(reason.split(":", 1)[0], reason)
+            for kind, first in faults.items():
+                log.warning("%d trajectories ended by %s (they keep the rewards of their earlier turns); the first: %s",
+                            counts[kind], kind, first)
+        return out
 
     def evaluate(self, prompts: list[Prompt], step: int, run_dir: Path) -> dict[str, float]:
         """Evaluation metrics (collective; rank 0 returns them and writes the dump, the others return {})."""
@@ -288,7 +385,7 @@ class Rollouts:
         sampling = sampling_config(g.eval_sampling_params, g.eval_n_samples_per_prompt, t.seed)
         t0 = time.perf_counter()
         rank0 = self.mesh.rank == 0
-        out = evaluate(lambda ids, s, score_of: self._generate(ids, s, score_of)[:2], prompts, sampling,
+        out = evaluate(lambda chunk, s, score_of: self._generate(chunk, s, score_of)[:2], prompts, sampling,
                        t.eval_batch_size, self.score, step,
                        Path(t.export_path or run_dir) / "dumped_evals" if t.dump_eval_results and rank0 else None)
         return {**out, "timing/eval_s": time.perf_counter() - t0} if rank0 else {}
@@ -329,7 +426,8 @@ def engine_max_model_len(cfg: TrainConfig, model_dir: str | os.PathLike) -> int:
     if explicit is not None:
         return int(explicit)
     g = cfg.generator
-    return run_max_model_len(cfg.trainer.max_prompt_length, (g.sampling_params.max_generate_length,
+    # the longest engine input: the prompt (single-turn) or a whole conversation so far (generator.max_input_length)
+    return run_max_model_len(g.max_input_length or cfg.trainer.max_prompt_length, (g.sampling_params.max_generate_length,
                                                               g.eval_sampling_params.max_generate_length),
                              read_context_limit(model_dir))
 
@@ -362,12 +460,19 @@ def engine_options(cfg: TrainConfig, engine_base: str | os.PathLike, cuda: bool)
 
 def _load_data(cfg: TrainConfig, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
     t, env = cfg.trainer, cfg.environment.env_class
-    make_env(env)  # an unknown environment fails before any model is loaded
+    env_class(env)  # an unknown environment fails before any model is loaded
     train, dropped = load_prompt_set(list(cfg.data.train_data), tokenizer, t.max_prompt_length, env,
                                      "data.train_data")
     val, val_dropped = load_prompt_set(list(cfg.data.val_data), tokenizer, t.max_prompt_length, env, "data.val_data")
-    for name in sorted({p.env_class for p in train + val}):
-        make_env(name)
+    names = sorted({p.env_class for p in train + val})
+    for name in names:
+        if not is_multi_turn(name):
+            make_env(name)
+    kinds = {is_multi_turn(n) for n in names}
+    if len(kinds) > 1:
+        raise ValueError(f"the prompts' environments {names} mix multi-turn ones ("
+                         f"{', '.join(n for n in names if is_multi_turn(n))}) with single-response ones: a run "
+                         "trains one kind (a batch is generated as trajectories or as responses)")
     if not train:
         raise ValueError("data.train_data is empty: give one or more prompt parquet files")
     if dropped or val_dropped:
@@ -389,7 +494,7 @@ class RLStage:
         self.placement = engine_placement(cfg, mesh.world_size, torch.cuda.is_available())  # before anything loads
         if self.placement is not None and mesh.rank == 0:
             log.info(self.placement.table())
-        tokenizer = AutoTokenizer.from_pretrained(str(t.policy.model.path))
+        tokenizer = self.tokenizer = AutoTokenizer.from_pretrained(str(t.policy.model.path))
         self.pad_id = tokenizer.pad_token_id or 0
         self.train, self.val = _load_data(cfg, tokenizer)
         self.n_examples, self.evaluates = len(self.train), bool(self.val)
@@ -412,7 +517,7 @@ class RLStage:
     def open(self, run_dir: Path) -> None:
         """The engines, serving the initial policy adapter (or the resumed one)."""
         self.run_dir = run_dir
-        self.rollouts = Rollouts(self.cfg, self.mesh, run_dir, POLICY, self.placement)
+        self.rollouts = Rollouts(self.cfg, self.mesh, run_dir, POLICY, self.placement, tokenizer=self.tokenizer)
         self.rollouts.sync(self.model, self.engine.global_step)
 
     def _sampling(self, step: int) -> SamplingConfig:

@@ -38,6 +38,24 @@ def merged_from_all_ranks(mine: dict) -> dict:
     return out
 
 
+def adapter_grads(model, adapter: str, head: str | None = None, head_key: str = "head.weight") -> dict:
+    """Every rank's reduced gradients of ``adapter`` (PEFT names, DP rank 0's) and of value/score head ``head``
+    (as ``head_key``), merged over the ranks (collective)."""
+    mesh = model.mesh
+    mine = {k: v.clone() for k, v in model.adapter_tensors(adapter, grads=True).items()} if mesh.dp_rank == 0 else {}
+    if head is not None and head in model.heads and mesh.tp_rank == 0 and mesh.dp_rank == 0:
+        mine[head_key] = model.heads[head].weight.grad.detach().cpu().clone()
+    return merged_from_all_ranks(mine)
+
+
+def clear_adapters(model) -> None:
+    """Remove every adapter and head: the next case starts from the bare base."""
+    for name in list(model.adapters):
+        model.delete_adapter(name)
+    for name in list(model.heads):
+        del model.heads[name]
+
+
 def write_records_and_exit(records: list[dict], out: Path) -> None:
     """Gather every rank's records to rank 0, write them as JSON, shut the process group down."""
     gathered: list = [None] * dist.get_world_size()

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import merged_from_all_ranks, parse_layouts  # noqa: E402
+from common import adapter_grads, clear_adapters, parse_layouts  # noqa: E402
 
 import mlora  # noqa: E402
 from mlora.export.reward_adapter import load_reward_adapter  # noqa: E402
@@ -24,22 +24,6 @@ from mlora.train.preference_data import SequenceBatch  # noqa: E402
 from mlora.train.preference_engine import PreferenceConfig, PreferenceEngine  # noqa: E402
 
 DPO_BETA = 0.5  # tests/preference_refs.py's
-
-
-def _grads(model, adapter: str, head: str | None) -> dict[str, torch.Tensor]:
-    mesh = model.mesh
-    mine = model.adapter_tensors(adapter, grads=True) if mesh.dp_rank == 0 else {}
-    mine = {k: v.clone() for k, v in mine.items()}
-    if head is not None and head in model.heads and mesh.tp_rank == 0 and mesh.dp_rank == 0:
-        mine["base_model.model.score.weight"] = model.heads[head].weight.grad.detach().cpu().clone()
-    return merged_from_all_ranks(mine)
-
-
-def _clear(model) -> None:
-    for name in list(model.adapters):
-        model.delete_adapter(name)
-    for name in list(model.heads):
-        del model.heads[name]
 
 
 def run_stages(model, refs_dir: Path, refs: dict) -> dict:
@@ -53,21 +37,22 @@ def run_stages(model, refs_dir: Path, refs: dict) -> dict:
                                                           micro_batch_size=micro))
         batch = SequenceBatch(b["input_ids"], b["attention_mask"], b["completion_mask"], pairs=True)
         metrics = engine.forward_backward(batch)
-        out[key] = {"metrics": metrics, "grads": _grads(model, "policy", None)}
-        _clear(model)
+        out[key] = {"metrics": metrics, "grads": adapter_grads(model, "policy")}
+        clear_adapters(model)
     b = refs["rm"]["batch"]
     load_reward_adapter(model, refs_dir / "reward_adapter", "reward", "reward")
     engine = PreferenceEngine(model, PreferenceConfig(stage="rm", micro_batch_size=micro))
     # the reward model reads whole sequences: every real token counts as "response"
     batch = SequenceBatch(b["input_ids"], b["attention_mask"], b["attention_mask"], pairs=True)
-    out["rm"] = {"metrics": engine.forward_backward(batch), "grads": _grads(model, "reward", "reward")}
-    _clear(model)
+    out["rm"] = {"metrics": engine.forward_backward(batch),
+                 "grads": adapter_grads(model, "reward", "reward", "base_model.model.score.weight")}
+    clear_adapters(model)
     b = refs["sft"]["batch"]
     model.load_adapter("policy", refs_dir / "policy", trainable=True)
     engine = PreferenceEngine(model, PreferenceConfig(stage="sft", micro_batch_size=micro))
     batch = SequenceBatch(b["input_ids"], b["attention_mask"], b["response_mask"])
-    out["sft"] = {"metrics": engine.forward_backward(batch), "grads": _grads(model, "policy", None)}
-    _clear(model)
+    out["sft"] = {"metrics": engine.forward_backward(batch), "grads": adapter_grads(model, "policy")}
+    clear_adapters(model)
     return out
 
 

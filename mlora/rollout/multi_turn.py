@@ -1,0 +1,208 @@
+"""Multi-turn rollouts: engine generation and environment steps alternating per trajectory.
+
+Each trajectory (a prompt × ``n_samples_per_prompt``) owns one environment object
+(:class:`mlora.rollout.gym.BaseTextEnv`). A turn is one batched generation call over every trajectory
+still running (so trajectories wait only for the turn in flight, not for another's whole episode; the
+call is split over the rank's engines), then each environment's ``step`` on its model's text (in a pool
+of ``max_env_workers`` threads when asked). What the environment answers becomes tokens
+(:class:`TurnFormat`) appended to the trajectory; the next turn's prompt is the whole sequence.
+
+A trajectory comes back as one :class:`~mlora.rollout.generator.Generation` whose ``token_ids`` are
+every token after the prompt, with ``extra``:
+
+- ``model_mask``: 1 on the model's tokens, 0 on the environment's (they carry log-prob 0 and stay out
+  of every loss, the advantages and the vLLM-vs-trainer gap);
+- ``turn_rewards`` and ``turn_ends`` (index in ``token_ids`` of each turn's last model token), from
+  which the trainer places per-token rewards (``generator.turn_rewards``);
+- ``turns``, ``end_reason`` (``done``, ``max_turns``, ``length``, ``env_error: ...``, ``malformed: ...``).
+
+An environment that raises or returns malformed output ends its trajectory (reward 0 for that turn, the
+reason kept) and the batch goes on; so does one whose next prompt would exceed ``max_input_length``.
+"""
+
+from __future__ import annotations
+
+import copy
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Callable, Sequence
+
+from mlora.rollout.generator import Generation, SamplingConfig
+from mlora.rollout.gym import BaseTextEnv, check_step_output
+
+TURN_SEED_STRIDE = 100_003  # turn t samples with seed + t·stride (+ the trajectory's place in the call)
+END_REASONS = ("done", "max_turns", "length", "env_error", "malformed")
+TURN_REWARDS = ("turn_end", "final")  # generator.turn_rewards: where a trajectory's turn rewards are placed
+
+
+class TurnFormat:
+    """Tokens of what the environment says between two model turns.
+
+    ``conversation=True`` (SkyRL's ``use_conversation_multi_turn``) with a tokenizer that has a chat
+    template: the model's turn is closed as the template closes an assistant message (its end-of-turn
+    token if the model stopped on something else, then what the template puts after it), and the
+    observations are the template's rendering of the new messages followed by the generation prompt,
+    taken as the difference of two renderings (SkyRL's way). Otherwise (no template, or
+    ``conversation=False``): the observations' contents, one per line, as plain text."""
+
+    _BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+
+    def __init__(self, tokenizer, conversation: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.eos = tokenizer.eos_token_id
+        self.chat = bool(conversation and getattr(tokenizer, "chat_template", None))
+        self.suffix: list[int] = []
+        if self.chat:
+            self._base_text = tokenizer.apply_chat_template(self._BASE, tokenize=False)
+            base_ids = self._encode(self._base_text)
+            ends = [i for i, t in enumerate(base_ids) if t == self.eos]
+            self.suffix = base_ids[ends[-1] + 1:] if ends else []
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def close_turn(self, action_ids: Sequence[int]) -> list[int]:
+        """Environment tokens that end the model's turn before the observations."""
+        if not self.chat:
+            return []
+        head = [] if (action_ids and action_ids[-1] == self.eos) or self.eos is None else [self.eos]
+        return head + self.suffix
+
+    def observation_ids(self, messages: list[dict]) -> list[int]:
+        """The observations as tokens, ready for the model's next turn."""
+        if not self.chat:
+            return self._encode("".join(m["content"] + "\n" for m in messages))
+        full = self.tokenizer.apply_chat_template(self._BASE + list(messages), tokenize=False,
+                                                  add_generation_prompt=True)
+        if not full.startswith(self._base_text):
+            raise ValueError("the chat template renders a conversation's start differently when messages follow; "
+                             "set generator.use_conversation_multi_turn=false to append observations as text")
+        return self._encode(full[len(self._base_text):])
+
+
+@dataclass
+class _Trajectory:
+    prompt_index: int
+    ids: list[int]  # the whole sequence so far
+    prompt_length: int
+    env: BaseTextEnv | None
+    mask: list[int] = field(default_factory=list)  # over ids[prompt_length:]
+    logprobs: list[float] = field(default_factory=list)
+    turn_rewards: list[float] = field(default_factory=list)
+    turn_ends: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    end_reason: str | None = None
+
+    def add(self, ids: Sequence[int], model: bool, logprobs: Sequence[float] | None = None) -> None:
+        self.ids.extend(ids)
+        self.mask.extend([int(model)] * len(ids))
+        self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+
+    def result(self, text: str) -> Generation:
+        return Generation(self.prompt_index, self.ids[self.prompt_length:], self.logprobs, text, self.finish_reason,
+                          {"model_mask": self.mask, "turn_rewards": self.turn_rewards, "turn_ends": self.turn_ends,
+                           "turns": len(self.turn_rewards), "end_reason": self.end_reason})
+
+
+def _error(kind: str, exc: BaseException) -> str:
+    return f"{kind}: {type(exc).__name__}: {exc}"[:300]
+
+
+def run_episodes(generate: Callable[[list[list[int]], SamplingConfig], list[Generation]], prompts: Sequence,
+                 sampling: SamplingConfig, make_env: Callable[[object], BaseTextEnv], fmt: TurnFormat,
+                 max_turns: int, max_input_length: int, prompt_ids: Callable[[object, list], list[int]],
+                 env_workers: int = 1) -> list[Generation]:
+    """``n_samples_per_prompt`` multi-turn trajectories per prompt, grouped by prompt in prompt order.
+
+    ``generate(sequences, sampling)``: one sample per sequence, in order (the engines); ``prompts``: objects
+    with ``token_ids`` and ``row`` (:class:`~mlora.rollout.data.Prompt`); ``make_env(prompt)``: a fresh
+    environment for one trajectory; ``prompt_ids(prompt, conversation)``: the tokens of a conversation that
+    ``init`` changed. A trajectory ends when its environment says done, after ``max_turns`` turns, or when
+    its next prompt would pass ``max_input_length`` tokens."""
+    if max_turns < 1:
+        raise ValueError(f"max_turns={max_turns} must be >= 1")
+    trajectories = []
+    for p_index, prompt in enumerate(prompts):
+        for _ in range(sampling.n_samples_per_prompt):
+            ids, env, reason = list(prompt.token_ids), None, None
+            try:
+                env = make_env(prompt)
+                conversation = prompt.row.get("prompt")
+                start, _ = env.init(copy.deepcopy(conversation))
+                if start != conversation:
+                    ids = list(prompt_ids(prompt, start))
+            except Exception as exc:  # noqa: BLE001 — an environment's fault ends its trajectory, not the run
+                reason = _error("env_error", exc)
+            t = _Trajectory(p_index, ids, len(ids), env)
+            t.end_reason = reason  # set: the trajectory gets its first turn, then ends with reward 0
+            trajectories.append(t)
+    pool = ThreadPoolExecutor(env_workers) if env_workers > 1 else None
+    try:
+        active = list(trajectories)
+        for turn in range(max_turns):
+            if not active:
+                break
+            s = replace(sampling, n_samples_per_prompt=1,
+                        seed=None if sampling.seed is None else sampling.seed + turn * TURN_SEED_STRIDE)
+            gens = generate([t.ids for t in active], s)
+            if len(gens) != len(active):
+                raise RuntimeError(f"the engines returned {len(gens)} generations for {len(active)} trajectories")
+            for t, g in zip(active, gens):
+                t.add(g.token_ids, True, g.logprobs)
+                t.turn_ends.append(len(t.mask) - 1)
+                t.finish_reason = g.finish_reason
+            texts = [g.text for g in gens]
+            steps = list(pool.map(_step, active, texts) if pool else map(_step, active, texts))
+            still = []
+            for t, g, (obs, reward, done, reason) in zip(active, gens, steps):
+                t.turn_rewards.append(reward)
+                if reason is None and not done and turn + 1 >= max_turns:
+                    reason = "max_turns"
+                if reason is None and not done:
+                    try:
+                        more = fmt.close_turn(g.token_ids) + fmt.observation_ids(obs)
+                    except Exception as exc:  # noqa: BLE001
+                        reason = _error("malformed", exc)
+                    else:
+                        if len(t.ids) + len(more) > max_input_length:
+                            reason = "length"
+                        else:
+                            t.add(more, False)
+                            still.append(t)
+                            continue
+                t.end_reason = reason or "done"
+            active = still
+    finally:
+        if pool is not None:
+            pool.shutdown()
+        for t in trajectories:
+            if t.env is not None:
+                try:
+                    t.env.close()
+                except Exception:  # noqa: BLE001 — nothing to keep from a failing close
+                    pass
+    return [t.result(fmt.tokenizer.decode(t.ids[t.prompt_length:])) for t in trajectories]
+
+
+def _step(t: _Trajectory, text: str) -> tuple[list, float, bool, str | None]:
+    """``(observations, reward, done, end reason or None)`` of one environment step, faults caught."""
+    if t.end_reason is not None:  # init failed: this first turn is its last
+        return [], 0.0, True, t.end_reason
+    try:
+        out = t.env.step(text)
+    except Exception as exc:  # noqa: BLE001
+        return [], 0.0, True, _error("env_error", exc)
+    try:
+        obs, reward, done, _ = check_step_output(out)
+    except ValueError as exc:
+        return [], 0.0, True, f"malformed: {exc}"[:300]
+    return obs, reward, done, None
+
+
+def end_reason_counts(gens: Sequence[Generation]) -> dict[str, int]:
+    """How many trajectories ended for each reason (errors by their kind: ``env_error``, ``malformed``)."""
+    out = {k: 0 for k in END_REASONS}
+    for g in gens:
+        reason = str(g.extra.get("end_reason") or "done")
+        out[reason.split(":", 1)[0]] += 1
+    return out
