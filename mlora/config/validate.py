@@ -632,19 +632,19 @@ def _check_multi_turn(cfg: TrainConfig) -> list[str]:
     """``generator.max_turns``, ``use_conversation_multi_turn``, ``turn_rewards`` and
     ``environment.skyrl_gym.*`` (per-environment settings under the environment's name, and
     ``max_env_workers``). Returns notes."""
-    from mlora.rollout.envs import env_class, is_multi_turn, registered_envs
+    from mlora.rollout.envs import env_class, registered_envs
     from mlora.rollout.gym import is_text_env
 
     g, env, notes = cfg.generator, cfg.environment, []
     if g.max_turns < 1:
         raise ConfigError(f"generator.max_turns={g.max_turns} must be >= 1 (1: single-turn)")
     _check_choice(g.turn_rewards, TURN_REWARDS, "generator.turn_rewards")
+    text_envs = [n for n in registered_envs() if is_text_env(env_class(n))]
     for key, value in dict(env.skyrl_gym).items():
         if key in MULTI_TURN_ENV_SETTINGS:
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"environment.skyrl_gym.{key}={value!r} must be an integer >= 1")
             continue
-        text_envs = [n for n in registered_envs() if is_text_env(env_class(n))]
         if key not in text_envs:
             leaf = (_leaf_keys({key: value}, "environment.skyrl_gym") or [f"environment.skyrl_gym.{key}"])[0]
             raise ConfigError(f"{leaf}: settings of environment {key!r}, which is not a "
@@ -653,7 +653,7 @@ def _check_multi_turn(cfg: TrainConfig) -> list[str]:
         if not isinstance(value, dict):
             raise ConfigError(f"environment.skyrl_gym.{key}={value!r}: an environment's settings are a dict "
                               f"(environment.skyrl_gym.{key}.NAME=VALUE)")
-    multi = is_multi_turn(env.env_class) if env.env_class in registered_envs() else False
+    multi = env.env_class in text_envs
     if g.max_turns > 1 and cfg.trainer.fully_async.enabled:
         raise ConfigError(f"generator.max_turns={g.max_turns} with trainer.fully_async.enabled=true: multi-turn "
                           "rollouts are generated synchronously (each turn waits for its environment steps); "

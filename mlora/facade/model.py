@@ -83,9 +83,7 @@ class MLoraModel(AdapterHost, torch.nn.Module):
         if attention_mask is not None and attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
                              f"{tuple(input_ids.shape)}")
-        if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.spec.vocab_size:
-            raise ValueError(f"input_ids must lie in [0, {self.spec.vocab_size}); got "
-                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        self._check_token_ids(input_ids)
         batch, seq = input_ids.shape
         pad = (-seq) % self.mesh.tp if self.mesh.sp else 0
         if pad:  # sequence parallel splits tokens over TP: right-pad, causal attention keeps the rest exact
@@ -107,6 +105,11 @@ class MLoraModel(AdapterHost, torch.nn.Module):
             mask = sdpa_mask(ids.shape[1], attention_mask, self.spec.sliding_window, self.dtype, device)
         return ids, positions, mask, seq
 
+    def _check_token_ids(self, input_ids: torch.Tensor) -> None:
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.spec.vocab_size:
+            raise ValueError(f"input_ids must lie in [0, {self.spec.vocab_size}); got "
+                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+
     def _prepare_packed(self, micro_batches: Sequence[dict]) -> list[tuple]:
         """Packed micro-batches (``mlora.models.packing``) for megatron's ``thd`` format: each one's
         ``input_ids`` is ``[1, width]`` and ``packed`` its :class:`~mlora.models.packing.PackedRows`. The
@@ -126,9 +129,7 @@ class MLoraModel(AdapterHost, torch.nn.Module):
             ids = mb["input_ids"]
             if tuple(ids.shape) != (1, width):
                 raise ValueError(f"a packed micro-batch's input_ids must be [1, {width}], got {tuple(ids.shape)}")
-            if int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size:
-                raise ValueError(f"input_ids must lie in [0, {self.spec.vocab_size}); got "
-                                 f"[{int(ids.min())}, {int(ids.max())}]")
+            self._check_token_ids(ids)
             target = common if self.mesh.pp > 1 else -(-width // multiple) * multiple
             packed = mb["packed"].widened(target)
             ids = torch.nn.functional.pad(ids, (0, target - width)).to(device)

@@ -31,6 +31,7 @@ trajectory, as in SkyRL.
 from __future__ import annotations
 
 import importlib
+import math
 from typing import Any, Callable, Dict, List, Optional, Tuple, TypedDict
 
 MessageType = Dict[str, str]
@@ -109,9 +110,7 @@ def check_step_output(out: Any) -> tuple[list[MessageType], float, bool, dict]:
         raise ValueError("step() observations must be a list of {'role': str, 'content': str} messages, got "
                          f"{str(obs)[:120]}")
     reward = out["reward"]
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or reward != reward:
-        raise ValueError(f"step() reward must be a finite number, got {reward!r}")
-    if abs(float(reward)) == float("inf"):
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
         raise ValueError(f"step() reward must be a finite number, got {reward!r}")
     if not isinstance(out["done"], bool):
         raise ValueError(f"step() done must be a bool, got {out['done']!r}")

@@ -43,7 +43,7 @@ from mlora.rl.rollout_correction import off_policy_correction, rollout_is_loss
 from mlora.rl.vocab_parallel import next_token_logits, vocab_parallel_logprobs, vocab_parallel_truncation_logmass
 from mlora.train.batch import RolloutBatch
 from mlora.train.config import PPOConfig
-from mlora.train.micro_batches import group_units, last_token_scores, micro_batch, unpack_tokens
+from mlora.train.micro_batches import group_units, in_row_order, last_token_scores, micro_batch, unpack_tokens
 from mlora.train.optim import build_optimizer
 
 
@@ -121,7 +121,7 @@ class ActorCriticEngine:
 
     def _micro_batches(self, batch: RolloutBatch, rows: slice, size: int, extra: dict) -> list[dict]:
         """Micro-batches of ``rows`` (``size`` sequences each, or packed under the token budget); each
-        holds ``rows``, its sequences' places in the slice, for :meth:`_in_row_order`."""
+        holds ``rows``, its sequences' places in the slice, for :func:`~mlora.train.micro_batches.in_row_order`."""
         per_row = {"action_mask": batch.action_mask, **extra}
         tokens = batch.attention_mask[rows].sum(-1).tolist()
         out = []
@@ -132,14 +132,6 @@ class ActorCriticEngine:
             mb["rows"] = local
             out.append(mb)
         return out
-
-    @staticmethod
-    def _in_row_order(outs: list[dict] | None, mbs: list[dict]) -> torch.Tensor | None:
-        """The micro-batches' ``out`` rows put back in the order of the slice (packing regroups rows)."""
-        if outs is None:
-            return None
-        local = torch.cat([o["out"].float() for o in outs])
-        return local[torch.argsort(torch.cat([mb["rows"] for mb in mbs])).to(local.device)]
 
     def _from_last_stage(self, t: torch.Tensor | None, shape, dtype=torch.float32) -> torch.Tensor:
         """Broadcast a tensor computed on the last pipeline stage to every stage."""
@@ -221,7 +213,7 @@ class ActorCriticEngine:
         with self.model.use_adapters(*adapters), self._mode(training=False):
             outs = self.model.forward_backward(mbs, fn, forward_only=True, hidden_states=values)
         # collectives run on the mesh's device (NCCL needs CUDA tensors); results come back to CPU
-        local = self._in_row_order(outs, mbs)
+        local = in_row_order(outs, mbs)
         shape = (rows.stop - rows.start, batch.input_ids.shape[1] - 1) + ((2,) if sampled and not values else ())
         local = self._from_last_stage(local, shape)
         return self._dp_gather(local).cpu()
@@ -243,7 +235,7 @@ class ActorCriticEngine:
 
         with self.model.use_adapters(*adapters), self._mode(training=False):
             outs = self.model.forward_backward(mbs, fn, forward_only=True, hidden_states=True)
-        local = self._in_row_order(outs, mbs)
+        local = in_row_order(outs, mbs)
         local = self._from_last_stage(local, (rows.stop - rows.start,))
         return self._dp_gather(local).cpu()
 

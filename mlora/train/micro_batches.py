@@ -55,6 +55,15 @@ def micro_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: tor
     return mb
 
 
+def in_row_order(outs: list[dict] | None, mbs: list[dict]) -> torch.Tensor | None:
+    """The micro-batches' ``out`` rows (float32) put back in the order of the slice (packing regroups rows;
+    each micro-batch holds ``rows``, its rows' places in the slice); None off the last pipeline stage."""
+    if outs is None:
+        return None
+    local = torch.cat([o["out"].float() for o in outs])
+    return local[torch.argsort(torch.cat([mb["rows"] for mb in mbs])).to(local.device)]
+
+
 def unpack_tokens(values: torch.Tensor, mb: dict, shift: int) -> torch.Tensor:
     """Per-position ``values`` of a micro-batch in the padded ``[rows, S - shift, ...]`` layout (a packed
     micro-batch's come back from its packed row; a padded one's are already there)."""

@@ -38,7 +38,8 @@ from mlora.rl.preference import (
 )
 from mlora.rl.vocab_parallel import next_token_logits, vocab_parallel_logprobs
 from mlora.train.engine import ActorCriticEngine
-from mlora.train.micro_batches import Packing, group_units, last_token_scores, micro_batch, unpack_tokens
+from mlora.train.micro_batches import (Packing, group_units, in_row_order, last_token_scores, micro_batch,
+                                       unpack_tokens)
 from mlora.train.optim import build_optimizer
 from mlora.train.preference_data import SequenceBatch
 
@@ -234,7 +235,7 @@ class PreferenceEngine:
         fn = lambda logits, mb: (torch.zeros(()), {"out": self._seq_logps(logits, mb).reshape(2, -1).T})  # noqa: E731
         with self.model.use_adapters(*self.reference), self._mode(training=False):
             outs = self.model.forward_backward(mbs, fn, forward_only=True)
-        local = ActorCriticEngine._in_row_order(outs, mbs)  # [pairs here, 2] in example order
+        local = in_row_order(outs, mbs)  # [pairs here, 2] in example order
         local = self._from_last_stage(local, (batch.size // self.mesh.dp, 2))
         both = self._dp_gather(local).cpu()  # [pairs, 2] in example order
         return torch.cat([both[:, 0], both[:, 1]])

@@ -181,6 +181,7 @@ class Rollouts:
                 merge_adapter(self.engine_base, frozen, run_dir / "engine_base", progress=False)
             self.engine_base = run_dir / "engine_base"
             dist.barrier()
+        self.max_model_len = engine_max_model_len(cfg, self.engine_base)  # the engines' context
         can_sleep = self._start_engines(placement) if self.slots else True
         if cfg.trainer.placement.colocate_all:  # every rank frees its cached blocks while the engines sleep
             flags = all_flags(can_sleep)
@@ -260,7 +261,7 @@ class Rollouts:
 
             # a next turn's input must leave the engine's context room for one more generation
             bound = min(g.max_input_length or self.cfg.trainer.max_prompt_length,
-                        engine_max_model_len(self.cfg, self.engine_base) - sampling.max_generate_length)
+                        self.max_model_len - sampling.max_generate_length)
             gens = run_episodes(self.generator.generate, [prompts[i] for i in mine], sampling, make, self.turns,
                                 g.max_turns, bound, ids_of, int(settings.get("max_env_workers", 1)))
             for gen in gens:
