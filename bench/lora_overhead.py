@@ -41,6 +41,7 @@ import re
 import statistics
 import sys
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -159,6 +160,19 @@ def step(fn, x, clock=time.perf_counter) -> float:
     return clock() - t0
 
 
+def start(args) -> Callable[[], float]:
+    """What a bench does first: re-run itself with an AVX2-only CPU emulated (``--isa avx2``), print the
+    machine, set ``--threads``; returns the ``--clock`` (wall or this process's CPU time)."""
+    if args.isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
+        # the ISA is picked once, when torch/MKL load: only a fresh process can change it
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ENV})
+    print(machine())
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    return time.perf_counter if args.clock == "wall" else time.process_time
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=2048)
@@ -171,14 +185,7 @@ def main() -> None:
                     help="cpu: this process's CPU time, which other tenants of a shared machine do not inflate "
                          "(use with --threads 1: idle threads spinning at a barrier count as CPU time)")
     args = ap.parse_args()
-    if args.isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
-        # the ISA is picked once, when torch/MKL load: only a fresh process can change it
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ENV})
-    print(machine())
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    clock = time.perf_counter if args.clock == "wall" else time.process_time
-    torch.manual_seed(0)
+    clock = start(args)
     layers = mlora_stack()
     peft_model = peft_stack(args.q_only)
     x = torch.randn(args.tokens, 1, HIDDEN) * 0.1  # [seq, batch, hidden], megatron's layout

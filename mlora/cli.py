@@ -57,7 +57,7 @@ def _plan_memory(args: argparse.Namespace, spec) -> int:
         dtype=getattr(torch, args.dtype), fp8=args.fp8, attention=args.attention, recompute=args.recompute,
         lora_compute_dtype=getattr(torch, args.lora_compute_dtype) if args.lora_compute_dtype else None,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
-        recompute_modules=tuple(args.recompute_modules))
+        recompute_modules=tuple(args.recompute_modules), experiments=args.experiments)
     engine = None
     if args.engine_tp is not None or args.kv_tokens:
         engine = Engine(tp=args.engine_tp or 1, kv_tokens=args.kv_tokens or 0, dtype=getattr(torch, args.dtype),
@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--recompute-method", default="uniform", choices=RECOMPUTE_METHODS)
     m.add_argument("--recompute-num-layers", type=int, default=1)
     m.add_argument("--recompute-modules", nargs="+", default=["core_attn"], choices=RECOMPUTE_MODULES)
+    m.add_argument("--experiments", type=int, default=1, metavar="K",
+                   help="K experiments side by side on the base (config key experiments): K adapter sets")
     m.add_argument("--critic", action=argparse.BooleanOptionalAction, default=True,
                    help="a critic adapter + value head (PPO); --no-critic for GRPO/RLOO")
     m.add_argument("--engine-tp", type=int, default=None, help="a colocated vLLM engine of this TP on every GPU")

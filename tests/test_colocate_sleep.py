@@ -19,7 +19,7 @@ class FakeEngines:
     def __init__(self, log: list[str], can_sleep: bool) -> None:
         self.log, self.can_sleep = log, can_sleep
 
-    def submit_generate(self, prompts, sampling, slots=None, total=None):
+    def submit_generate(self, prompts, sampling, slots=None, total=None, adapters=None):
         self.log.append("generate")
         return [Generation(i, [5, 6, 7], [-0.5, -0.4, -0.3], "x", "stop") for i, _ in enumerate(prompts)
                 for _ in range(sampling.n_samples_per_prompt)]

@@ -107,7 +107,7 @@ def test_engine_options_place_local_cpu_engines(tmp_path, monkeypatch):
 
     from mlora.config.schema import TrainConfig
     from mlora.config.validate import ConfigError, finalize
-    from mlora.train.rl_stage import engine_options
+    from mlora.train.rollouts import engine_options
 
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
     cfg = TrainConfig()

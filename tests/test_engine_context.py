@@ -51,7 +51,7 @@ def _cfg(model_dir, **generator):
 def test_engine_options_carry_the_derived_max_model_len(tmp_path, monkeypatch):
     """What Rollouts hands build_engines (local and Ray engines alike), and what the serve command gets."""
     from mlora.rollout import serve
-    from mlora.train.rl_stage import engine_max_model_len, engine_options
+    from mlora.train.rollouts import engine_max_model_len, engine_options
 
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
     cfg = _cfg(tmp_path)

@@ -203,6 +203,26 @@ def test_packed_micro_batches_plan_by_token_budget(llama70b, capsys):
     assert "packed micro-batch of 8192 tokens" in capsys.readouterr().out
 
 
+def test_experiments_hold_k_adapter_sets(llama70b, capsys):
+    """K experiments on one base (``--experiments K``): K times the adapters, heads, AdamW moments and engine LoRA
+    slots of one experiment, the same base, activations and logits (micro-batches do not grow with K)."""
+    from mlora.plan import Engine
+
+    spec = model_spec(load_hf_config(llama70b))
+    engine = Engine(tp=8, kv_tokens=8192, dtype=torch.bfloat16, sleeps=False)
+    one, four = (plan_memory(spec, Layout(tp=8, pp=2), Workload(micro_batch=1, seq=4096, experiments=k), engine)
+                 for k in (1, 4))
+    for a, b in zip(one.ranks, four.ranks):
+        assert (b.base, b.activations, b.logits) == (a.base, a.activations, a.logits)
+        assert (b.adapters, b.optimizer, b.heads) == (4 * a.adapters, 4 * a.optimizer, 4 * a.heads)
+    slot = adapter_bytes(spec, 8, 1, mlora.LoraConfig(rank=32, alpha=64), torch.bfloat16)[(0, 0)]  # all 80 layers
+    for a, b in zip(one.ranks, four.ranks):
+        assert b.engine - a.engine == 3 * slot  # three more bf16 LoRA slots of the policy's rank
+    assert cli(["plan", "--memory", "--model", str(llama70b), "--tp", "8", "--experiments", "4"]) == 0
+    with pytest.raises(ValueError, match="experiments=0"):
+        plan_memory(spec, Layout(tp=8), Workload(experiments=0))
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--tp", "3"], "tp=3 does not divide num_attention_heads=64"),
     (["--pp", "3"], "pp=3 does not divide num_hidden_layers=80"),

@@ -11,14 +11,14 @@ import types
 import pytest
 import torch
 
+from mlora.rl.advantages import gae_advantages
 from mlora.rollout.data import Prompt, prompt_text
 from mlora.rollout.envs import env_class, is_multi_turn
 from mlora.rollout.generator import Generation, SamplingConfig
 from mlora.rollout.gym import BaseTextEnv, BaseTextEnvStepOutput, register
 from mlora.rollout.multi_turn import TurnFormat, end_reason_counts, run_episodes
 from mlora.rollout.tool_envs import CalculatorEnv, GuessNumberEnv, evaluate_expression, final_answer
-from mlora.rl.advantages import gae_advantages
-from mlora.train.rl_stage import build_batch
+from mlora.train.rollouts import build_batch
 
 
 class ScriptedEngine:

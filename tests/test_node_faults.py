@@ -64,7 +64,7 @@ def test_sync_folder_is_the_runs_own(tmp_path):
     run directory (disk) or /dev/shm (memory), named for their host and process."""
     from mlora.config.schema import TrainConfig
 
-    code = ("import sys; from mlora.config.schema import TrainConfig; from mlora.train.rl_stage import _sync_dir; "
+    code = ("import sys; from mlora.config.schema import TrainConfig; from mlora.train.rollouts import _sync_dir; "
             "c = TrainConfig(); c.trainer.run_dir = sys.argv[1]; c.generator.weight_sync = sys.argv[2]; "
             "print(_sync_dir(c, 'policy'))")
     for mode in ("disk", "memory"):
@@ -135,7 +135,7 @@ def test_gpu_memory_utilization_does_not_size_cpu_engines(tmp_path):
     cache; on CUDA it goes to vLLM."""
     from mlora.config.schema import TrainConfig
     from mlora.config.validate import finalize
-    from mlora.train.rl_stage import engine_options
+    from mlora.train.rollouts import engine_options
 
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
     cfg = TrainConfig()

@@ -161,8 +161,9 @@ def _trained(tiny_models, mesh, batch, **kw) -> tuple[dict, dict]:
 
 
 def test_engine_off_is_bit_identical_and_no_mismatch_changes_nothing(tiny_models):
-    import mlora
     from ppo_equivalence import synthetic_rollouts
+
+    import mlora
 
     mesh = mlora.init_parallel(tp=1, pp=1)
     batch = synthetic_rollouts(vocab=256)

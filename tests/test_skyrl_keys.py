@@ -394,7 +394,7 @@ def test_zero_reward_on_non_stop(tmp_path):
     from mlora.config.schema import TrainConfig
     from mlora.rollout.data import Prompt
     from mlora.rollout.generator import Generation
-    from mlora.train.rl_stage import Rollouts
+    from mlora.train.rollouts import Rollouts
 
     prompt = Prompt({"prompt": "1+1?", "reward_spec": {"ground_truth": "2"}}, [1, 2], "gsm8k")
     done, cut = Generation(0, [5], [0.0], "#### 2", "stop"), Generation(0, [5], [0.0], "#### 2", "length")

@@ -1143,7 +1143,7 @@ def test_dapo_keys_mean_what_they_say(tmp_path):
                    "adapter optimizer state is small and stays on device" in n for n in notes), key
     assert any(n.startswith("trainer.policy.language_model_only=True has no effect") for n in notes)
     from mlora.train.loop import total_steps
-    from mlora.train.rl_stage import engine_options
+    from mlora.train.rollouts import engine_options
 
     assert total_steps(cfg, 10**6) == 100  # max_training_steps caps 20 epochs
     options = engine_options(cfg, tmp_path, cuda=False)
@@ -1231,7 +1231,8 @@ def test_overlong_filtering_and_shaping_of_a_batch():
     from mlora.config.schema import TrainConfig
     from mlora.rl.reward_shaping import overlong_filter_mask
     from mlora.rollout.generator import Generation
-    from mlora.train.rl_stage import build_batch, dapo_shaping
+    from mlora.train.rl_stage import dapo_shaping
+    from mlora.train.rollouts import build_batch
 
     assert torch.equal(overlong_filter_mask(["stop", "length", None, "abort"]), torch.tensor([1.0, 0.0, 0.0, 0.0]))
     gens = [Generation(0, [5] * n, [0.0] * n, "", reason) for n, reason in ((2, "stop"), (7, "stop"), (8, "length"))]

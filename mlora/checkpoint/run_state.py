@@ -64,6 +64,7 @@ class TrainedAdapter:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     # the head's parameters by their saved names, on the pipeline stage that holds the head (empty elsewhere)
     head: dict[str, torch.nn.Parameter] = field(default_factory=dict)
+    experiment: str | None = None  # the experiment it belongs to (runs with several, mlora.config.experiments)
 
 
 @dataclass
@@ -73,6 +74,9 @@ class StageState:
     stage: str  # "rl", "sft", "rm", "dpo": a checkpoint resumes a run of its own stage only
     trained: list[TrainedAdapter]
     counters: dict[str, float]  # the engine's scalars (JSON): its step count, the KL controller's value
+    # the run's experiments (empty: a run without); a resume loads the ones the checkpoint holds, starts the
+    # others fresh and leaves the checkpoint's others behind
+    experiments: tuple[str, ...] = ()
 
 
 class Checkpointable(Protocol):
@@ -145,6 +149,7 @@ def write_run_state(directory: Path, model, engine: Checkpointable, loop_state: 
             "schedulers": {t.role: {"last_epoch": t.scheduler.last_epoch, "_step_count": t.scheduler._step_count}
                            for t in state.trained},
             "lora_dropout_calls": {t.adapter: _dropout_calls(model, t.adapter) for t in state.trained},
+            "experiments": list(state.experiments),
             "mesh": {k: v for k, v in _mesh_coords(mesh).items() if k in (*MESH_KEYS, "world_size")},
         }
         (directory / STATE_FILE).write_text(json.dumps(saved, indent=1, sort_keys=True) + "\n")
@@ -176,11 +181,16 @@ def _restore_scheduler(sched: torch.optim.lr_scheduler.LambdaLR, saved: dict) ->
 def load_run_state(directory: Path, model, engine: Checkpointable) -> dict:
     """Collective-free: put the state of checkpoint ``directory`` into ``model`` and ``engine`` on this
     rank's mesh (any TP/PP/DP). Returns ``trainer_state.json``. A checkpoint of another stage, or one
-    without an adapter or head this run trains, is a :class:`CheckpointError`."""
-    mesh, saved, state = model.mesh, read_loop_state(directory), engine.stage_state()
-    if saved.get("stage") != state.stage:
+    without an adapter or head this run trains, is a :class:`CheckpointError`.
+
+    A run with experiments resumes the experiments the checkpoint holds; an experiment it does not hold
+    starts fresh (its adapters, optimizers and counters as built), and the checkpoint's experiments this run
+    does not have stay behind (both are logged)."""
+    mesh, saved, full = model.mesh, read_loop_state(directory), engine.stage_state()
+    if saved.get("stage") != full.stage:
         raise CheckpointError(f"checkpoint {directory} is of stage {saved.get('stage')!r}, this run is "
-                              f"{state.stage!r}: resume a run from a checkpoint of its own stage")
+                              f"{full.stage!r}: resume a run from a checkpoint of its own stage")
+    state = _resumable(directory, saved, full)
     for t in state.trained:
         src = directory / ADAPTERS / t.adapter
         if not src.is_dir():
@@ -221,3 +231,24 @@ def load_run_state(directory: Path, model, engine: Checkpointable) -> dict:
                  "; LoRA dropout masks depend on DP and will differ" if saved_mesh["dp"] != mesh.dp and any(
                      model.adapters[t.adapter].config.dropout > 0 for t in state.trained) else "")
     return saved
+
+
+def _resumable(directory: Path, saved: dict, state: StageState) -> StageState:
+    """What of ``state`` checkpoint ``directory`` holds: everything, or with experiments the trained adapters of
+    the experiments both have."""
+    held = tuple(saved.get("experiments") or ())
+    if bool(held) != bool(state.experiments):
+        def runs(names) -> str:
+            return f"with experiments {', '.join(names)}" if names else "without experiments"
+
+        raise CheckpointError(f"checkpoint {directory} was written by a run {runs(held)}, this run is one "
+                              f"{runs(state.experiments)}: resume a run with experiments from a checkpoint of a run "
+                              "with experiments, and one without from one without")
+    if not held:
+        return state
+    kept = [e for e in state.experiments if e in held]
+    added, dropped = [e for e in state.experiments if e not in held], [e for e in held if e not in state.experiments]
+    log.info("resume: experiments %s continue from %s%s%s", ", ".join(kept) or "(none)", directory,
+             f"; {', '.join(added)} start fresh" if added else "",
+             f"; {', '.join(dropped)} (in the checkpoint) stay behind" if dropped else "")
+    return StageState(state.stage, [t for t in state.trained if t.experiment in held], state.counters, tuple(kept))

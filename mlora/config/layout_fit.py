@@ -19,7 +19,8 @@ GIB = 1 << 30
 
 def planner_workload(cfg: TrainConfig):
     """The planner's :class:`~mlora.plan.workload.Workload` for one PPO step of this run (the trainer's
-    micro-batches, the longest prompt + response, the adapters and precision it trains with)."""
+    micro-batches, the longest prompt + response, the adapters and precision it trains with; with K
+    experiments, K sets of the run's adapters)."""
     from mlora.plan import Workload
 
     t, lora = cfg.trainer, cfg.trainer.policy.model.lora
@@ -38,7 +39,7 @@ def planner_workload(cfg: TrainConfig):
         dtype=getattr(torch, t.dtype), fp8=t.fp8 if t.fp8 == "torch" else None,
         attention="sdpa" if t.flash_attn else "unfused", recompute=t.recompute or "none",
         lora_compute_dtype=None if t.lora_compute_dtype is None else getattr(torch, t.lora_compute_dtype),
-        **recompute)
+        experiments=len(cfg.experiments) if cfg.experiments else 1, **recompute)
 
 
 def check_layout_fits(cfg: TrainConfig, world_size: int, gpu_memory_bytes: int) -> None:

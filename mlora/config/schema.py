@@ -391,6 +391,10 @@ class TrainConfig:
     reward_model: RewardModelSection = field(default_factory=RewardModelSection)
     demo: DemoSection = field(default_factory=DemoSection)
     preference: PreferenceSection = field(default_factory=PreferenceSection)
+    # K named variants of the RL run trained side by side on one base and one engine set
+    # (mlora.config.experiments): a list of {name: ..., <key>: <value>, ...} or a mapping name -> overrides;
+    # null: one run as configured above
+    experiments: Optional[Any] = None
 
 
 SCHEMA_NAME = "mlora_schema"

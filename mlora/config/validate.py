@@ -8,6 +8,7 @@ with the torchrun world, aliases given twice with different values.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import re
 from dataclasses import fields
@@ -721,7 +722,50 @@ def finalize(cfg: TrainConfig, world_size: int, cuda: bool = False, explicit: It
 
     Returns one note per key that was set but has no effect here (to be shown once at start-up).
     Raises :class:`ConfigError` naming the key for a value mlora cannot run with.
+
+    With ``experiments`` (:mod:`mlora.config.experiments`) each experiment's configuration (this one with
+    its overrides) is validated the same way, and the finalized ones are attached to ``cfg``
+    (:func:`mlora.config.experiments.experiment_configs`).
     """
+    world = dict(world_size=world_size, cuda=cuda, gpus_per_node=gpus_per_node, ranks_per_node=ranks_per_node,
+                 gpu_memory_bytes=gpu_memory_bytes)
+    raw = copy.deepcopy(cfg) if cfg.experiments is not None else None
+    notes = _finalize_one(cfg, explicit, **world)
+    if raw is not None:
+        notes += _finalize_experiments(cfg, raw, explicit, notes, world)
+    return notes
+
+
+def _finalize_experiments(cfg: TrainConfig, raw: TrainConfig, explicit: Iterable[str], notes: list[str],
+                          world: dict) -> list[str]:
+    """Each experiment's configuration from the run's as given (``raw``, before its derived defaults were
+    filled in), finalized; attached to ``cfg``. Returns the experiments' own notes (those the run's
+    configuration did not give already)."""
+    from mlora.config.experiments import RESOLVED, apply_overrides, check_engines_fit, experiment_specs
+
+    if cfg.preference.stage is not None:
+        raise ConfigError(f"experiments apply to the RL loop (PPO/GRPO/RLOO), not preference.stage={cfg.preference.stage}")
+    if cfg.trainer.fully_async.enabled:
+        raise ConfigError("experiments with trainer.fully_async.enabled=true: asynchronous training of several "
+                          "experiments is not supported yet; set trainer.fully_async.enabled=false or run one experiment")
+    specs = experiment_specs(cfg.experiments)
+    configs, extra = {}, []
+    for i, spec in enumerate(specs):
+        one = apply_overrides(raw, spec, i)
+        try:
+            own = _finalize_one(one, [*explicit, *spec.overrides], **world)
+        except ConfigError as exc:
+            raise ConfigError(f"experiments[{i}] {spec.name!r}: {exc}") from None
+        extra += [f"experiment {spec.name!r}: {n}" for n in own if n not in notes]
+        configs[spec.name] = one
+    check_engines_fit(cfg, configs)
+    cfg.experiments = [spec.as_config() for spec in specs]
+    setattr(cfg, RESOLVED, configs)
+    return extra
+
+
+def _finalize_one(cfg: TrainConfig, explicit: Iterable[str], world_size: int, cuda: bool, gpus_per_node: int | None,
+                  ranks_per_node: int, gpu_memory_bytes: int | None) -> list[str]:
     set_before = _set_keys(cfg, TrainConfig(), {k.lstrip("+~") for k in explicit})
     notes = []
     _check_preference(cfg, world_size)

@@ -99,8 +99,10 @@ class AdapterHost:
         if name in self.adapters:
             raise ValueError(f"an adapter named {name!r} already exists; existing: {sorted(self.adapters)}")
 
-    def _install(self, name: str, cfg: LoraConfig, modules: set, trainable: bool, factors) -> None:
-        """Create the branches of this stage. ``factors(site, sub) -> (A_local, B_local)``."""
+    def _install(self, name: str, cfg: LoraConfig, modules: set, trainable: bool, factors, key: str | None = None
+                 ) -> None:
+        """Create the branches of this stage. ``factors(site, sub) -> (A_local, B_local)``; ``key``: the name its
+        dropout masks are drawn by (default ``name``)."""
         for linear in self._lora_linears():
             site = linear.lora_site
             subs = tuple(s for s in site.subs if (site.layer, s) in modules)
@@ -115,7 +117,7 @@ class AdapterHost:
             branch = LoraBranch(subs, cfg.rank, cfg.scaling, cfg.dropout,
                                 torch.cat(a_parts).to(device=device, dtype=self.adapter_dtype),
                                 [b.to(device=device, dtype=self.adapter_dtype) for b in b_parts], trainable,
-                                parallel=site.parallel, dropout_key=self._dropout_key(name, cfg, site),
+                                parallel=site.parallel, dropout_key=self._dropout_key(key or name, cfg, site),
                                 compute_dtype=self.lora_compute_dtype)
             branch.train(self.training)
             linear.lora[name] = branch
@@ -129,18 +131,22 @@ class AdapterHost:
         return DropoutKey(seed=cfg.seed, adapter=name, layer=site.layer, stream=self.mesh.dp_rank,
                           in_full=site.in_full, in_offset=offset)
 
-    def add_adapter(self, name: str, config: LoraConfig, trainable: bool = True) -> None:
-        """Add a freshly initialised adapter (B = 0, so the model's output is unchanged)."""
+    def add_adapter(self, name: str, config: LoraConfig, trainable: bool = True, key: str | None = None) -> None:
+        """Add a freshly initialised adapter (B = 0, so the model's output is unchanged).
+
+        ``key``: the name its random draws (A's initialisation, dropout masks) are keyed by, with
+        ``config.seed``; default ``name``. Experiments name their adapters ``e/policy`` but key them
+        ``policy``, so that each starts exactly where a run of its own with the same seed would."""
         self._check_new_name(name)
         modules = resolve_targets(config.target_modules, config.exclude_modules, self.spec.num_layers)
         tp, tp_rank = self.mesh.tp, self.mesh.tp_rank
 
         def factors(site: LoraSite, sub: str):
-            a, b = _init_factors(config, name, site, sub)
+            a, b = _init_factors(config, key or name, site, sub)
             a_kind, b_kind = FACTOR_KINDS[site.parallel]
             return shard(a, a_kind, tp, tp_rank), shard(b, b_kind, tp, tp_rank)
 
-        self._install(name, config, modules, trainable, factors)
+        self._install(name, config, modules, trainable, factors, key)
 
     def load_adapter(self, name: str, peft_dir: str | os.PathLike, trainable: bool = False) -> None:
         """Load a PEFT LoRA adapter (``adapter_config.json`` + ``adapter_model.safetensors``).

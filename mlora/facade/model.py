@@ -8,7 +8,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,7 @@ from mlora.formats.hf_config import ModelSpec
 from mlora.formats.safetensors_writer import SafetensorsWriter
 from mlora.formats.weight_map import is_export_copy, stage_param_maps
 from mlora.lora.config import master_dtype
+from mlora.lora.routing import Route, check_rows, routed, row_route, sequence_route
 from mlora.models.attention import SDPAttention, is_right_padded, sdpa_mask
 from mlora.models.attention import attention_mask as build_attention_mask
 from mlora.models.loader import load_shard
@@ -195,6 +196,14 @@ class MLoraModel(AdapterHost, torch.nn.Module):
         them. Returns the metrics per micro-batch (or, without ``loss_fn``, the logits) on the
         last stage and None elsewhere. With ``hidden_states`` the last stage hands ``loss_fn`` the
         final hidden states ``[b, s, hidden]`` (whole sequence on every TP rank) instead of logits.
+
+        Mixed-adapter micro-batches: ``adapter_rows`` (``{adapter: row indices}``) restricts active
+        adapters to some rows of the micro-batch (padded: rows of ``input_ids``; packed: the sequences in
+        ``packed``'s order), e.g. one experiment's adapter per row. The frozen base runs once over all
+        rows, each routed adapter's LoRA GEMMs over its rows only (:mod:`mlora.lora.routing`), forward and
+        backward. Active adapters not named apply to every row (frozen stacked adapters); one named with
+        no rows applies nowhere and gets no gradient from this micro-batch. Every named adapter must be
+        active (``use_adapters``) and its rows distinct and in range, else ValueError.
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -212,15 +221,17 @@ class MLoraModel(AdapterHost, torch.nn.Module):
             prepared = [(mb, *self._prepare(mb["input_ids"], mb.get("attention_mask"), shared), None)
                         for mb in micro_batches]
 
+        prepared = [(*p, self._routes(p[0])) for p in prepared]
         last = self.mesh.is_last_stage
 
         def forward_step(data_iterator, model):
-            mb, ids, positions, mask, seq, packed_seq = next(data_iterator)
-            if hidden_states and last:
-                with self._hidden_states_output():
-                    output = self._batch_major_hidden(model(ids, positions, mask, packed_seq_params=packed_seq))
-            else:
-                output = model(ids, positions, mask, packed_seq_params=packed_seq)
+            mb, ids, positions, mask, seq, packed_seq, routes = next(data_iterator)
+            with routed(routes):  # this micro-batch's rows of each routed adapter, for its model call only
+                if hidden_states and last:
+                    with self._hidden_states_output():
+                        output = self._batch_major_hidden(model(ids, positions, mask, packed_seq_params=packed_seq))
+                else:
+                    output = model(ids, positions, mask, packed_seq_params=packed_seq)
             if loss_fn is None:
                 return output[:, :seq], None
 
@@ -241,6 +252,31 @@ class MLoraModel(AdapterHost, torch.nn.Module):
             forward_only=forward_only,
         )
         return outputs if self.mesh.is_last_stage else None
+
+    def _routes(self, mb: dict) -> dict[str, Route] | None:
+        """The token routes (:mod:`mlora.lora.routing`) of a micro-batch's ``adapter_rows``, checked: only
+        restricted adapters (an adapter given every row applies to every token, as if not named); None
+        without ``adapter_rows``."""
+        rows = mb.get("adapter_rows")
+        if rows is None:
+            return None
+        if not isinstance(rows, Mapping):
+            raise ValueError(f"adapter_rows must map adapter names to row indices, got {type(rows).__name__}")
+        active = self.active_adapters
+        inactive = [name for name in rows if name not in active]
+        if inactive:
+            raise ValueError(f"adapter_rows names adapters {inactive} that are not active; active: {list(active)} "
+                             "(route only adapters inside model.use_adapters(...))")
+        packed = mb.get("packed")
+        count = len(packed.lengths) if packed is not None else mb["input_ids"].shape[0]
+        routes = {}
+        for name, picked in rows.items():
+            picked = check_rows(picked, count, f"adapter_rows[{name!r}]")
+            route = (row_route(picked, count) if packed is None
+                     else sequence_route(picked, packed.starts, packed.lengths))
+            if route is not None:
+                routes[name] = route
+        return routes
 
     def _batch_major_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[s(/TP), b, h]`` -> ``[b, s, h]``, gathering the sequence under SP. Every TP rank then

@@ -19,16 +19,31 @@ from mlora.lora.layers import has_tp_partial_grad, is_tp_replicated
 
 
 def all_reduce_grads(params: Iterable[torch.nn.Parameter], group) -> None:
-    """Sum the gradients of ``params`` over ``group`` in one flat bucket."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads or group is None or dist.get_world_size(group) == 1:
+    """Sum the gradients of ``params`` over ``group`` in one flat bucket.
+
+    The bucket holds every parameter that requires grad, whether or not it has a gradient on this rank, so
+    that its layout is the same on every rank: an adapter routed to rows of one DP rank's micro-batches
+    only (:mod:`mlora.lora.routing`) has a gradient there and none on the others. A parameter without one
+    counts as zeros and gets the sum if any rank had a gradient (one flag per parameter, summed in the same
+    bucket, says so); if none had, it stays without one, and an optimizer skips it as on a single rank.
+    """
+    params = [p for p in params if p.requires_grad]
+    if not params or group is None or dist.get_world_size(group) == 1:
         return
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    dtype, device = params[0].dtype, params[0].device
+    had = torch.tensor([p.grad is not None for p in params], dtype=dtype, device=device)
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros(p.shape, dtype=dtype, device=device)).reshape(-1)
+                      for p in params] + [had])
     dist.all_reduce(flat, group=group)
+    had = flat[-len(params):]
     offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    for p, any_grad in zip(params, had.tolist()):
+        summed = flat[offset:offset + p.numel()].view(p.shape)
+        offset += p.numel()
+        if p.grad is not None:
+            p.grad.copy_(summed)
+        elif any_grad:
+            p.grad = summed.clone()
 
 
 def finalize_grads(params: list[torch.nn.Parameter]) -> None:

@@ -21,13 +21,19 @@ stacked GEMM. Masks do not depend on the TP/PP layout: each is drawn for the ful
 input from a generator keyed by (seed, adapter, layer, projection, DP rank, forward call), so the
 column-parallel ranks (replicated input) draw the same mask and a row-parallel rank keeps its
 slice of the full-input mask. See :class:`DropoutKey`.
+
+An adapter may be routed to some rows of a micro-batch (:mod:`mlora.lora.routing`): the base GEMM
+still runs once over every token, the branch's GEMMs over its rows' tokens only, and with dropout its
+masks are drawn for those tokens (gathered in route order).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +48,7 @@ from megatron.core.tensor_parallel.mappings import (
 from torch.autograd.function import once_differentiable
 
 from mlora.lora.config import derive_seed
+from mlora.lora.routing import ROUTES, Route, route_index, route_parts
 
 # Elements of a full-width dropout mask drawn per generator (64 MiB of float32 scratch). A function
 # of the full input width only, so every mesh splits the draws into the same chunks.
@@ -276,6 +283,47 @@ def _placements(site: LoraSite, subs: tuple[str, ...], out_local: int) -> tuple[
                  if sub in subs)
 
 
+def _add_b(parts, bs, subs: tuple[str, ...], r: int, scaling: float, site: LoraSite, groups: int) -> None:
+    """``out += s·h Bₖᵀ`` into each projection's columns, for every ``(out, h)`` of ``parts`` (the whole
+    output, or a routed branch's token slices of it with their hidden rows), accumulating (beta 1)."""
+    block = _block_b(bs, scaling, subs, site).t() if groups > 1 else None
+    for out, h in parts:
+        if block is not None:
+            out.addmm_(h, block)
+        else:
+            for k, offset, size in _placements(site, subs, out.shape[-1]):
+                out[:, offset:offset + size].addmm_(h[:, k * r:(k + 1) * r], bs[k].t(), alpha=scaling)
+
+
+def _b_grads(site: LoraSite, groups: int, g: torch.Tensor, h: torch.Tensor, bs, subs: tuple[str, ...], r: int,
+             scaling: float, need_h: bool, need_bs) -> tuple[torch.Tensor | None, list]:
+    """The hidden's gradient ``[tokens, n·r]`` (if ``need_h``) and each B's (if asked) from the output
+    gradient ``g`` of the tokens of ``h`` (a 2-D view with unit column stride: the whole gradient or a
+    routed branch's token slice of it), both scaled by ``s``."""
+    n, tokens = len(subs), g.shape[0]
+    g3 = g.view(tokens, groups, -1)
+    grad_h = [None] * n
+    grad_bs = [None] * n
+    for k, offset, size in _placements(site, subs, g.shape[-1]):
+        h_k = h[:, k * r:(k + 1) * r]
+        if groups == 1:
+            g_k = g[:, offset:offset + size]
+            grad_h[k] = torch.mm(g_k, bs[k]) if need_h else None
+            grad_bs[k] = torch.mm(g_k.t(), h_k) if need_bs[k] else None
+        else:  # [groups, tokens, size]: a batch of strided blocks, no copy
+            g_k = g3[:, :, offset:offset + size].transpose(0, 1)
+            grad_h[k] = torch.bmm(g_k, bs[k].view(groups, size, r)).sum(0) if need_h else None
+            grad_bs[k] = (torch.bmm(g_k.transpose(1, 2), h_k.expand(groups, tokens, r)).view(bs[k].shape)
+                          if need_bs[k] else None)
+        if grad_bs[k] is not None:
+            grad_bs[k].mul_(scaling)
+    gh = None
+    if need_h:
+        # a projection the branch does not place (no such sub on this site) gets zeros
+        gh = torch.cat([t if t is not None else h.new_zeros(tokens, r) for t in grad_h], dim=1).mul_(scaling)
+    return gh, grad_bs
+
+
 class _LoraLinear(torch.autograd.Function):
     """``x Wᵀ + bias + Σ s·(x Aᵀ) Bᵀ`` over a layer's active branches, with a hand-written backward.
 
@@ -290,9 +338,13 @@ class _LoraLinear(torch.autograd.Function):
     Only the forward q/k/v B GEMM over several interleaved query groups stays block-structured:
     per projection it would be one GEMM per group, and on a loaded machine zeros cost less than calls.
 
-    ``specs``: per branch ``(hidden_given, subs, r, scaling)``; ``factors``: per branch A (or, with
-    ``hidden_given``, the hidden ``x Aᵀ`` that autograd computed from dropout-masked inputs), then
-    its B factors.
+    A routed branch (:mod:`mlora.lora.routing`) does the same on each slice of its route: strided 2-D
+    views of the flattened input, output and gradients (``x2[seg]``, ``out[seg]``), no copies; its hidden
+    holds the route's tokens only, gathered in order.
+
+    ``specs``: per branch ``(hidden_given, subs, r, scaling, route)`` (``route`` None: every token);
+    ``factors``: per branch A (or, with ``hidden_given``, the hidden ``x Aᵀ`` that autograd computed from
+    dropout-masked inputs, of the route's tokens), then its B factors.
     """
 
     @staticmethod
@@ -301,16 +353,22 @@ class _LoraLinear(torch.autograd.Function):
         out = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
         groups = site.groups if site.parallel == "column" else 1
         hiddens, i = [], 0
-        for hidden_given, subs, r, scaling in specs:
+        for hidden_given, subs, r, scaling, route in specs:
             n = len(subs)
             first, bs = factors[i], factors[i + 1:i + 1 + n]
             i += 1 + n
-            h = first.reshape(-1, n * r) if hidden_given else torch.mm(x2, first.t())
-            if groups > 1:
-                out.addmm_(h, _block_b(bs, scaling, subs, site).t())
+            if route is None:
+                h = first.reshape(-1, n * r) if hidden_given else torch.mm(x2, first.t())
+                _add_b(((out, h),), bs, subs, r, scaling, site, groups)
             else:
-                for k, offset, size in _placements(site, subs, out.shape[-1]):
-                    out[:, offset:offset + size].addmm_(h[:, k * r:(k + 1) * r], bs[k].t(), alpha=scaling)
+                parts = route_parts(route, x2.shape[0])
+                if hidden_given:
+                    h = first.reshape(-1, n * r)
+                else:
+                    h = x2.new_empty(parts[-1][2], n * r)
+                    for seg, start, stop in parts:
+                        torch.mm(x2[seg], first.t(), out=h[start:stop])
+                _add_b([(out[seg], h[start:stop]) for seg, start, stop in parts], bs, subs, r, scaling, site, groups)
             hiddens.append(h)
         ctx.site, ctx.specs, ctx.x_shape = site, specs, x.shape
         keep_x = weight.requires_grad or not all(spec[0] for spec in specs)
@@ -329,33 +387,19 @@ class _LoraLinear(torch.autograd.Function):
         grad_x = torch.mm(g, weight) if need[2] else None
         grad_w = torch.mm(g.t(), x2) if need[3] else None
         grad_bias = g.sum(0) if need[4] else None
-        groups, tokens = site.groups if site.parallel == "column" else 1, g.shape[0]
-        g3 = g.view(tokens, groups, -1)
+        groups = site.groups if site.parallel == "column" else 1
         grads, i = [], 0
-        for (hidden_given, subs, r, scaling), h in zip(specs, hiddens):
+        for (hidden_given, subs, r, scaling, route), h in zip(specs, hiddens):
             n = len(subs)
             first, bs = factors[i], factors[i + 1:i + 1 + n]
             need_first, need_bs = need[5 + i], need[6 + i:6 + i + n]
             i += 1 + n
             need_h = need_first or (grad_x is not None and not hidden_given)
-            grad_h = [None] * n
-            grad_bs = [None] * n
-            for k, offset, size in _placements(site, subs, g.shape[-1]):
-                h_k = h[:, k * r:(k + 1) * r]
-                if groups == 1:
-                    g_k = g[:, offset:offset + size]
-                    grad_h[k] = torch.mm(g_k, bs[k]) if need_h else None
-                    grad_bs[k] = torch.mm(g_k.t(), h_k) if need_bs[k] else None
-                else:  # [groups, tokens, size]: a batch of strided blocks, no copy
-                    g_k = g3[:, :, offset:offset + size].transpose(0, 1)
-                    grad_h[k] = torch.bmm(g_k, bs[k].view(groups, size, r)).sum(0) if need_h else None
-                    grad_bs[k] = (torch.bmm(g_k.transpose(1, 2), h_k.expand(groups, tokens, r)).view(bs[k].shape)
-                                  if need_bs[k] else None)
-                if grad_bs[k] is not None:
-                    grad_bs[k].mul_(scaling)
-            if need_h:
-                # a projection the branch does not place (no such sub on this site) gets zeros
-                gh = torch.cat([t if t is not None else h.new_zeros(tokens, r) for t in grad_h], dim=1).mul_(scaling)
+            if route is not None:
+                grads += _routed_grads(site, groups, g, x2, h, first, bs, (hidden_given, subs, r, scaling, route),
+                                       need_first, need_bs, need_h, grad_x)
+                continue
+            gh, grad_bs = _b_grads(site, groups, g, h, bs, subs, r, scaling, need_h, need_bs)
             if hidden_given:
                 grads.append(gh.view(first.shape) if need_first else None)
             else:
@@ -366,55 +410,103 @@ class _LoraLinear(torch.autograd.Function):
         return (None, None, None if grad_x is None else grad_x.view(ctx.x_shape), grad_w, grad_bias, *grads)
 
 
+def _routed_grads(site, groups, g, x2, h, first, bs, spec, need_first, need_bs, need_h, grad_x) -> list:
+    """A routed branch's part of :meth:`_LoraLinear.backward`: per slice of its route, the gradients from
+    that slice of ``g``; B's and A's summed over the slices, the hidden's gathered in order, the input's
+    accumulated into ``grad_x`` (beta 1). Returns the gradients of the branch's ``first`` and B factors."""
+    hidden_given, subs, r, scaling, route = spec
+    grad_first, grad_bs, ghs = None, [None] * len(subs), []
+    for seg, start, stop in route_parts(route, g.shape[0]):
+        gh, part_bs = _b_grads(site, groups, g[seg], h[start:stop], bs, subs, r, scaling, need_h, need_bs)
+        grad_bs = [p if acc is None else acc.add_(p) for acc, p in zip(grad_bs, part_bs)]
+        if hidden_given:
+            ghs.append(gh)
+            continue
+        if need_first:
+            grad_first = torch.mm(gh.t(), x2[seg]) if grad_first is None else grad_first.addmm_(gh.t(), x2[seg])
+        if grad_x is not None:
+            grad_x[seg].addmm_(gh, first)
+    if hidden_given and need_first:
+        grad_first = torch.cat(ghs).view(first.shape)
+    return [grad_first, *(torch.zeros_like(b) if nb and gb is None else gb
+                          for b, gb, nb in zip(bs, grad_bs, need_bs))]
+
+
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, branches: list[LoraBranch],
-                site: LoraSite | None, weight_scale: torch.Tensor | None = None, fp8_group=None) -> torch.Tensor:
+                site: LoraSite | None, weight_scale: torch.Tensor | None = None, fp8_group=None,
+                routes: Sequence[Route | None] | None = None) -> torch.Tensor:
     """``x Wᵀ + bias`` plus every branch's delta on this rank's local output (see :class:`_LoraLinear`).
 
     An FP8 weight (``weight_scale`` given: float32 per output row) multiplies through
     :func:`mlora.fp8.fp8_linear` (input quantized per token, ``torch._scaled_mm``; its input
     gradient uses the dequantized weight); the deltas are computed from the unquantized ``x``.
-    ``fp8_group``: a row-parallel input's TP group, over which the per-token scale is all-reduced."""
+    ``fp8_group``: a row-parallel input's TP group, over which the per-token scale is all-reduced.
+    ``routes``: per branch, the tokens of the flattened ``x`` it applies to (:mod:`mlora.lora.routing`;
+    None, or None for a branch: every token)."""
     if weight_scale is not None:
-        return _fp8_base_plus(x, weight, weight_scale, bias, _deltas(branches, x, site), fp8_group)
+        return _fp8_base_plus(x, weight, weight_scale, bias, branch_deltas(branches, x, site, routes), fp8_group)
     if not branches:
         return F.linear(x, weight, bias)
     if any(b.compute_dtype not in (None, x.dtype) for b in branches):
         # a branch in another dtype than the base (float32 on bf16, PEFT's mixed precision) cannot
         # accumulate into the base GEMM's buffer: its delta is added in the output's dtype instead
-        out = F.linear(x, weight, bias)
-        for d in _deltas(branches, x, site):
-            out = out + d.to(out.dtype)
-        return out
+        return add_deltas(F.linear(x, weight, bias), branch_deltas(branches, x, site, routes))
     specs, factors = [], []
-    for branch in branches:
+    for branch, route in zip(branches, routes or itertools.repeat(None)):
         # with dropout each projection reads its own masked input: LoraBranch.hidden draws the masks
         given = branch.dropout_active
-        specs.append((given, branch.subs, branch.rank, branch.scaling))
+        specs.append((given, branch.subs, branch.rank, branch.scaling, route))
         a, bs = branch.factors_in(x.dtype)
-        factors += [branch.hidden(x) if given else a, *bs]
+        if given:  # a routed branch draws masks for its own tokens only, gathered in route order
+            a = branch.hidden(x if route is None else _route_input(x, route))
+        factors += [a, *bs]
     return _LoraLinear.apply(site, tuple(specs), x, weight, bias, *factors)
 
 
-def _deltas(branches: list[LoraBranch], x: torch.Tensor, site: LoraSite | None) -> list[torch.Tensor]:
-    """Every branch's :func:`lora_delta`, the input cast once per compute dtype: the branches of a layer
+def _route_input(x: torch.Tensor, route: Route) -> torch.Tensor:
+    """The tokens of ``route`` from ``x`` (``[..., in]``), gathered in order into ``[tokens, in]``
+    (differentiable: one index_select, whose backward is one index_add)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2.index_select(0, route_index(route, x2.shape[0], x2.device))
+
+
+def branch_deltas(branches: list[LoraBranch], x: torch.Tensor, site: LoraSite | None,
+                  routes: Sequence[Route | None] | None = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Every branch's :func:`lora_delta` with the flattened token indices it belongs to (None: every token;
+    see :func:`add_deltas`). The input is cast once per compute dtype: the unrouted branches of a layer
     (actor and critic, K experiments) then save one float32 copy of a bf16 input between them, which is
-    what ``mlora plan --memory`` counts."""
+    what ``mlora plan --memory`` counts; a routed branch gathers its tokens (``routes``, see
+    :func:`lora_linear`) and casts those."""
     cast: dict[torch.dtype, torch.Tensor] = {}
     out = []
-    for branch in branches:
+    for branch, route in zip(branches, routes or itertools.repeat(None)):
         dtype = branch.compute_dtype or x.dtype
+        if route is not None:
+            index = route_index(route, x.numel() // x.shape[-1], x.device)
+            out.append((lora_delta(branch, _route_input(x, route).to(dtype), site), index))
+            continue
         if dtype not in cast:
             cast[dtype] = x.to(dtype)
-        out.append(lora_delta(branch, cast[dtype], site))
+        out.append((lora_delta(branch, cast[dtype], site), None))
+    return out
+
+
+def add_deltas(out: torch.Tensor, deltas: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
+    """``out`` plus each delta of :func:`branch_deltas` in ``out``'s dtype: on every token, or into the rows
+    ``index`` of the flattened output (``index_add`` through autograd: a routed delta is never computed for,
+    nor masked off, the other tokens)."""
+    for delta, index in deltas:
+        if index is None:
+            out = out + delta.to(out.dtype)
+        else:
+            out = out.reshape(-1, out.shape[-1]).index_add(0, index, delta.to(out.dtype)).view(out.shape)
     return out
 
 
 def _fp8_base_plus(x, weight, weight_scale, bias, deltas, group=None):
     from mlora.fp8.quant import fp8_linear
 
-    out = fp8_linear(x, weight, weight_scale, group)
-    for d in deltas:
-        out = out + d.to(out.dtype)
+    out = add_deltas(fp8_linear(x, weight, weight_scale, group), deltas)
     return out if bias is None else out + bias
 
 
@@ -463,6 +555,20 @@ class LoraHost:
             if branch is not None:
                 yield branch
 
+    def _routed_branches(self) -> tuple[list[LoraBranch], list[Route | None] | None]:
+        """The active branches and, while routes are set (:data:`mlora.lora.routing.ROUTES`), each one's
+        route (None: every token); a branch routed to no token is left out. Without routes: ``(branches,
+        None)``, the unrouted path."""
+        if not ROUTES:
+            return list(self._branches()), None
+        branches, routes = [], []
+        for name in self.active_adapters:
+            route = ROUTES.get(name)
+            if name in self.lora and route != ():
+                branches.append(self.lora[name])
+                routes.append(route)
+        return branches, routes
+
 
 class LoraColumnParallelLinear(LoraHost, tensor_parallel.ColumnParallelLinear):
     """megatron's ColumnParallelLinear with LoRA branches inside its single TP collective."""
@@ -478,8 +584,9 @@ class LoraColumnParallelLinear(LoraHost, tensor_parallel.ColumnParallelLinear):
         weight = self.weight if weight is None else weight
         x = column_input(input_, self.sequence_parallel, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        out = lora_linear(x, weight, bias, list(self._branches()), self.lora_site,
-                          self.weight_scale if weight is self.weight else None)
+        branches, routes = self._routed_branches()
+        out = lora_linear(x, weight, bias, branches, self.lora_site,
+                          self.weight_scale if weight is self.weight else None, routes=routes)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
             out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
@@ -499,7 +606,8 @@ class LoraRowParallelLinear(LoraHost, tensor_parallel.RowParallelLinear):
         # input_ is this rank's slice of the features; dropout applies this slice of the full mask
         # FP8: the per-token input scale covers the whole row, not this rank's slice (mesh independence)
         group = self.tp_group if self.weight_scale is not None and self.tp_group.size() > 1 else None
-        out = lora_linear(input_, self.weight, None, list(self._branches()), self.lora_site, self.weight_scale, group)
+        branches, routes = self._routed_branches()
+        out = lora_linear(input_, self.weight, None, branches, self.lora_site, self.weight_scale, group, routes)
         out = row_output(out, self.sequence_parallel, self.tp_group)
         if self.skip_bias_add:
             return out, self.bias

@@ -21,7 +21,9 @@ What mlora adds (:func:`prepare_for_recompute`):
   (:data:`mlora.lora.layers.DROPOUT_CALLS`), which must read what it read in the original forward.
   megatron saves and restores its RNG-states tracker around every recompute (``CheckpointFunction``,
   ``CheckpointWithoutOutput``, Transformer Engine's checkpoint), so the counters ride in the
-  tracker's states (:func:`install_dropout_replay`).
+  tracker's states (:func:`install_dropout_replay`). So do the adapter routes of a mixed-adapter
+  micro-batch (:mod:`mlora.lora.routing`): megatron's 1F1B schedule recomputes one micro-batch while
+  another one's routes are set.
 """
 
 from __future__ import annotations
@@ -117,32 +119,42 @@ def recompute_settings(recompute: str = "none", method: str | None = None, num_l
 
 
 class _TrackerStates(dict):
-    """The tracker's states (name -> generator state, as before) plus the LoRA dropout counters as an
-    attribute: whoever lists the states (megatron's checkpointing of RNG states, mlora's training
-    checkpoints) sees generator states only, and whoever hands the object back restores the counters."""
+    """The tracker's states (name -> generator state, as before) plus, as attributes, the LoRA dropout
+    counters and the adapter routes: whoever lists the states (megatron's checkpointing of RNG states,
+    mlora's training checkpoints) sees generator states only, and whoever hands the object back restores
+    both."""
 
     dropout_calls: list[int] | None = None
+    routes: dict | None = None
 
 
 class _DropoutReplay:
-    """Mixed into megatron's RNG-states tracker: its states also carry the LoRA dropout counters, so
-    every checkpoint that saves the tracker's states before a forward and sets them before the
-    recompute makes the recompute draw the original forward's masks."""
+    """Mixed into megatron's RNG-states tracker: its states also carry the LoRA dropout counters and the
+    current adapter routes (:data:`mlora.lora.routing.ROUTES`), so every checkpoint that saves the
+    tracker's states before a forward and sets them before the recompute makes the recompute draw the
+    original forward's masks on the original forward's rows (under the 1F1B schedule another
+    micro-batch's routes are set when a recompute runs)."""
 
     def get_states(self):
         from mlora.lora.layers import DROPOUT_CALLS
+        from mlora.lora.routing import ROUTES
 
         states = _TrackerStates(super().get_states())
         states.dropout_calls = list(DROPOUT_CALLS)
+        states.routes = dict(ROUTES)
         return states
 
     def set_states(self, states):
         from mlora.lora.layers import DROPOUT_CALLS
+        from mlora.lora.routing import set_routes
 
         super().set_states(states)
         calls = getattr(states, "dropout_calls", None)
         if calls is not None:  # branches built after the snapshot keep their counters
             DROPOUT_CALLS[:len(calls)] = calls
+        routes = getattr(states, "routes", None)
+        if routes is not None:
+            set_routes(routes)
 
 
 _REPLAY_CLASSES: dict[type, type] = {}

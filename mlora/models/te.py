@@ -221,7 +221,7 @@ def te_lora_linear_classes():
     require_te(fp8=False)
     from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TERowParallelLinear
 
-    from mlora.lora.layers import LoraHost, column_input, lora_delta, row_output
+    from mlora.lora.layers import LoraHost, add_deltas, branch_deltas, column_input, row_output
 
     def _tp_size(group) -> int:
         return group.size() if group is not None else 1
@@ -246,8 +246,9 @@ def te_lora_linear_classes():
                 raise ValueError("Transformer Engine linears do not gather their output")
             x = column_input(input_, self.mlora_sequence_parallel, self.mlora_tp_group)
             out, bias = super().forward(x)  # TE GEMM on the gathered input, no collective
-            for branch in self._branches():  # plain torch: never under FP8
-                out = out + lora_delta(branch, x, self.lora_site).to(out.dtype)
+            # plain torch: never under FP8; routed branches as in the local spec's mixed-precision path
+            branches, routes = self._routed_branches()
+            out = add_deltas(out, branch_deltas(branches, x, self.lora_site, routes))
             return out, bias
 
     class LoraTERowParallelLinear(LoraHost, TERowParallelLinear):
@@ -270,8 +271,8 @@ def te_lora_linear_classes():
         def forward(self, input_: torch.Tensor):
             out, bias = super().forward(input_)  # this rank's partial x_i W_iᵀ; TE does not reduce
             # input_ is this rank's slice of the features; dropout applies this slice of the full mask
-            for branch in self._branches():
-                out = out + lora_delta(branch, input_, self.lora_site).to(out.dtype)
+            branches, routes = self._routed_branches()
+            out = add_deltas(out, branch_deltas(branches, input_, self.lora_site, routes))
             return row_output(out, self.mlora_sequence_parallel, self.mlora_tp_group), bias
 
     return LoraTEColumnParallelLinear, LoraTERowParallelLinear

@@ -232,16 +232,16 @@ def _forward_phase(spec: ModelSpec, layout: Layout, workload: Workload, stage: i
     return _Phase("forward", 0, masks + workspace, 0)
 
 
-def engine_bytes(spec: ModelSpec, engine: Engine, lora: LoraConfig) -> int:
+def engine_bytes(spec: ModelSpec, engine: Engine, lora: LoraConfig, slots: int = 1) -> int:
     """A colocated vLLM engine's share of one GPU: its TP shard of the base (the trainer's sharding
-    functions; vLLM pads the vocabulary slightly differently), one LoRA slot of the adapter's rank,
-    and the KV cache of ``kv_tokens`` tokens (K and V of every layer for this GPU's KV heads).
+    functions; vLLM pads the vocabulary slightly differently), ``slots`` LoRA slots of the adapter's rank
+    (one per experiment), and the KV cache of ``kv_tokens`` tokens (K and V of every layer for this GPU's KV heads).
     vLLM's own activation workspace and CUDA graphs are not counted."""
     item = _item(engine.dtype)
     weights = base_bytes(spec, engine.tp, 1, 0, 0, engine.dtype, engine.fp8)
     slot = adapter_bytes(spec, engine.tp, 1, lora, engine.dtype)[(0, 0)]
     kv = engine.kv_tokens * spec.num_layers * 2 * engine.kv_heads_per_gpu(spec) * spec.head_dim * item
-    return weights + slot + kv
+    return weights + slots * slot + kv
 
 
 def plan_memory(spec: ModelSpec, layout: Layout, workload: Workload, engine: Engine | None = None) -> MemoryPlan:
@@ -254,15 +254,16 @@ def plan_memory(spec: ModelSpec, layout: Layout, workload: Workload, engine: Eng
                       exclude_modules=workload.exclude_modules)
     # adapters, heads and their AdamW moments are float32 masters under a 16-bit base (mlora.lora.config.master_dtype)
     per_adapter = adapter_bytes(spec, layout.tp, layout.pp, lora, master_dtype(workload.dtype))
-    colocated = engine_bytes(spec, engine, lora) if engine is not None else 0
+    k = workload.experiments
+    colocated = engine_bytes(spec, engine, lora, k) if engine is not None else 0
     plan = MemoryPlan(spec, layout, workload, engine)
     for stage in range(layout.pp):
         last = stage == layout.pp - 1
         for tp_rank in range(layout.tp):
             base = base_bytes(spec, layout.tp, layout.pp, stage, tp_rank, workload.dtype, workload.fp8)
-            actor = per_adapter[(stage, tp_rank)]
+            actor = k * per_adapter[(stage, tp_rank)]  # every experiment's policy (and critic, head)
             critic = actor if workload.critic else 0
-            heads = head_bytes(spec, master_dtype(workload.dtype)) if workload.critic and last else 0
+            heads = k * head_bytes(spec, master_dtype(workload.dtype)) if workload.critic and last else 0
             optimizer = 2 * (actor + critic + heads)  # AdamW: exp_avg and exp_avg_sq per trainable element
             # a sleeping engine is on the GPU only while it generates; one that stays awake, throughout
             awake = colocated if engine is not None and not engine.sleeps else 0

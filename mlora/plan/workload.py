@@ -59,6 +59,11 @@ class Workload:
     ``fp8="torch"`` stores the four frozen linears in e4m3. ``attention`` and ``recompute*`` as in
     :func:`mlora.from_pretrained`.
 
+    ``experiments``: K experiments trained side by side on the base (``experiments``, :mod:`mlora.train.engine`
+    ``step_experiments``), each with this rank, critic and AdamW state: the adapters, heads and moments are K
+    times one experiment's, and so are the gradients of an update round; the micro-batches (and so the
+    activations and logits) are the same size whatever their rows' experiments.
+
     ``packed``: sequence packing (``trainer.use_sample_packing`` with ``max_tokens_per_microbatch = seq``):
     each micro-batch is one row of ``seq`` tokens holding several sequences (``micro_batch`` must be 1).
     Its memory is that row's: every linear, norm and the logits see ``seq`` tokens, and the fused attention
@@ -83,6 +88,7 @@ class Workload:
     recompute_num_layers: int = 1
     recompute_modules: tuple[str, ...] = ("core_attn",)
     packed: bool = False
+    experiments: int = 1
 
     @classmethod
     def packed_budget(cls, tokens: int, **kwargs) -> "Workload":
@@ -91,7 +97,7 @@ class Workload:
 
     def check(self, spec: ModelSpec, layout: Layout) -> None:
         """ValueError naming the first bad field."""
-        for name in ("micro_batch", "seq", "rank", "recompute_num_layers"):
+        for name in ("micro_batch", "seq", "rank", "recompute_num_layers", "experiments"):
             _positive(name, getattr(self, name))
         for name in ("micro_batches", "forward_micro_batch"):
             if getattr(self, name) is not None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -32,6 +33,14 @@ class SamplingConfig:
         check_truncation(self.top_p, self.top_k, self.min_p, "sampling ")
 
 
+def per_prompt_configs(s: SamplingConfig, indices: Iterable[int]) -> list[SamplingConfig]:
+    """One config per prompt, each with the seed prompt ``i`` of a batch sampled with ``s`` gets (``s.seed + i``:
+    reproducible, independent of how many engines share the batch, yet prompts do not share a stream), for the
+    prompts at ``indices`` of that batch. Batches that mix configs (or adapters) pass such lists to the engines,
+    which use each config's seed as it is: a prompt samples as it would in its own batch."""
+    return [replace(s, seed=None if s.seed is None else s.seed + i) for i in indices]
+
+
 def check_truncation(top_p: float, top_k: int, min_p: float, prefix: str = "") -> None:
     """Raise a ValueError naming the bad one of vLLM's truncation parameters."""
     if not 0.0 < top_p <= 1.0:
@@ -57,11 +66,15 @@ class Generation:
 class Generator(Protocol):
     """What the RL loop needs from a rollout backend."""
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Generation]:
-        """``n_samples_per_prompt`` generations per prompt, grouped by prompt, in prompt order."""
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig | Sequence[SamplingConfig],
+                 adapters: Sequence[str] | None = None) -> list[Generation]:
+        """``n_samples_per_prompt`` generations per prompt, grouped by prompt, in prompt order. ``sampling``: one
+        config for all (prompt ``i`` seeded ``seed + i``) or one per prompt (:func:`per_prompt_configs`);
+        ``adapters``: the adapter of each prompt (None: the one adapter served)."""
 
     def update_adapter(self, adapter_dir: Path, name: str) -> float:
-        """Serve the PEFT adapter in ``adapter_dir`` as ``name`` from now on (hot swap); returns seconds taken."""
+        """Serve the PEFT adapter in ``adapter_dir`` as ``name`` from now on, in place of the adapter of that name
+        (hot swap); returns seconds taken."""
 
     def close(self) -> None:
         """Release engines and processes."""

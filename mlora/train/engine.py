@@ -15,16 +15,13 @@ forward-only passes in eval mode.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
 from mlora.checkpoint.run_state import VALUE_HEAD, StageState, TrainedAdapter, head_parameters
 from mlora.facade.model import MLoraModel
 from mlora.lora.config import LoraConfig
-from mlora.lora.grads import clip_grads, finalize_grads
 from mlora.rl import (
     AdaptiveKLController,
     FixedKLController,
@@ -41,9 +38,11 @@ from mlora.rl.kl import apply_kl_in_reward
 from mlora.rl.masked import masked_mean, masked_sum
 from mlora.rl.rollout_correction import off_policy_correction, rollout_is_loss
 from mlora.rl.vocab_parallel import next_token_logits, vocab_parallel_logprobs, vocab_parallel_truncation_logmass
+from mlora.train import joint_passes
 from mlora.train.batch import RolloutBatch
 from mlora.train.config import PPOConfig
-from mlora.train.micro_batches import group_units, in_row_order, last_token_scores, micro_batch, unpack_tokens
+from mlora.train.joint_passes import JointBatch, Trained
+from mlora.train.micro_batches import last_token_scores, unpack_tokens
 from mlora.train.optim import build_optimizer
 
 
@@ -57,8 +56,10 @@ class ActorCriticEngine:
         self.policy, self.critic = policy, (critic if cfg.uses_critic else None)
         self.reference = tuple(reference_adapters)
         model._require(*self.reference)
+        # an experiment's adapters (e/policy, e/critic) draw by their role's name: each starts where a run of its
+        # own with the same seed starts (mlora.train.experiments)
         if policy not in model.adapters:
-            model.add_adapter(policy, policy_lora or LoraConfig())
+            model.add_adapter(policy, policy_lora or LoraConfig(), key=policy.rsplit("/", 1)[-1])
         model.set_trainable(policy, True)
         self.actor_params = model.adapter_parameters(policy)
         self.actor_opt, self.actor_sched = build_optimizer(
@@ -67,7 +68,7 @@ class ActorCriticEngine:
             schedule=cfg.lr_schedule)
         if self.critic is not None:
             if self.critic not in model.adapters:
-                model.add_adapter(self.critic, critic_lora or LoraConfig(seed=1))
+                model.add_adapter(self.critic, critic_lora or LoraConfig(seed=1), key=self.critic.rsplit("/", 1)[-1])
             model.set_trainable(self.critic, True)
             if self.critic not in model.heads:
                 model.add_value_head(self.critic)
@@ -95,7 +96,7 @@ class ActorCriticEngine:
     def restore_counters(self, counters: dict[str, float]) -> None:
         self.global_step, self.kl_ctrl.value = int(counters["global_step"]), counters["kl_coef"]
 
-    # ------------------------------------------------------------------ layout helpers
+    # ------------------------------------------------------------------ sizes
     def _check_sizes(self, batch: RolloutBatch) -> None:
         c, dp = self.cfg, self.mesh.dp
         sizes = [("mini_batch_size", c.mini_batch_size)]
@@ -111,57 +112,28 @@ class ActorCriticEngine:
         if batch.size % (c.micro_forward_batch_size * dp):
             raise ValueError(f"batch of {batch.size} sequences is not divisible by micro_forward_batch_size x DP = "
                              f"{c.micro_forward_batch_size} x {dp}")
+        self._check_groups(batch)
+
+    def _check_joint_sizes(self, batch: RolloutBatch) -> None:
+        """Sizes of one of several experiments' batches in a joint step: each data-parallel rank takes an equal
+        share of every mini-batch; micro-batches may mix experiments, so only the rows of a whole pass must
+        fill them (:meth:`mlora.train.joint_passes.JointBatch.micro_batches` checks that)."""
+        c, dp = self.cfg, self.mesh.dp
+        sizes = [("mini_batch_size", c.mini_batch_size)]
+        if self.critic is not None:
+            sizes.append(("critic_mini_batch_size", c.critic_mini_batch))
+        for name, size in [*sizes, ("the batch", batch.size)]:
+            if batch.size % size:
+                raise ValueError(f"{self.policy}: batch of {batch.size} sequences is not divisible by {name}={size}")
+            if size % dp:
+                raise ValueError(f"{self.policy}: {name}={size} is not divisible by the data-parallel size {dp}")
+        self._check_groups(batch)
+
+    def _check_groups(self, batch: RolloutBatch) -> None:
+        c = self.cfg
         if c.advantage_estimator != "gae" and batch.size % c.n_samples_per_prompt:
             raise ValueError(f"batch of {batch.size} is not a whole number of groups of "
                              f"n_samples_per_prompt={c.n_samples_per_prompt}")
-
-    def _dp_rows(self, start: int, count: int) -> slice:
-        per = count // self.mesh.dp
-        return slice(start + self.mesh.dp_rank * per, start + (self.mesh.dp_rank + 1) * per)
-
-    def _micro_batches(self, batch: RolloutBatch, rows: slice, size: int, extra: dict) -> list[dict]:
-        """Micro-batches of ``rows`` (``size`` sequences each, or packed under the token budget); each
-        holds ``rows``, its sequences' places in the slice, for :func:`~mlora.train.micro_batches.in_row_order`."""
-        per_row = {"action_mask": batch.action_mask, **extra}
-        tokens = batch.attention_mask[rows].sum(-1).tolist()
-        out = []
-        for group in group_units(tokens, size, self.cfg.packing, batch.input_ids.shape[1]):
-            local = torch.tensor(group)
-            mb = micro_batch(batch.input_ids, batch.attention_mask, local + rows.start, per_row,
-                             self.cfg.packing.enabled, self.mesh.device)
-            mb["rows"] = local
-            out.append(mb)
-        return out
-
-    def _from_last_stage(self, t: torch.Tensor | None, shape, dtype=torch.float32) -> torch.Tensor:
-        """Broadcast a tensor computed on the last pipeline stage to every stage."""
-        from megatron.core import parallel_state as ps
-
-        if self.mesh.pp == 1:
-            return t
-        buf = t.contiguous() if self.mesh.is_last_stage else torch.zeros(shape, dtype=dtype, device=self.mesh.device)
-        dist.broadcast(buf, src=ps.get_pipeline_model_parallel_last_rank(), group=self.mesh.pp_group)
-        return buf
-
-    def _dp_gather(self, t: torch.Tensor) -> torch.Tensor:
-        if self.mesh.dp == 1:
-            return t
-        parts = [torch.empty_like(t) for _ in range(self.mesh.dp)]
-        dist.all_gather(parts, t.contiguous(), group=self.mesh.dp_group)
-        return torch.cat(parts)
-
-    @contextlib.contextmanager
-    def _mode(self, training: bool):
-        """Train mode for the update passes (LoRA dropout active), eval mode for the forward-only
-        passes (deterministic old/ref log-probs and values); every module gets its own previous
-        mode back afterwards (``model.train(x)`` alone would flatten mixed modes)."""
-        previous = [(m, m.training) for m in self.model.modules()]
-        self.model.train(training)
-        try:
-            yield
-        finally:
-            for m, mode in previous:
-                m.training = mode
 
     # ------------------------------------------------------------------ forward-only passes
     def _token_logprobs(self, logits: torch.Tensor, mb: dict, with_entropy: bool):
@@ -194,50 +166,37 @@ class ActorCriticEngine:
     def _values(self, hidden: torch.Tensor, mb: dict) -> torch.Tensor:
         return unpack_tokens(self.model.heads[self.critic](hidden)[..., 0][:, :-1].float(), mb, 1)
 
-    @torch.no_grad()
     def _forward_pass(self, batch: RolloutBatch, adapters: tuple[str, ...], values: bool,
                       sampled: bool = False) -> torch.Tensor:
-        """Per-action log-probs (or values) of the whole batch, on every rank, in eval mode.
+        """Per-action log-probs (or values) of the whole batch under ``adapters``, on every rank, in eval mode.
 
         ``sampled``: ``[B, S - 1, 2]``, the log-probs and the engine-comparable ones
         (:meth:`_old_and_sampled_logprobs`)."""
-        rows = self._dp_rows(0, batch.size)
-        mbs = self._micro_batches(batch, rows, self.cfg.micro_forward_batch_size, {})
         if values:
-            fn = lambda hidden, mb: (torch.zeros(()), {"out": self._values(hidden, mb)})  # noqa: E731
+            fn, trailing = self._values, ()
         elif sampled:
-            def fn(logits, mb):
-                return torch.zeros(()), {"out": self._old_and_sampled_logprobs(logits, mb)}
+            fn, trailing = self._old_and_sampled_logprobs, (2,)
         else:
-            fn = lambda logits, mb: (torch.zeros(()), {"out": self._token_logprobs(logits, mb, False)[0]})  # noqa: E731
-        with self.model.use_adapters(*adapters), self._mode(training=False):
-            outs = self.model.forward_backward(mbs, fn, forward_only=True, hidden_states=values)
-        # collectives run on the mesh's device (NCCL needs CUDA tensors); results come back to CPU
-        local = in_row_order(outs, mbs)
-        shape = (rows.stop - rows.start, batch.input_ids.shape[1] - 1) + ((2,) if sampled and not values else ())
-        local = self._from_last_stage(local, shape)
-        return self._dp_gather(local).cpu()
+            fn, trailing = self._logprobs, ()
+        joint = JointBatch([self], [batch])
+        return joint_passes.forward(joint, [0], adapters, {}, {0: fn}, values, (joint.width - 1, *trailing))[0]
+
+    def _logprobs(self, logits: torch.Tensor, mb: dict) -> torch.Tensor:
+        return self._token_logprobs(logits, mb, False)[0]
 
     # ------------------------------------------------------------------ learned reward (env_class=reward_model)
-    @torch.no_grad()
     def reward_scores(self, batch: RolloutBatch, adapters: tuple[str, ...], head: str) -> torch.Tensor:
         """``[B]`` float32 on every rank: scalar head ``head`` on the last token of each prompt+response
         under ``adapters`` (a frozen reward adapter on this same base; see
         :func:`mlora.export.reward_adapter.load_reward_adapter`). The same forward-only pass as the
         values: micro-batches through megatron's schedule, each DP rank its slice, eval mode."""
         self._check_sizes(batch)
-        rows = self._dp_rows(0, batch.size)
-        mbs = self._micro_batches(batch, rows, self.cfg.micro_forward_batch_size, {})
         module = self.model.heads[head] if self.mesh.is_last_stage else None
 
         def fn(hidden, mb):
-            return torch.zeros(()), {"out": last_token_scores(module, hidden, mb)}
+            return last_token_scores(module, hidden, mb)
 
-        with self.model.use_adapters(*adapters), self._mode(training=False):
-            outs = self.model.forward_backward(mbs, fn, forward_only=True, hidden_states=True)
-        local = in_row_order(outs, mbs)
-        local = self._from_last_stage(local, (rows.stop - rows.start,))
-        return self._dp_gather(local).cpu()
+        return joint_passes.forward(JointBatch([self], [batch]), [0], adapters, {}, {0: fn}, True, ())[0]
 
     # ------------------------------------------------------------------ advantages
     def compute_advantages(self, batch: RolloutBatch, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
@@ -276,54 +235,6 @@ class ActorCriticEngine:
         if self.cfg.loss_agg_mode == "token-mean-legacy":  # micro-batches of the mini-batch, all DP ranks'
             return float(mask.shape[0] // self.cfg.micro_train_batch_size)
         return float((mask.sum(-1) > 0).sum())
-
-    def _update(self, batch: RolloutBatch, extra: dict, params, opt, sched, loss_fn_factory, hidden: bool,
-                adapters: tuple[str, ...], mini_batch_size: int, max_grad_norm: float | None) -> list[dict]:
-        """Optimizer steps over mini-batches of ``mini_batch_size`` sequences, ``ppo_epochs`` times,
-        with the model in train mode (LoRA dropout active)."""
-        c, results = self.cfg, []
-        for _ in range(c.ppo_epochs):
-            for start in range(0, batch.size, mini_batch_size):
-                mini_mask = batch.action_mask[start:start + mini_batch_size]
-                mbs = self._micro_batches(batch, self._dp_rows(start, mini_batch_size), c.micro_train_batch_size,
-                                          extra)
-                opt.zero_grad(set_to_none=True)
-                with self.model.use_adapters(*adapters), self._mode(training=True):
-                    outs = self.model.forward_backward(
-                        mbs, loss_fn_factory(self._normalizer(mini_mask), float(mini_mask.sum())), hidden_states=hidden)
-                finalize_grads(params)
-                grad_norm = clip_grads(params, max_grad_norm)
-                lr = sched.get_last_lr()[0]
-                opt.step()
-                sched.step()
-                opt.zero_grad(set_to_none=True)  # gradients do not outlive the step
-                metrics = self._reduce_metrics(outs)
-                metrics["grad_norm"] = float(grad_norm)
-                metrics["lr"] = lr
-                results.append(metrics)
-        return results
-
-    def _reduce_metrics(self, outs: list[dict] | None) -> dict[str, float]:
-        """Sum micro-batch metrics, then over DP; the same numbers on every rank."""
-        keys = sorted(outs[0]) if outs else None
-        keys = self._broadcast_keys(keys)
-        if self.mesh.is_last_stage:
-            vec = torch.stack([sum(o[k].detach().float() for o in outs) for k in keys]).to(self.mesh.device)
-            if self.mesh.dp > 1:
-                dist.all_reduce(vec, group=self.mesh.dp_group)
-        else:
-            vec = None
-        vec = self._from_last_stage(vec, (len(keys),)).cpu()
-        return {k: float(v) for k, v in zip(keys, vec)}
-
-    def _broadcast_keys(self, keys):
-        if self.mesh.pp == 1:
-            return keys
-        from megatron.core import parallel_state as ps
-
-        box = [keys]
-        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(), group=self.mesh.pp_group)
-        return box[0]
 
     def _actor_loss(self, normalizer: float, tokens: float):
         c = self.cfg
@@ -369,14 +280,12 @@ class ActorCriticEngine:
         Every rank passes the same (global) batch; each DP rank trains on its slice.
         Returns metrics, identical on every rank.
         """
-        self._check_sizes(batch)
-        actor = self.reference + (self.policy,)
-        with_rollout = batch.rollout_logprobs is not None
-        old = self._forward_pass(batch, actor, values=False, sampled=with_rollout)
-        if with_rollout:
-            old, sampled_logprobs = old[..., 0], old[..., 1]
-        ref = self._forward_pass(batch, self.reference, values=False)
-        values = self._forward_pass(batch, self.reference + (self.critic,), values=True) if self.critic else None
+        return step_experiments([(self, batch)])[0]
+
+    def _prepare_update(self, batch: RolloutBatch, old: torch.Tensor, sampled_logprobs: torch.Tensor | None,
+                        ref: torch.Tensor, values: torch.Tensor | None) -> tuple[dict, dict, dict | None]:
+        """After the forward-only passes: advantages, the step's metrics so far, and what the actor's and the
+        critic's updates read per row (None: no critic). Advances the adaptive KL controller."""
         adv = self.compute_advantages(batch, old, ref, values)
         mask = batch.action_mask
         metrics: dict[str, float] = {
@@ -386,7 +295,7 @@ class ActorCriticEngine:
             "response_length/mean": float(batch.response_positions.sum(-1).mean()),  # filtered rows too
         }
         actor_extra = {"old_logprobs": old, "ref_logprobs": ref, "advantages": adv["advantages"]}
-        if with_rollout:
+        if batch.rollout_logprobs is not None:
             # like with like: the engine reports log-probs of its processed (tempered, truncated) distribution
             gap = torch.where(mask > 0, (batch.rollout_logprobs - sampled_logprobs).abs(), 0.0)
             metrics["rollout/logprob_abs_diff"] = float(gap.sum() / mask.sum().clamp(min=1))
@@ -406,21 +315,91 @@ class ActorCriticEngine:
         if self.cfg.use_kl_in_reward:
             self.kl_ctrl.update(metrics["kl/mean"], batch.size)
             metrics["kl/coef"] = self.kl_ctrl.value
-        actor_steps = self._update(batch, actor_extra, self.actor_params, self.actor_opt, self.actor_sched,
-                                   self._actor_loss, hidden=False, adapters=actor,
-                                   mini_batch_size=self.cfg.mini_batch_size, max_grad_norm=self.cfg.max_grad_norm)
-        for k in actor_steps[0]:
-            metrics[f"actor/{k}"] = sum(s[k] for s in actor_steps) / len(actor_steps)
-        metrics["actor/per_minibatch"] = actor_steps  # type: ignore[assignment]
-        if self.critic is not None:
-            critic_extra = {"old_values": values, "returns": adv["returns"]}
-            critic_steps = self._update(batch, critic_extra, self.critic_params, self.critic_opt,
-                                        self.critic_sched, self._critic_loss, hidden=True,
-                                        adapters=self.reference + (self.critic,),
-                                        mini_batch_size=self.cfg.critic_mini_batch,
-                                        max_grad_norm=self.cfg.critic_max_grad_norm)
-            for k in critic_steps[0]:
-                metrics[f"critic/{k}"] = sum(s[k] for s in critic_steps) / len(critic_steps)
-            metrics["critic/per_minibatch"] = critic_steps  # type: ignore[assignment]
+        critic_extra = {"old_values": values, "returns": adv["returns"]} if self.critic is not None else None
+        return metrics, actor_extra, critic_extra
+
+    def _schedule(self, batch: RolloutBatch, mini_batch_size: int) -> list[tuple[int, int]]:
+        """``(start, size)`` of each optimizer step's mini-batch: ``ppo_epochs`` passes over the batch."""
+        return [(start, mini_batch_size) for _ in range(self.cfg.ppo_epochs)
+                for start in range(0, batch.size, mini_batch_size)]
+
+    def _trained(self, critic: bool) -> Trained:
+        c = self.cfg
+        if critic:
+            return Trained(self.critic_params, self.critic_opt, self.critic_sched, c.critic_max_grad_norm)
+        return Trained(self.actor_params, self.actor_opt, self.actor_sched, c.max_grad_norm)
+
+    def _loss(self, batch: RolloutBatch, start: int, count: int, critic: bool):
+        """The actor's (or critic's) loss function of mini-batch ``[start, start + count)``, normalised by its
+        global counts."""
+        mask = batch.action_mask[start:start + count]
+        factory = self._critic_loss if critic else self._actor_loss
+        return factory(self._normalizer(mask), float(mask.sum()))
+
+    def _finish_step(self, metrics: dict, actor_steps: list[dict], critic_steps: list[dict] | None) -> dict:
+        for role, steps in (("actor", actor_steps), ("critic", critic_steps)):
+            if steps is None:
+                continue
+            for k in steps[0]:
+                metrics[f"{role}/{k}"] = sum(s[k] for s in steps) / len(steps)
+            metrics[f"{role}/per_minibatch"] = steps  # type: ignore[assignment]
         self.global_step += 1
         return metrics
+
+
+def step_experiments(pairs: Sequence[tuple[ActorCriticEngine, RolloutBatch]]) -> list[dict[str, float]]:
+    """One RL step of each experiment ``(engine, its batch)`` on their shared base, every pass once for all
+    (:mod:`mlora.train.joint_passes`): old log-probs (each row under its own policy), reference log-probs,
+    values (each row under its own critic), then each experiment's advantages, then the actor updates and the
+    critic updates in rounds of every experiment's next optimizer step. Returns each experiment's metrics,
+    identical on every rank; each equals what its engine's :meth:`ActorCriticEngine.step` gives alone (to
+    float32 rounding: the micro-batches differ)."""
+    engines, batches = [e for e, _ in pairs], [b for _, b in pairs]
+    if len(pairs) == 1:
+        engines[0]._check_sizes(batches[0])
+    for e, b in pairs if len(pairs) > 1 else ():
+        e._check_joint_sizes(b)
+    joint = JointBatch(engines, batches)
+    everyone, ref, width = range(len(pairs)), engines[0].reference, joint.width - 1
+
+    def old_fn(e, b):
+        if b.rollout_logprobs is not None:
+            return e._old_and_sampled_logprobs
+        return lambda logits, mb: e._logprobs(logits, mb)[..., None].expand(-1, -1, 2)
+
+    old = joint_passes.forward(joint, everyone, ref, {p: e.policy for p, e in enumerate(engines)},
+                  {p: old_fn(e, b) for p, (e, b) in enumerate(pairs)}, False, (width, 2))
+    refs = joint_passes.forward(joint, everyone, ref, {}, {p: e._logprobs for p, e in enumerate(engines)}, False, (width,))
+    critics = [p for p, e in enumerate(engines) if e.critic is not None]
+    values = (joint_passes.forward(joint, critics, ref, {p: engines[p].critic for p in critics},
+                      {p: engines[p]._values for p in critics}, True, (width,)) if critics else {})
+
+    def own(t: torch.Tensor, p: int) -> torch.Tensor:  # experiment p's width
+        return t[:, :batches[p].input_ids.shape[1] - 1]
+
+    metrics, actor_extra, critic_extra = {}, {}, {}
+    for p, (e, b) in enumerate(pairs):
+        sampled = own(old[p][..., 1], p) if b.rollout_logprobs is not None else None
+        metrics[p], actor_extra[p], critic_extra[p] = e._prepare_update(
+            b, own(old[p][..., 0], p), sampled, own(refs[p], p), own(values[p], p) if p in values else None)
+    actor_steps = _update_all(joint, everyone, actor_extra, critic=False)
+    critic_steps = _update_all(joint, critics, critic_extra, critic=True) if critics else {}
+    return [e._finish_step(metrics[p], actor_steps[p], critic_steps.get(p)) for p, e in enumerate(engines)]
+
+
+def _update_all(joint: JointBatch, parts: Sequence[int], extras: dict[int, dict], critic: bool) -> dict[int, list]:
+    """The actor (or critic) updates of experiments ``parts``, in rounds (:func:`mlora.train.joint_passes.update`)."""
+    engines, batches = joint.engines, joint.batches
+    keys = {p: frozenset(["action_mask", *extras[p]]) for p in parts}
+    names = sorted(set().union(*keys.values()))
+    per_row = {k: joint.per_token({p: (batches[p].action_mask if k == "action_mask" else extras[p][k])
+                                   for p in parts if k in keys[p]}) for k in names}
+    if critic:
+        schedules = {p: engines[p]._schedule(batches[p], engines[p].cfg.critic_mini_batch) for p in parts}
+        routed = {p: engines[p].critic for p in parts}
+    else:
+        schedules = {p: engines[p]._schedule(batches[p], engines[p].cfg.mini_batch_size) for p in parts}
+        routed = {p: engines[p].policy for p in parts}
+    return joint_passes.update(joint, parts, schedules, engines[0].reference, routed, per_row, keys,
+                  lambda p, start, count: engines[p]._loss(batches[p], start, count, critic),
+                  {p: engines[p]._trained(critic) for p in parts}, hidden=critic)

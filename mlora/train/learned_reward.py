@@ -42,9 +42,10 @@ def env_kwargs(cfg: TrainConfig, env_class: str) -> dict:
 class LearnedReward:
     """The frozen reward adapter on the trainer's base, and how its scores join the rule rewards."""
 
-    def __init__(self, cfg: TrainConfig, model, engine, run_frozen: str | None = None) -> None:
+    def __init__(self, cfg: TrainConfig, model, engine, run_frozen: str | None = None, name: str = REWARD) -> None:
         """``run_frozen``: the name of ``trainer.policy.model.frozen_adapter_path``'s adapter on ``model``
-        (None: the run has none)."""
+        (None: the run has none); ``name``: the reward adapter's and its head's name on ``model`` (an
+        experiment's ``e/reward``), its frozen base adapter, when it needs its own, ``name + "_base"``."""
         from mlora.export.reward_adapter import load_reward_adapter
 
         section = cfg.reward_model
@@ -54,9 +55,9 @@ class LearnedReward:
         self.model, self.engine = model, engine
         self.weight = float(section.model_weight)
         self.zero_non_stop = cfg.generator.zero_reward_on_non_stop
-        under = reward_base(cfg, model, run_frozen)  # checked before anything of the reward model loads
-        load_reward_adapter(model, section.adapter_path, adapter_name=REWARD, head_name=REWARD)
-        self.adapters = (*under, REWARD)  # frozen stacked ones first, as the RM stage ran them
+        under = reward_base(cfg, model, run_frozen, f"{name}_base")  # checked before anything of it loads
+        load_reward_adapter(model, section.adapter_path, adapter_name=name, head_name=name)
+        self.adapters, self.head = (*under, name), name  # frozen stacked ones first, as the RM stage ran them
 
     def apply(self, batch: RolloutBatch, rows: Sequence[tuple[str, str | None]]) -> dict[str, float]:
         """Add ``model_weight`` · score to ``batch.rewards`` (in place) for the rows scored by the reward
@@ -70,7 +71,7 @@ class LearnedReward:
             return {}
         t0 = time.perf_counter()
         rule = float(batch.rewards.float().mean())
-        scores = self.engine.reward_scores(batch, self.adapters, REWARD)
+        scores = self.engine.reward_scores(batch, self.adapters, self.head)
         batch.rewards = batch.rewards.float() + torch.where(use, self.weight * scores, 0.0)
         used = scores[use]
         return {"timing/reward_model_s": time.perf_counter() - t0, "reward_model/score": float(used.mean()),
@@ -79,10 +80,10 @@ class LearnedReward:
                 "reward_model/rule_mean": rule}  # the rule part (mean over the batch), before the score is added
 
 
-def reward_base(cfg: TrainConfig, model, run_frozen: str | None) -> tuple[str, ...]:
+def reward_base(cfg: TrainConfig, model, run_frozen: str | None, name: str = REWARD_BASE) -> tuple[str, ...]:
     """The adapters to stack under the reward adapter: none when it was trained on the base alone;
     ``run_frozen`` when the run's frozen adapter is the one recorded (same weights); else the recorded
-    adapter, loaded frozen onto ``model`` as :data:`REWARD_BASE`. Raises (naming the path) when the
+    adapter, loaded frozen onto ``model`` as ``name``. Raises (naming the path) when the
     recorded adapter is missing or changed."""
     from mlora.export.reward_adapter import adapter_identity, reward_base_adapter
     from mlora.train.metrics_log import log
@@ -94,14 +95,13 @@ def reward_base(cfg: TrainConfig, model, run_frozen: str | None) -> tuple[str, .
     if run_frozen is not None and own and adapter_identity(own)["sha256"] == recorded["sha256"]:
         model._require(run_frozen)
         return (run_frozen,)
-    model.load_adapter(REWARD_BASE, recorded["path"], trainable=False)
-    log.info("reward model: stacking %s (the frozen adapter it was trained on) under it as %r", recorded["path"],
-             REWARD_BASE)
-    return (REWARD_BASE,)
+    model.load_adapter(name, recorded["path"], trainable=False)
+    log.info("reward model: stacking %s (the frozen adapter it was trained on) under it as %r", recorded["path"], name)
+    return (name,)
 
 
-def build_learned_reward(cfg: TrainConfig, model, engine, env_classes: set[str], run_frozen: str | None = None
-                         ) -> LearnedReward | None:
+def build_learned_reward(cfg: TrainConfig, model, engine, env_classes: set[str], run_frozen: str | None = None,
+                         name: str = REWARD) -> LearnedReward | None:
     """The learned reward when any prompt's environment (``env_classes``) is ``reward_model``; None when
     none is. A ``reward_model.adapter_path`` that no prompt would use is an error (it would do nothing).
     ``run_frozen``: the name of the run's frozen adapter on ``model`` (see :class:`LearnedReward`)."""
@@ -113,7 +113,7 @@ def build_learned_reward(cfg: TrainConfig, model, engine, env_classes: set[str],
             log.warning("held-out evaluation (eval/*) scores %s prompts with their rule part only "
                         "(reward_model.rule_env), not with the reward model; the training metrics "
                         "reward_model/score* hold the reward model's scores", REWARD_MODEL_ENV)
-        return LearnedReward(cfg, model, engine, run_frozen)
+        return LearnedReward(cfg, model, engine, run_frozen, name)
     if cfg.reward_model.adapter_path:
         raise ValueError(f"reward_model.adapter_path={cfg.reward_model.adapter_path!r} is set, but no prompt uses "
                          f"environment {REWARD_MODEL_ENV!r} (environment.env_class={cfg.environment.env_class!r}, "

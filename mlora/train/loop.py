@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,6 @@ from mlora.checkpoint.dirs import (
 )
 from mlora.checkpoint.run_state import Checkpointable, load_run_state, write_run_state
 from mlora.config.schema import TrainConfig
-from mlora.rollout.data import epoch_batches
 from mlora.train.from_config import model_kwargs
 from mlora.train.metrics_log import MetricsLogger, log, setup_logging
 from mlora.train.preemption import EX_TEMPFAIL, Preempted, PreemptionGuard, clear_marker, write_marker
@@ -55,8 +54,17 @@ class Stage(Protocol):
     def open(self, run_dir: Path) -> None:
         """Collective: what the steps need beyond the model (the RL stage's engines and first hand-off)."""
 
-    def step(self, step: int, picked: list[int]) -> dict[str, float]:
-        """Collective: one update on training examples ``picked``; returns the step's metrics."""
+    def schedule(self, start_step: int) -> Iterator[tuple[int, int, object]]:
+        """``(epoch, step, picked)`` of every step after ``start_step`` (the run's steps; ``picked`` is what
+        :meth:`step` trains on), in order; sets :attr:`total_steps` for a resumed run. Called once, after the
+        checkpoint (if any) was loaded."""
+
+    def eval_due(self, step: int) -> bool:
+        """Whether :meth:`evaluate` runs after step ``step``."""
+
+    def step(self, step: int, picked) -> dict[str, float]:
+        """Collective: one update on training examples ``picked`` (from :meth:`schedule`); returns the step's
+        metrics."""
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Collective: held-out metrics (``eval/...``), on rank 0 at least."""
@@ -83,6 +91,11 @@ def total_steps(cfg: TrainConfig, n_examples: int) -> int:
     t = cfg.trainer
     steps = t.total_steps or t.epochs * (n_examples // t.train_batch_size)
     return steps if t.max_training_steps is None else min(steps, t.max_training_steps)
+
+
+def interval_due(step: int, interval: int, total: int) -> bool:
+    """Every ``interval`` steps and after the last one; never when ``interval <= 0``."""
+    return interval > 0 and (step % interval == 0 or step == total)
 
 
 def load_model(cfg: TrainConfig, mesh) -> tuple[mlora.MLoraModel, tuple[str, ...]]:
@@ -165,6 +178,7 @@ def _train(cfg: TrainConfig, make_stage: Callable[[TrainConfig, object], Stage],
     # 2. the stage: its data, the shared base with its adapters, its engine; the resumed state
     stage = make_stage(cfg, mesh)
     start_step = _resume_state(resume, stage, cfg) if resume else 0
+    schedule = stage.schedule(start_step)
     saver = _Saver(cfg, mesh, stage, ckpt_root)
 
     metrics_log = bar = None
@@ -188,13 +202,12 @@ def _train(cfg: TrainConfig, make_stage: Callable[[TrainConfig, object], Stage],
         guard.defer()  # from here a signal finishes the step and checkpoints; before, it stops start-up at once
 
         # 3. the steps: the stage's update -> eval / checkpoint -> agreed stop -> log
-        for epoch, step, picked in epoch_batches(stage.n_examples, t.train_batch_size, t.seed, stage.total_steps,
-                                                 start_step):
+        for epoch, step, picked in schedule:
             t0 = time.perf_counter()
             metrics = stage.step(step, picked)
             metrics["timing/step_s"] = time.perf_counter() - t0
             metrics["trainer/epoch"] = epoch
-            if evaluating and (step % t.eval_interval == 0 or step == stage.total_steps):
+            if stage.eval_due(step):
                 metrics.update(stage.evaluate(step))
             saved = None
             if t.ckpt_interval > 0 and (step % t.ckpt_interval == 0 or step == stage.total_steps):
@@ -252,7 +265,7 @@ def _resume_state(path: Path, stage: Stage, cfg: TrainConfig) -> int:
     t0 = time.perf_counter()
     state = load_run_state(path, stage.model, stage.engine)
     step, total, batch = state["step"], stage.total_steps, cfg.trainer.train_batch_size
-    if (state.get("n_examples"), state.get("train_batch_size")) != (stage.n_examples, batch):
+    if cfg.experiments is None and (state.get("n_examples"), state.get("train_batch_size")) != (stage.n_examples, batch):
         log.warning("resume: the checkpoint's run had %s examples in batches of %s, this one %d in batches of %d: "
                     "the data order after step %d differs from the original run's", state.get("n_examples"),
                     state.get("train_batch_size"), stage.n_examples, batch, step)

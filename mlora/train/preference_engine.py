@@ -1,6 +1,6 @@
 """SFT, reward-model and DPO stages on the shared frozen base, through megatron's schedules.
 
-One engine, three losses; the machinery is the PPO engine's (:class:`~mlora.train.engine.ActorCriticEngine`):
+One engine, three losses; the machinery is the PPO engine's (:mod:`mlora.train.collectives`):
 micro-batches through ``model.forward_backward`` at any TP×PP×DP, vocab-parallel log-probs, losses
 normalised by global counts so that the plain sum of gradients over micro-batches and DP ranks is
 the gradient of the batch loss, gradients reduced once per step (:mod:`mlora.lora.grads`).
@@ -37,9 +37,8 @@ from mlora.rl.preference import (
     sft_nll,
 )
 from mlora.rl.vocab_parallel import next_token_logits, vocab_parallel_logprobs
-from mlora.train.engine import ActorCriticEngine
-from mlora.train.micro_batches import (Packing, group_units, in_row_order, last_token_scores, micro_batch,
-                                       unpack_tokens)
+from mlora.train.collectives import dp_gather, from_last_stage, model_mode, reduce_metrics
+from mlora.train.micro_batches import Packing, group_units, in_row_order, last_token_scores, micro_batch, unpack_tokens
 from mlora.train.optim import build_optimizer
 from mlora.train.preference_data import SequenceBatch
 
@@ -88,13 +87,6 @@ class PreferenceConfig:
 
 class PreferenceEngine:
     """Trains one adapter (and, for ``rm``, its scalar head) with the SFT, reward-model or DPO loss."""
-
-    # the PPO engine's layout helpers, shared as they are (they use only self.model and self.mesh)
-    _from_last_stage = ActorCriticEngine._from_last_stage
-    _dp_gather = ActorCriticEngine._dp_gather
-    _mode = ActorCriticEngine._mode
-    _reduce_metrics = ActorCriticEngine._reduce_metrics
-    _broadcast_keys = ActorCriticEngine._broadcast_keys
 
     def __init__(self, model: MLoraModel, cfg: PreferenceConfig, adapter: str | None = None,
                  reference_adapters: Sequence[str] = (), lora: LoraConfig | None = None) -> None:
@@ -233,11 +225,11 @@ class PreferenceEngine:
         adapter off, frozen stacked adapters on), in eval mode, on every rank."""
         mbs = self._micro_batches(batch, {})
         fn = lambda logits, mb: (torch.zeros(()), {"out": self._seq_logps(logits, mb).reshape(2, -1).T})  # noqa: E731
-        with self.model.use_adapters(*self.reference), self._mode(training=False):
+        with self.model.use_adapters(*self.reference), model_mode(self.model, training=False):
             outs = self.model.forward_backward(mbs, fn, forward_only=True)
         local = in_row_order(outs, mbs)  # [pairs here, 2] in example order
-        local = self._from_last_stage(local, (batch.size // self.mesh.dp, 2))
-        both = self._dp_gather(local).cpu()  # [pairs, 2] in example order
+        local = from_last_stage(self.mesh, local, (batch.size // self.mesh.dp, 2))
+        both = dp_gather(self.mesh, local).cpu()  # [pairs, 2] in example order
         return torch.cat([both[:, 0], both[:, 1]])
 
     def _extra(self, batch: SequenceBatch) -> dict[str, torch.Tensor]:
@@ -249,10 +241,10 @@ class PreferenceEngine:
         self._check(batch)
         mbs = self._micro_batches(batch, self._extra(batch))
         self.opt.zero_grad(set_to_none=True)
-        with self.model.use_adapters(*self.active), self._mode(training=True):
+        with self.model.use_adapters(*self.active), model_mode(self.model, training=True):
             outs = self.model.forward_backward(mbs, self._loss_fn(batch), hidden_states=self.head is not None)
         finalize_grads(self.params)
-        return self._reduce_metrics(outs)
+        return reduce_metrics(self.mesh, outs)
 
     def step(self, batch: SequenceBatch) -> dict[str, float]:
         """One optimizer step on ``batch`` (every rank passes the same global batch)."""
@@ -270,10 +262,10 @@ class PreferenceEngine:
         """The batch metrics without training (eval mode, forward only), identical on every rank."""
         self._check(batch)
         mbs = self._micro_batches(batch, self._extra(batch))
-        with self.model.use_adapters(*self.active), self._mode(training=False):
+        with self.model.use_adapters(*self.active), model_mode(self.model, training=False):
             outs = self.model.forward_backward(mbs, self._loss_fn(batch), forward_only=True,
                                                hidden_states=self.head is not None)
-        return self._reduce_metrics(outs)
+        return reduce_metrics(self.mesh, outs)
 
     def evaluate_all(self, batches: Sequence[SequenceBatch]) -> dict[str, float]:
         """Example-weighted means of :meth:`evaluate` over several batches (a held-out split)."""

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from mlora.config.schema import TrainConfig
+from mlora.rollout.data import epoch_batches
 from mlora.train import loop
 from mlora.train.from_config import lora_config, packing
 from mlora.train.metrics_log import log
@@ -89,6 +90,13 @@ class PreferenceStage:
 
     def open(self, run_dir: Path) -> None:
         """Nothing beyond the model: the data is in memory."""
+
+    def schedule(self, start_step: int):
+        t = self.cfg.trainer
+        return epoch_batches(self.n_examples, t.train_batch_size, t.seed, self.total_steps, start_step)
+
+    def eval_due(self, step: int) -> bool:
+        return self.evaluates and loop.interval_due(step, self.cfg.trainer.eval_interval, self.total_steps)
 
     def step(self, step: int, picked: list[int]) -> dict[str, float]:
         t0 = time.perf_counter()

@@ -21,10 +21,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import adapter_grads, clear_adapters, parse_layouts  # noqa: E402
 
 import mlora  # noqa: E402
+import mlora.train.joint_passes as passes_module  # noqa: E402
 from mlora.parallel import reset_parallel  # noqa: E402
 from mlora.train.batch import RolloutBatch  # noqa: E402
 from mlora.train.config import PPOConfig  # noqa: E402
-import mlora.train.engine as engine_module  # noqa: E402
 from mlora.train.engine import ActorCriticEngine  # noqa: E402
 from mlora.train.micro_batches import Packing  # noqa: E402
 from mlora.train.preference_data import SequenceBatch  # noqa: E402
@@ -78,18 +78,18 @@ def run(model, adapter_dir: Path, packing: Packing) -> dict:
         logprobs = engine._forward_pass(batch, ("policy",), values=False)
         values = engine._forward_pass(batch, ("critic",), values=True) if engine.critic else None
         grads: dict = {}
-        real_clip = engine_module.clip_grads
+        real_clip = passes_module.clip_grads
 
         def clip_and_record(params, max_norm):  # the reduced gradients of each update, in PEFT names
             name = "policy" if params is engine.actor_params else "critic"
             grads[name] = adapter_grads(model, name, "critic" if name == "critic" else None)
             return real_clip(params, max_norm)
 
-        engine_module.clip_grads = clip_and_record
+        passes_module.clip_grads = clip_and_record
         try:
             metrics = engine.step(batch)
         finally:
-            engine_module.clip_grads = real_clip
+            passes_module.clip_grads = real_clip
         out[estimator] = {"metrics": metrics, "logprobs": logprobs, "values": values, "mask": batch.action_mask,
                           "grads": grads}
         clear_adapters(model)

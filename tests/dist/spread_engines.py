@@ -22,7 +22,7 @@ from mlora.demos.rl_assets import build_demo_assets
 from mlora.rollout.data import load_prompt_set
 from mlora.train.__main__ import CONFIG_DIR
 from mlora.train.from_config import sampling_config
-from mlora.train.rl_stage import Rollouts
+from mlora.train.rollouts import Rollouts
 
 
 def main() -> None:
