@@ -41,7 +41,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lora_overhead import RANK, mlora_forward, mlora_stack, start  # noqa: E402  (the stack, the CPU line)
+from lora_overhead import RANK, mlora_forward, mlora_stack, side_by_side, start  # noqa: E402  (the stack, the CPU line)
 
 ADAPTERS = 4  # K experiments
 ROWS, ROW_TOKENS = 4, 512
@@ -59,27 +59,6 @@ def _add_adapters(layers: dict, names: list[str], seed: int = 1) -> None:
             bs = [torch.randn(b.shape, generator=g) * 0.01 for b in template.lora_B]
             layer.lora[name] = LoraBranch(site.subs, RANK, template.scaling, 0.0, a, bs, trainable=True,
                                           parallel=site.parallel)
-
-
-def _timed(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, clock) -> float:
-    x = x.detach().requires_grad_(True)
-    t0 = clock()
-    fn(x).sum().backward()
-    return clock() - t0
-
-
-def _side_by_side(variants: dict, x: torch.Tensor, reps: int, clock, params: list) -> dict[str, list[float]]:
-    """Seconds per forward+backward of each variant, after one warm-up each, in rotating order."""
-    names = list(variants)
-    times: dict[str, list[float]] = {k: [] for k in names}
-    for name in names:
-        _timed(variants[name], x, clock)
-    for rep in range(reps):
-        for name in names[rep % len(names):] + names[:rep % len(names)]:
-            times[name].append(_timed(variants[name], x, clock))
-            for p in params:
-                p.grad = None
-    return times
 
 
 def micro(args, clock) -> None:
@@ -103,7 +82,7 @@ def micro(args, clock) -> None:
     variants = {"single": with_adapters(("policy",)), "mixed": with_adapters(tuple(names), routes),
                 "base": with_adapters(())}
     x = torch.randn(ROW_TOKENS, ROWS, 4096) * 0.1  # [seq, batch, hidden], megatron's layout
-    times = _side_by_side(variants, x, args.reps, clock, params)
+    times = side_by_side(variants, x, args.reps, clock, params)
     best = {k: min(v) for k, v in times.items()}
     med = {k: statistics.median(v) for k, v in times.items()}
     tokens = ROWS * ROW_TOKENS

@@ -160,6 +160,21 @@ def step(fn, x, clock=time.perf_counter) -> float:
     return clock() - t0
 
 
+def side_by_side(variants: dict, x: torch.Tensor, reps: int, clock, params: list) -> dict[str, list[float]]:
+    """Seconds per forward+backward (:func:`step`) of each variant, after one warm-up each, alternating in
+    rotating order; ``params``' gradients are dropped after each run."""
+    names = list(variants)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for name in names:  # warm-up
+        step(variants[name], x)
+    for rep in range(reps):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            times[name].append(step(variants[name], x, clock))
+            for p in params:
+                p.grad = None
+    return times
+
+
 def start(args) -> Callable[[], float]:
     """What a bench does first: re-run itself with an AVX2-only CPU emulated (``--isa avx2``), print the
     machine, set ``--threads``; returns the ``--clock`` (wall or this process's CPU time)."""
@@ -205,15 +220,9 @@ def main() -> None:
             return peft_model(inp)
 
     variants = {"mlora": run_mlora, "base": run_base, "peft": lambda inp: peft_model(inp), "hf": run_hf}
-    times: dict[str, list[float]] = {k: [] for k in variants}
+    params = list(peft_model.parameters()) + [p for layer in layers.values() for p in layer.parameters()]
+    times = side_by_side(variants, x, args.reps, clock, params)
     names = list(variants)
-    for name in names:  # warm-up
-        step(variants[name], x)
-    for rep in range(args.reps):
-        for name in names[rep % len(names):] + names[:rep % len(names)]:
-            times[name].append(step(variants[name], x, clock))
-            for p in list(peft_model.parameters()) + [p for layer in layers.values() for p in layer.parameters()]:
-                p.grad = None
     best = {k: min(v) for k, v in times.items()}
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"tokens {args.tokens}, hidden {HIDDEN}, intermediate {INTER}, r {RANK}, float32, "

@@ -155,7 +155,7 @@ def test_shipped_files_keep_the_adapter_name():
     from mlora.rollout.vllm_engine import VLLMServer
 
     server = VLLMServer.__new__(VLLMServer)  # no engine: only the file handling runs
-    server._segment = None
+    server._segments, server._shipped = {}, {}
     served = []
     server.set_adapter = lambda path, name: served.append((Path(path), name, sorted(p.name for p in Path(path).iterdir())))
     files = {"adapter_config.json": b"{}", "adapter_model.safetensors": b"\0"}

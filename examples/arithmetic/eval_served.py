@@ -24,7 +24,8 @@ from pathlib import Path
 
 from mlora.rollout.data import load_prompts
 from mlora.rollout.envs import make_env
-from mlora.rollout.serve import serve_command
+from mlora.rollout.serve import largest_adapter_rank, serve_command
+from mlora.train.metrics_log import read_metrics
 
 ADAPTER = "policy"
 
@@ -86,9 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{adapter} holds no adapter: did the run finish?")
     rows = load_prompts(args.val)
     port = _free_port()
-    argv_ = serve_command(args.model, {ADAPTER: adapter}, max_lora_rank=_adapter_rank(adapter), dtype=args.dtype,
-                          host="127.0.0.1", port=port, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                          max_model_len=args.max_model_len)
+    argv_ = serve_command(args.model, {ADAPTER: adapter}, max_lora_rank=largest_adapter_rank([adapter]),
+                          dtype=args.dtype, host="127.0.0.1", port=port,
+                          kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_model_len=args.max_model_len)
     log = args.run_dir / "vllm_server.log"
     print("starting:", " ".join(argv_), flush=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -115,14 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _adapter_rank(adapter: Path) -> int:
-    return int(json.loads((adapter / "adapter_config.json").read_text())["r"])
-
-
 def _last_eval(metrics: Path) -> tuple[int, float] | None:
     if not metrics.is_file():
         return None
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = read_metrics(metrics)
     evals = [(r["step"], r["eval/all/pass_at_1"]) for r in rows if "eval/all/pass_at_1" in r]
     return evals[-1] if evals else None
 

@@ -55,6 +55,7 @@ SHARED_WHY = ("the base model, its mesh, dtype/FP8, the engines, micro-batching,
               "are one for the whole job")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 RESOLVED = "resolved_experiments"  # the attribute finalize() attaches to a TrainConfig (not a config key)
+_LEAF_DICTS = ("environment.skyrl_gym",)  # dict-typed keys whose entries are values, not sub-keys
 
 
 @dataclass(frozen=True)
@@ -69,14 +70,19 @@ class ExperimentSpec:
         return {"name": self.name, **self.overrides}
 
 
+def _under(key: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether dotted ``key`` is one of ``prefixes`` or below one."""
+    return any(key == k or key.startswith(k + ".") for k in prefixes)
+
+
 def is_per_experiment(key: str) -> bool:
     """Whether an experiment may set ``key`` (a dotted config key)."""
-    return any(key == k or key.startswith(k + ".") for k in PER_EXPERIMENT_KEYS)
+    return _under(key, PER_EXPERIMENT_KEYS)
 
 
 def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
     """Nested and dotted mappings as ``{dotted key: leaf}``; lists stay values (e.g. data.train_data)."""
-    if isinstance(value, dict) and not _is_leaf_dict(prefix):
+    if isinstance(value, dict) and not _under(prefix, _LEAF_DICTS):
         for k, v in value.items():
             if not isinstance(k, str) or not k:
                 raise ConfigError(f"experiments: key {k!r} under {prefix or 'an experiment'} is not a config key name")
@@ -84,14 +90,6 @@ def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
     else:
         out[prefix] = value
     return out
-
-
-# dict-typed keys whose entries are values, not sub-keys
-_LEAF_DICTS = ("environment.skyrl_gym",)
-
-
-def _is_leaf_dict(prefix: str) -> bool:
-    return any(prefix == k or prefix.startswith(k + ".") for k in _LEAF_DICTS)
 
 
 def _plain(value: Any) -> Any:

@@ -98,6 +98,9 @@ class VLLMServer:
         self.llm = LLM(model=model, **kwargs)
         self._loras: dict = {}  # name -> the LoRARequest generation names it by (loaded already)
         self._max_loras = int(self.llm.llm_engine.vllm_config.lora_config.max_loras)
+        # Ray engines only, per adapter name: this engine's own segment of shipped tensors, shipped files' folder
+        self._segments: dict = {}
+        self._shipped: dict = {}
 
     def ready(self) -> bool:
         return True
@@ -178,9 +181,8 @@ class VLLMServer:
 
         del self._loras[name]
         self._release_segment(name)
-        shipped = getattr(self, "_shipped", {})
-        if name in shipped:
-            shutil.rmtree(shipped.pop(name), ignore_errors=True)
+        if name in self._shipped:
+            shutil.rmtree(self._shipped.pop(name), ignore_errors=True)
 
     def set_adapter(self, adapter_dir: str | os.PathLike, name: str) -> None:
         """Load the PEFT adapter in ``adapter_dir`` as adapter ``name`` (the others stay loaded)."""
@@ -207,15 +209,14 @@ class VLLMServer:
         from mlora.rollout.tensor_sync import SCHEME
 
         data = memoryview(image).cast("B")
-        segments = self.__dict__.setdefault("_segments", {})  # made at the first shipment (Ray engines only)
-        if name not in segments or segments[name].size < len(data):
+        if name not in self._segments or self._segments[name].size < len(data):
             self._release_segment(name)
-            segments[name] = SharedMemory(name=shm_name("engine"), create=True, size=len(data))
-        segments[name].buf[:len(data)] = data
-        self._swap(f"{SCHEME}{segments[name].name}#{version}", name)
+            self._segments[name] = SharedMemory(name=shm_name("engine"), create=True, size=len(data))
+        self._segments[name].buf[:len(data)] = data
+        self._swap(f"{SCHEME}{self._segments[name].name}#{version}", name)
 
     def _release_segment(self, name: str) -> None:
-        segment = getattr(self, "_segments", {}).pop(name, None)
+        segment = self._segments.pop(name, None)
         if segment is not None:
             try:
                 segment.unlink()
@@ -250,8 +251,7 @@ class VLLMServer:
         except BaseException:
             shutil.rmtree(new, ignore_errors=True)
             raise
-        shipped = self.__dict__.setdefault("_shipped", {})  # made at the first shipment (Ray engines only)
-        old, shipped[name] = shipped.get(name), new
+        old, self._shipped[name] = self._shipped.get(name), new
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -260,9 +260,9 @@ class VLLMServer:
         destructors)."""
         import shutil
 
-        for name in list(getattr(self, "_segments", {})):
+        for name in list(self._segments):
             self._release_segment(name)
-        for folder in getattr(self, "_shipped", {}).values():
+        for folder in self._shipped.values():
             shutil.rmtree(folder, ignore_errors=True)
 
     def generate(self, prompts: list[list[int]], s: Sampling, indices: list[int] | None = None,

@@ -1,7 +1,7 @@
 """What the trainer's engines do around megatron's schedule: results computed on the last pipeline stage
 brought to every rank, data-parallel slices gathered, micro-batch metrics summed, and the model's mode.
 
-Used by the RL engine (:mod:`mlora.train.engine`, :mod:`mlora.train.joint_step`) and the preference
+Used by the RL engine (:mod:`mlora.train.engine`, :mod:`mlora.train.joint_passes`) and the preference
 engine alike; each function is collective over the groups it names.
 """
 

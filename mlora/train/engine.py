@@ -97,40 +97,28 @@ class ActorCriticEngine:
         self.global_step, self.kl_ctrl.value = int(counters["global_step"]), counters["kl_coef"]
 
     # ------------------------------------------------------------------ sizes
-    def _check_sizes(self, batch: RolloutBatch) -> None:
+    def _check_sizes(self, batch: RolloutBatch, joint: bool = False) -> None:
+        """The batch and mini-batch sizes this engine's step can split. ``joint``: one of several experiments'
+        batches in a joint step (:func:`step_experiments`): micro-batches may mix experiments, so each
+        data-parallel rank need only take an equal share of every mini-batch, and the rows of a whole pass
+        must fill micro-batches (:meth:`mlora.train.joint_passes.JointBatch.micro_batches` checks that)."""
         c, dp = self.cfg, self.mesh.dp
+        who = f"{self.policy}: " if joint else ""
         sizes = [("mini_batch_size", c.mini_batch_size)]
         if self.critic is not None:
             sizes.append(("critic_mini_batch_size", c.critic_mini_batch))
         for name, size in sizes:
             if batch.size % size:
-                raise ValueError(f"batch of {batch.size} sequences is not divisible by {name}={size}")
-            if size % (c.micro_train_batch_size * dp):
+                raise ValueError(f"{who}batch of {batch.size} sequences is not divisible by {name}={size}")
+            if joint and size % dp:
+                raise ValueError(f"{who}{name}={size} is not divisible by the data-parallel size {dp}")
+            if not joint and size % (c.micro_train_batch_size * dp):
                 raise ValueError(f"{name}={size} is not divisible by micro_train_batch_size x DP = "
                                  f"{c.micro_train_batch_size} x {dp}; valid mini-batch sizes are multiples of "
                                  f"{c.micro_train_batch_size * dp}")
-        if batch.size % (c.micro_forward_batch_size * dp):
+        if not joint and batch.size % (c.micro_forward_batch_size * dp):
             raise ValueError(f"batch of {batch.size} sequences is not divisible by micro_forward_batch_size x DP = "
                              f"{c.micro_forward_batch_size} x {dp}")
-        self._check_groups(batch)
-
-    def _check_joint_sizes(self, batch: RolloutBatch) -> None:
-        """Sizes of one of several experiments' batches in a joint step: each data-parallel rank takes an equal
-        share of every mini-batch; micro-batches may mix experiments, so only the rows of a whole pass must
-        fill them (:meth:`mlora.train.joint_passes.JointBatch.micro_batches` checks that)."""
-        c, dp = self.cfg, self.mesh.dp
-        sizes = [("mini_batch_size", c.mini_batch_size)]
-        if self.critic is not None:
-            sizes.append(("critic_mini_batch_size", c.critic_mini_batch))
-        for name, size in [*sizes, ("the batch", batch.size)]:
-            if batch.size % size:
-                raise ValueError(f"{self.policy}: batch of {batch.size} sequences is not divisible by {name}={size}")
-            if size % dp:
-                raise ValueError(f"{self.policy}: {name}={size} is not divisible by the data-parallel size {dp}")
-        self._check_groups(batch)
-
-    def _check_groups(self, batch: RolloutBatch) -> None:
-        c = self.cfg
         if c.advantage_estimator != "gae" and batch.size % c.n_samples_per_prompt:
             raise ValueError(f"batch of {batch.size} is not a whole number of groups of "
                              f"n_samples_per_prompt={c.n_samples_per_prompt}")
@@ -355,10 +343,8 @@ def step_experiments(pairs: Sequence[tuple[ActorCriticEngine, RolloutBatch]]) ->
     identical on every rank; each equals what its engine's :meth:`ActorCriticEngine.step` gives alone (to
     float32 rounding: the micro-batches differ)."""
     engines, batches = [e for e, _ in pairs], [b for _, b in pairs]
-    if len(pairs) == 1:
-        engines[0]._check_sizes(batches[0])
-    for e, b in pairs if len(pairs) > 1 else ():
-        e._check_joint_sizes(b)
+    for e, b in pairs:
+        e._check_sizes(b, joint=len(pairs) > 1)
     joint = JointBatch(engines, batches)
     everyone, ref, width = range(len(pairs)), engines[0].reference, joint.width - 1
 
@@ -368,11 +354,12 @@ def step_experiments(pairs: Sequence[tuple[ActorCriticEngine, RolloutBatch]]) ->
         return lambda logits, mb: e._logprobs(logits, mb)[..., None].expand(-1, -1, 2)
 
     old = joint_passes.forward(joint, everyone, ref, {p: e.policy for p, e in enumerate(engines)},
-                  {p: old_fn(e, b) for p, (e, b) in enumerate(pairs)}, False, (width, 2))
-    refs = joint_passes.forward(joint, everyone, ref, {}, {p: e._logprobs for p, e in enumerate(engines)}, False, (width,))
+                               {p: old_fn(e, b) for p, (e, b) in enumerate(pairs)}, False, (width, 2))
+    refs = joint_passes.forward(joint, everyone, ref, {}, {p: e._logprobs for p, e in enumerate(engines)}, False,
+                                (width,))
     critics = [p for p, e in enumerate(engines) if e.critic is not None]
     values = (joint_passes.forward(joint, critics, ref, {p: engines[p].critic for p in critics},
-                      {p: engines[p]._values for p in critics}, True, (width,)) if critics else {})
+                                   {p: engines[p]._values for p in critics}, True, (width,)) if critics else {})
 
     def own(t: torch.Tensor, p: int) -> torch.Tensor:  # experiment p's width
         return t[:, :batches[p].input_ids.shape[1] - 1]
@@ -394,12 +381,9 @@ def _update_all(joint: JointBatch, parts: Sequence[int], extras: dict[int, dict]
     names = sorted(set().union(*keys.values()))
     per_row = {k: joint.per_token({p: (batches[p].action_mask if k == "action_mask" else extras[p][k])
                                    for p in parts if k in keys[p]}) for k in names}
-    if critic:
-        schedules = {p: engines[p]._schedule(batches[p], engines[p].cfg.critic_mini_batch) for p in parts}
-        routed = {p: engines[p].critic for p in parts}
-    else:
-        schedules = {p: engines[p]._schedule(batches[p], engines[p].cfg.mini_batch_size) for p in parts}
-        routed = {p: engines[p].policy for p in parts}
+    routed = {p: engines[p].critic if critic else engines[p].policy for p in parts}
+    schedules = {p: engines[p]._schedule(batches[p], engines[p].cfg.critic_mini_batch if critic
+                                         else engines[p].cfg.mini_batch_size) for p in parts}
     return joint_passes.update(joint, parts, schedules, engines[0].reference, routed, per_row, keys,
-                  lambda p, start, count: engines[p]._loss(batches[p], start, count, critic),
-                  {p: engines[p]._trained(critic) for p in parts}, hidden=critic)
+                               lambda p, start, count: engines[p]._loss(batches[p], start, count, critic),
+                               {p: engines[p]._trained(critic) for p in parts}, hidden=critic)

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Sequence
 
+from mlora.train.metrics_log import read_metrics
+
 WINDOW = 5  # training steps averaged at the start and the end (sampled rewards are noisy)
 
 
@@ -57,7 +59,7 @@ def results_markdown(results: Sequence[dict]) -> str:
 
 def write_results(metrics_file: Path, names: Sequence[str], run_dir: Path) -> str:
     """Write ``experiments.md`` and ``experiments.json`` into ``run_dir``; returns the Markdown table."""
-    rows = [json.loads(line) for line in Path(metrics_file).read_text().splitlines() if line.strip()]
+    rows = read_metrics(metrics_file)
     results = [experiment_results(rows, name) for name in names]
     table = results_markdown(results)
     (Path(run_dir) / "experiments.md").write_text(table + "\n")

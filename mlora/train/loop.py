@@ -210,7 +210,7 @@ def _train(cfg: TrainConfig, make_stage: Callable[[TrainConfig, object], Stage],
             if stage.eval_due(step):
                 metrics.update(stage.evaluate(step))
             saved = None
-            if t.ckpt_interval > 0 and (step % t.ckpt_interval == 0 or step == stage.total_steps):
+            if interval_due(step, t.ckpt_interval, stage.total_steps):
                 saved = saver.save(step, epoch)
             # every rank, every step (a signal may reach only some ranks): all stop after the same step.
             # Before the step's line is logged, so a signal sent after line k-1 appeared stops at step k.

@@ -89,6 +89,11 @@ def _wandb_run(run_dir: Path, project_name: str, run_name: str, resume_step: int
     return wandb.init(project=project_name, name=run_name, id=run_id, resume=resume, dir=str(run_dir))
 
 
+def read_metrics(path: Path) -> list[dict]:
+    """The rows of a ``metrics.jsonl``, in order (for plots and tables after a run)."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
 def prepare_metrics_file(path: Path, resume_step: int | None) -> None:
     """Make ``path`` the record a run continues.
 

@@ -3,9 +3,10 @@ per experiment on shared axes (each over its own steps)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Sequence
+
+from mlora.train.metrics_log import read_metrics
 
 PANELS = (("reward/mean", "reward"), ("eval/all/reward_mean", "eval reward (held-out, greedy)"),
           ("kl/mean", "KL(policy || reference)"), ("actor/pg_loss", "policy loss"), ("critic/value_loss", "value loss"))
@@ -19,7 +20,7 @@ def plot_metrics(metrics_file: Path, out: Path, experiments: Sequence[str] = ())
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in Path(metrics_file).read_text().splitlines() if line.strip()]
+    rows = read_metrics(metrics_file)
     lines = [(f"{e}/", e) for e in experiments] or [("", None)]
     panels = [(k, title) for k, title in PANELS if any(p + k in r for r in rows for p, _ in lines)]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))

@@ -8,7 +8,6 @@ head, :func:`mlora.export.reward_adapter.save_reward_adapter`) and a plot. Seede
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -17,7 +16,7 @@ from mlora.config.schema import TrainConfig
 from mlora.rollout.data import epoch_batches
 from mlora.train import loop
 from mlora.train.from_config import lora_config, packing
-from mlora.train.metrics_log import log
+from mlora.train.metrics_log import log, read_metrics
 from mlora.train.preference_data import Example, SequenceBatch, collate, load_examples, split_held_out
 from mlora.train.preference_engine import PreferenceConfig, PreferenceEngine
 
@@ -168,7 +167,7 @@ def _plot(metrics_file: Path, out: Path, stage: str) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    rows = read_metrics(metrics_file)
     keys = HEADLINE[stage][:3]
     fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2), squeeze=False)
     for ax, key in zip(axes[0], keys):

@@ -28,14 +28,13 @@ from mlora.train.engine import ActorCriticEngine, step_experiments
 from mlora.train.experiments import CRITIC, POLICY, Experiment, ExperimentEngines, experiments_step_line, joint_schedule
 from mlora.train.from_config import lora_config, ppo_config, sampling_config
 from mlora.train.learned_reward import REWARD, build_learned_reward
-from mlora.train.loop import FROZEN
+from mlora.train.loop import FROZEN, interval_due
 from mlora.train.metrics_log import log, step_line
 from mlora.train.rollouts import (
     Collected,
     Job,
     QueuedBatch,
     Rollouts,
-    engine_max_model_len,
     engine_placement,
     release_cached_memory,
 )
@@ -63,9 +62,8 @@ def dapo_shaping(cfg: TrainConfig, batch: RolloutBatch, finish_reasons: Sequence
 def hf_save_due(step: int, interval: int, total_steps: int, steps_per_epoch: int) -> bool:
     """SkyRL's ``trainer.hf_save_interval`` schedule: every ``interval`` steps, at each epoch's end and
     after the last step; never when ``interval <= 0``."""
-    if interval <= 0:
-        return False
-    return step % interval == 0 or step == total_steps or (steps_per_epoch > 0 and step % steps_per_epoch == 0)
+    return interval_due(step, interval, total_steps) or (
+        interval > 0 and steps_per_epoch > 0 and step % steps_per_epoch == 0)
 
 
 def dump_batch(batch: RolloutBatch, path: Path) -> None:
@@ -301,7 +299,8 @@ class RLStage:
             adapters[e.served] = final if e.name is None else final / e.name
             self.model.save_adapter(e.engine.policy, adapters[e.served])
         if self.mesh.rank == 0:
-            _report(self.cfg, run_dir, adapters, self.rollouts.engine_base, self.experiments)
+            _report(self.cfg, run_dir, adapters, self.rollouts.engine_base, self.rollouts.max_model_len,
+                    self.experiments)
         return final
 
     def close(self) -> None:
@@ -314,7 +313,7 @@ def run_rl(cfg: TrainConfig, notes: Sequence[str] = (), build_assets: Callable[[
     return loop.run(cfg, RLStage, notes, build_assets)
 
 
-def _report(cfg: TrainConfig, run_dir: Path, adapters: dict[str, Path], engine_base,
+def _report(cfg: TrainConfig, run_dir: Path, adapters: dict[str, Path], engine_base, max_model_len: int,
             experiments: Sequence[Experiment]) -> None:
     from mlora.rollout.serve import format_command, serve_command
     from mlora.train.plot import plot_metrics
@@ -326,7 +325,7 @@ def _report(cfg: TrainConfig, run_dir: Path, adapters: dict[str, Path], engine_b
     argv = serve_command(engine_base, {name: path.resolve() for name, path in adapters.items()},
                          max_lora_rank=max(e.cfg.trainer.policy.model.lora.rank for e in experiments),
                          dtype=t.dtype, kv_cache_memory_bytes=cfg.generator.kv_cache_memory_bytes,
-                         max_model_len=max(engine_max_model_len(e.cfg, engine_base) for e in experiments))
+                         max_model_len=max_model_len)
     table = ""
     if names:
         from mlora.train.experiment_report import write_results
