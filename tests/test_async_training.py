@@ -6,25 +6,21 @@ stopped run had queued (nothing used twice) and says how much it discarded. Also
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import _free_port
+from conftest import mlora_train
 
 RISE = 0.25  # as the synchronous demo (tests/test_rl_loop.py): last 5 steps' mean reward >= first 5 + 0.25
 
 
 def _train(tmp_path: Path, name: str, *extra: str) -> tuple[list[dict], str]:
     run_dir = tmp_path / name
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={_free_port()}",
-           "-m", "mlora.train", "--config-name", "cpu_demo", "trainer.policy.megatron_config.tensor_model_parallel_size=1",
-           "trainer.policy.megatron_config.pipeline_model_parallel_size=1", f"trainer.run_dir={run_dir}",
-           f"demo.dir={tmp_path / 'assets'}", f"trainer.run_name={name}", "trainer.eval_interval=0",
-           "trainer.fully_async.enabled=true", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    args = ["--config-name", "cpu_demo", "trainer.policy.megatron_config.tensor_model_parallel_size=1",
+            "trainer.policy.megatron_config.pipeline_model_parallel_size=1", f"trainer.run_dir={run_dir}",
+            f"demo.dir={tmp_path / 'assets'}", f"trainer.run_name={name}", "trainer.eval_interval=0",
+            "trainer.fully_async.enabled=true", *extra]
+    proc = mlora_train(args)
     if proc.returncode != 0:
         pytest.fail(f"mlora-train failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -12,6 +12,8 @@ from mlora.models import attention as attn
 from mlora.models.attention import attention_mask, is_right_padded, sdpa_mask
 from mlora.testing import right_padded_batch
 
+pytestmark = pytest.mark.quick
+
 
 def test_causal_window_and_padding():
     pad = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])

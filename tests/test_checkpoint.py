@@ -18,6 +18,8 @@ from mlora.checkpoint import dirs as ck
 from mlora.checkpoint.dirs import CheckpointError
 from mlora.formats.durable import write_text_atomic
 
+pytestmark = pytest.mark.quick
+
 BASE = {"base_model": {"path": "/nowhere", "sha256": "0"}}
 
 

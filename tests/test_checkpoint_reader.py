@@ -10,6 +10,8 @@ from safetensors.torch import save_file
 
 from mlora.formats.checkpoint_reader import CheckpointError, CheckpointReader
 
+pytestmark = pytest.mark.quick
+
 
 @pytest.fixture
 def ckpt(tmp_path):

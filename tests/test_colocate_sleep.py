@@ -12,6 +12,8 @@ import pytest
 
 from mlora.rollout.generator import Generation
 
+pytestmark = pytest.mark.quick
+
 
 class FakeEngines:
     """The EngineGroup interface, recording what the loop asks of it, in order."""

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mlora.parallel.cpu_shims import PATCHED_SITES, CpuRNGStatesTracker, check_patched_sites
+
+pytestmark = pytest.mark.quick
 
 
 def test_patched_megatron_symbols_still_exist():

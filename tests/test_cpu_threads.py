@@ -19,6 +19,8 @@ from mlora.rollout.cpu_threads import (
     user_omp_threads,
 )
 
+pytestmark = pytest.mark.quick
+
 CORES = sorted(os.sched_getaffinity(0))
 
 

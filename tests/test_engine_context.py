@@ -11,6 +11,8 @@ import pytest
 
 from mlora.rollout.model_len import model_context_limit, read_context_limit, run_max_model_len
 
+pytestmark = pytest.mark.quick
+
 
 def test_run_max_model_len():
     assert run_max_model_len(512, [256, 256], 8192) == 768  # SmolLM2: 768, not its own 8,192

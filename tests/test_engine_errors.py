@@ -10,6 +10,8 @@ from mlora.train.batch import RolloutBatch
 from mlora.train.config import PPOConfig
 from mlora.train.engine import ActorCriticEngine
 
+pytestmark = pytest.mark.quick
+
 
 def test_config_errors():
     with pytest.raises(ValueError, match="unknown advantage estimator 'vtrace'; valid: gae, grpo, rloo"):

@@ -13,6 +13,8 @@ import mlora
 from mlora.train.config import PPOConfig
 from mlora.train.engine import ActorCriticEngine
 
+pytestmark = pytest.mark.quick
+
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from ppo_equivalence import synthetic_rollouts  # noqa: E402  (8 sequences, 4 prompts x 2 samples)
 

@@ -15,6 +15,8 @@ import mlora
 from mlora.formats.checkpoint_reader import CheckpointError
 from mlora.parallel import Mesh
 
+pytestmark = pytest.mark.quick
+
 
 def fake_mesh(tp: int = 1, pp: int = 1) -> Mesh:
     """A mesh description without process groups: enough for the checks that run before any build."""

@@ -17,6 +17,8 @@ from conftest import run_records
 import mlora
 from mlora.testing import right_padded_batch
 
+pytestmark = pytest.mark.quick
+
 FAKE_QUANT_REL_TOL = 1e-3  # issue 11: max |diff| / max |logit| vs the fake-quant reference
 # KL(TP1 FP8 || layout FP8) per token. With row-parallel input scales over whole rows (issue 20) a layout
 # quantizes exactly as TP1 does, and most tokens' KL is float32 noise (~1e-14; per-slice scales gave ~5e-5

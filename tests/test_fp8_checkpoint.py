@@ -11,6 +11,8 @@ from safetensors.torch import save_file
 from mlora.formats.checkpoint_reader import CheckpointError, CheckpointReader
 from mlora.formats.fp8_checkpoint import fp8_quantization_config, is_block_quantized, read_dequantized
 
+pytestmark = pytest.mark.quick
+
 FP8_MAX = 448.0
 BLOCK = (128, 128)
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import pytest
 from conftest import run_records
 
+pytestmark = pytest.mark.quick
+
 LOGITS_TOL = 1e-5  # float32: issue 2 asked 1e-4, issue 12 (fused attention) 1e-5
 LAUNCHES = {
     1: ("1,1", {(1, 1, 1, False)}),

@@ -16,6 +16,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.quick
+
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = "<entry point>"
 # Bottom to top. A package may import itself and the packages on lower levels.

@@ -18,6 +18,8 @@ import mlora
 from mlora.lora import layers
 from mlora.lora.layers import DropoutKey, dropout_mask
 
+pytestmark = pytest.mark.quick
+
 P = 0.3
 TOL = 1e-5  # float32, fused path vs per-projection reference (rtol and atol)
 KEEP_TOL = 0.05  # keep fraction vs 1 - p; >= 1280 draws per mask: 0.05 is > 3.9 standard errors

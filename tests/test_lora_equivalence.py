@@ -11,6 +11,8 @@ import pytest
 import torch
 from conftest import run_records
 
+pytestmark = pytest.mark.quick
+
 LOGITS_TOL = 1e-4  # float32 absolute, issue 3
 GRAD_REL_TOL = 1e-5  # ||g - g_peft|| / ||g_peft|| per factor
 DROPOUT_TOL = 1e-5  # float32, dropout 0.3 in train mode vs TP1: relative loss, ||g - g_tp1|| / ||g_tp1|| per factor

@@ -16,6 +16,8 @@ from mlora.export.peft_files import peft_adapter_config
 from mlora.facade.adapters import _draw_a
 from mlora.lora.config import INIT_METHODS, derive_seed
 
+pytestmark = pytest.mark.quick
+
 L = 4
 SHAPE = (16, 4096)  # 65536 draws: the standard error of a sample std is 0.28 %, the tolerance 2 % (> 7 se)
 STD_REL_TOL = 0.02

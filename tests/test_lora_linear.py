@@ -8,6 +8,8 @@ import torch.nn.functional as F
 
 from mlora.lora.layers import LoraBranch, LoraSite, lora_delta, lora_linear
 
+pytestmark = pytest.mark.quick
+
 R, T, D = 3, 5, 16  # rank, tokens, input features
 
 

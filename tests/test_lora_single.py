@@ -12,6 +12,8 @@ import mlora
 from mlora.formats.checkpoint_reader import CheckpointError
 from mlora.lora.targets import resolve_targets
 
+pytestmark = pytest.mark.quick
+
 L = 4
 
 

@@ -59,6 +59,7 @@ def test_weight_terms_equal_parameter_bytes(tiny_models, arch):
         assert head_bytes(spec, torch.float32) == got["heads"]
 
 
+@pytest.mark.quick
 def test_llama70b_fp8_base_and_totals(llama70b):
     spec = model_spec(load_hf_config(llama70b))
     assert base_bytes(spec, 1, 1, 0, 0, torch.bfloat16) == 70_553_706_496 * 2  # Llama-3-70B's parameters
@@ -154,6 +155,7 @@ def test_pipeline_stages_hold_their_micro_batches(llama70b):
 
 
 # ---------------------------------------------------------------------------------------------- fit
+@pytest.mark.quick
 def test_fit_orders_layouts_and_says_what_came_closest(llama70b):
     spec = model_spec(load_hf_config(llama70b))
     w = Workload(micro_batch=1, seq=4096, recompute="full")
@@ -171,6 +173,7 @@ def test_fit_orders_layouts_and_says_what_came_closest(llama70b):
 
 
 # ---------------------------------------------------------------------------------------------- command line
+@pytest.mark.quick
 def test_cli_table_and_json(llama70b, capsys):
     args = ["plan", "--memory", "--model", str(llama70b / "config.json"), "--tp", "4", "--pp", "2", "--seq", "4096",
             "--recompute", "full", "--fp8", "torch", "--engine-tp", "8", "--kv-tokens", "65536"]

@@ -12,6 +12,8 @@ import pytest
 
 from mlora.train.metrics_log import WANDB_ID_FILE, MetricsLogger
 
+pytestmark = pytest.mark.quick
+
 
 def _log(run_dir: Path, kind: str, steps: dict[int, float], resume_step: int | None = None) -> None:
     m = MetricsLogger(kind, run_dir, "mlora-tests", "backends", resume_step=resume_step)

@@ -10,6 +10,8 @@ from mlora.export.plan import plan_adapter
 from mlora.formats.hf_config import load_hf_config, model_spec
 from mlora.lora.config import LoraConfig
 
+pytestmark = pytest.mark.quick
+
 
 @pytest.fixture(scope="module")
 def llama70b(tmp_path_factory):

@@ -10,6 +10,8 @@ import pytest
 import torch
 from conftest import torchrun
 
+pytestmark = pytest.mark.quick
+
 TOL = 1e-5
 LAYOUTS = ["tp2pp2dp1", "tp1pp2dp2"]
 

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 from mlora.rl import bradley_terry_loss, dpo_loss, sequence_logps, sft_nll
 
+pytestmark = pytest.mark.quick
+
 G = torch.Generator().manual_seed(3)
 
 

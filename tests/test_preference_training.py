@@ -143,23 +143,19 @@ def test_reward_model_accuracy_and_peft_export(assets, rm):
 def test_reward_model_resumes_on_another_mesh(assets, rm, tmp_path):
     """The single-process run's step-6 checkpoint, resumed by ``mlora-train --config-name rm`` at TP2×PP2
     (adapter, head and AdamW state resharded), logs the same steps 7–8."""
-    import os
-    import subprocess
-    import sys
 
-    from conftest import _free_port
+    from conftest import mlora_train
 
     run_dir, rows = rm
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", f"--master_port={_free_port()}",
-           "-m", "mlora.train", "--config-name", "rm", f"trainer.policy.model.path={assets / 'tiny-llama'}",
-           f"data.train_data=[{assets / 'pairs_train'}.parquet]", f"data.val_data=[{assets / 'pairs_val'}.parquet]",
-           f"trainer.run_dir={tmp_path}", "trainer.train_batch_size=8", "trainer.micro_train_batch_size_per_gpu=4",
-           "trainer.policy.optimizer_config.lr=1e-3", "trainer.policy.model.lora.rank=8",
-           "trainer.policy.model.lora.alpha=16", "trainer.total_steps=8", "trainer.eval_interval=8",
-           "trainer.policy.megatron_config.tensor_model_parallel_size=2",
-           "trainer.policy.megatron_config.pipeline_model_parallel_size=2", "trainer.resume_mode=from_path",
-           f"trainer.resume_path={run_dir / 'checkpoints' / 'global_step_6'}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    args = ["--config-name", "rm", f"trainer.policy.model.path={assets / 'tiny-llama'}",
+            f"data.train_data=[{assets / 'pairs_train'}.parquet]", f"data.val_data=[{assets / 'pairs_val'}.parquet]",
+            f"trainer.run_dir={tmp_path}", "trainer.train_batch_size=8", "trainer.micro_train_batch_size_per_gpu=4",
+            "trainer.policy.optimizer_config.lr=1e-3", "trainer.policy.model.lora.rank=8",
+            "trainer.policy.model.lora.alpha=16", "trainer.total_steps=8", "trainer.eval_interval=8",
+            "trainer.policy.megatron_config.tensor_model_parallel_size=2",
+            "trainer.policy.megatron_config.pipeline_model_parallel_size=2", "trainer.resume_mode=from_path",
+            f"trainer.resume_path={run_dir / 'checkpoints' / 'global_step_6'}"]
+    proc = mlora_train(args, 4, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     resumed = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in resumed] == [7, 8]

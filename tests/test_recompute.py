@@ -12,6 +12,8 @@ import torch
 import mlora
 from mlora.models import recompute as rc
 
+pytestmark = pytest.mark.quick
+
 TOL = 1e-6  # float32, absolute and relative
 SETTINGS = {
     "selective": dict(recompute="selective"),

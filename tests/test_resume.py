@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import _free_port
+from conftest import _free_port, mlora_train
 
 N = 4
 EXACT_KEYS = ("reward/mean", "actor/pg_loss", "actor/loss", "critic/value_loss", "kl/mean", "actor/grad_norm",
@@ -43,9 +43,8 @@ def _env() -> dict:
 
 
 def _train(run_dir: Path, assets: Path, *extra: str, tp: int = 2) -> subprocess.CompletedProcess:
-    launch = ["--nproc_per_node=4", f"--master_port={_free_port()}"]
-    proc = subprocess.run(_cmd(launch, run_dir, assets, f"trainer.policy.megatron_config.tensor_model_parallel_size={tp}",
-                               *extra), capture_output=True, text=True, timeout=900, env=_env())
+    proc = mlora_train([*COMMON, f"demo.dir={assets}", f"trainer.run_dir={run_dir}",
+                        f"trainer.policy.megatron_config.tensor_model_parallel_size={tp}", *extra], 4)
     if proc.returncode != 0:
         pytest.fail(f"mlora-train failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc

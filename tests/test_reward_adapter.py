@@ -13,6 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from mlora.export.reward_adapter import last_token_scores
 
+pytestmark = pytest.mark.quick
+
 TOL = 1e-5  # float32
 LENGTHS = (9, 6, 12, 3)
 

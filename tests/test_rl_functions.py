@@ -26,6 +26,8 @@ from mlora.rl.vocab_parallel import (
     vocab_parallel_truncation_logmass,
 )
 
+pytestmark = pytest.mark.quick
+
 T = torch.tensor
 
 

@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
-from conftest import _free_port
+from conftest import mlora_train
 
 STEPS = 3
 DEMO_STEPS = 30  # configs/cpu_demo.yaml
@@ -24,14 +23,12 @@ SAME = 1e-4
 
 def _train(tmp_path, nproc: int, tp: int, pp: int, name: str, steps: int | None = STEPS, extra=()) -> list[dict]:
     run_dir = tmp_path / name
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}",
-           "-m", "mlora.train", "--config-name", "cpu_demo", f"trainer.policy.megatron_config.tensor_model_parallel_size={tp}",
-           f"trainer.policy.megatron_config.pipeline_model_parallel_size={pp}",
-           f"trainer.run_dir={run_dir}", f"demo.dir={tmp_path / 'assets'}", f"trainer.run_name={name}"]
+    args = ["--config-name", "cpu_demo", f"trainer.policy.megatron_config.tensor_model_parallel_size={tp}",
+            f"trainer.policy.megatron_config.pipeline_model_parallel_size={pp}",
+            f"trainer.run_dir={run_dir}", f"demo.dir={tmp_path / 'assets'}", f"trainer.run_name={name}"]
     if steps is not None:
-        cmd.append(f"trainer.total_steps={steps}")
-    cmd += list(extra)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        args.append(f"trainer.total_steps={steps}")
+    proc = mlora_train([*args, *extra], nproc)
     if proc.returncode != 0:
         pytest.fail(f"mlora-train failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return _steps(run_dir)
@@ -141,12 +138,11 @@ def _mlora_train(tmp_path, *overrides) -> subprocess.CompletedProcess:
     """One-rank mlora-train on the demo config, run from ``tmp_path``; returns after checking that no
     process outlived it and that Hydra left nothing in the working directory (no ``__main__.log``)."""
     tag = f"MLORA_TEST_TAG={uuid.uuid4().hex}"
-    cmd = [sys.executable, "-m", "mlora.train", "--config-name", "cpu_demo", "trainer.total_steps=1",
-           "trainer.policy.megatron_config.tensor_model_parallel_size=1",
-           "trainer.policy.megatron_config.pipeline_model_parallel_size=1", f"demo.dir={tmp_path / 'assets'}",
-           f"trainer.run_dir={tmp_path / 'run'}", *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", tag.split("=")[0]: tag.split("=")[1]}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    args = ["--config-name", "cpu_demo", "trainer.total_steps=1",
+            "trainer.policy.megatron_config.tensor_model_parallel_size=1",
+            "trainer.policy.megatron_config.pipeline_model_parallel_size=1", f"demo.dir={tmp_path / 'assets'}",
+            f"trainer.run_dir={tmp_path / 'run'}", *overrides]
+    proc = mlora_train(args, torchrun=False, cwd=tmp_path, env={tag.split("=")[0]: tag.split("=")[1]}, timeout=600)
     _no_orphans(tag)
     assert not {"__main__.log", ".hydra", "outputs"} & {p.name for p in tmp_path.iterdir()}
     return proc

@@ -26,6 +26,8 @@ from mlora.rl.rollout_correction import (
     token_tis_weights,
 )
 
+pytestmark = pytest.mark.quick
+
 # two sequences; ρ = π_old / μ per token. Row 1's last position is padding with a wild ratio (ignored).
 RHO = torch.tensor([[1.5, 3.0, 0.5], [1.0, 0.9, 100.0]], dtype=torch.float64)
 MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)

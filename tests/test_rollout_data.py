@@ -11,6 +11,8 @@ import pytest
 from mlora.rollout.data import load_prompts
 from mlora.rollout.envs import gsm8k_extract, gsm8k_reference, make_env, register_env, registered_envs
 
+pytestmark = pytest.mark.quick
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

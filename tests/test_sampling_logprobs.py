@@ -11,6 +11,8 @@ import torch
 
 from mlora.rl.vocab_parallel import vocab_parallel_sampling_logprobs
 
+pytestmark = pytest.mark.quick
+
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from vocab_parallel import SAMPLING, vllm_rule_logprobs  # noqa: E402  (the TP=2 worker's reference)
 

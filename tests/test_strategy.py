@@ -9,6 +9,8 @@ import re
 
 import pytest
 
+pytestmark = pytest.mark.quick
+
 GIB = 1 << 30
 
 

@@ -6,6 +6,8 @@ import types
 import pytest
 import torch
 
+pytestmark = pytest.mark.quick
+
 lora_ops = pytest.importorskip("vllm.lora.ops.torch_ops.lora_ops")
 
 from mlora.rollout import vllm_cpu_lora as grouped  # noqa: E402

