@@ -19,16 +19,30 @@ TESTS = Path(__file__).parent
 
 
 # Test files that start a local Ray cluster: under pytest-xdist they share one worker, one after another
-RAY_FILES = {"test_rl_loop.py", "test_async_training.py", "test_slurm.py"}
+RAY_FILES = ("test_rl_loop.py", "test_async_training.py", "test_slurm.py")
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two workers share the cores: one intra-op thread each, so that no spinning OpenMP thread of one worker's
+    # in-process tests waits on a core the other worker (or its ranks and engines) is using
+    import torch
+
+    torch.set_num_threads(1)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the group into the test's node id
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``-n 2 --dist loadgroup``) a test file's tests stay together on one worker (its
-    module fixtures run once), and the files that start Ray run on the same worker."""
-    for item in items:
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group("ray" if name in RAY_FILES else name))
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``-n N --dist loadfile`` (pyproject's addopts): a test file's tests run on one worker, so its module
+    fixtures run once, and the files that start Ray share a worker, one after another."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "ray" if path.rsplit("/", 1)[-1] in RAY_FILES else path
+
+    return FileScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

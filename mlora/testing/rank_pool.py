@@ -269,7 +269,9 @@ def _supervise(pids: list[int], timeout: float) -> tuple[list[int], bool, int | 
 
 
 def _zygote(preload: list[str]) -> int:
-    out = sys.stdout
+    # the replies get a descriptor of their own; whatever an import prints to stdout goes to the log
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     try:
         for name in preload:
             importlib.import_module(name)
@@ -293,6 +295,7 @@ def _zygote(preload: list[str]) -> int:
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
+                out.close()  # the zygote's reply channel is not the rank's
                 return _rank_main(rank, req)  # the child leaves the loop and exits normally (atexit runs)
             pids.append(pid)
         codes, timed_out, first_failed = _supervise(pids, req["timeout"])
