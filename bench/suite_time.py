@@ -1,6 +1,6 @@
 """Where the test suite's time goes, and what the rank pool saves, side by side in one run.
 
-    .venv/bin/python bench/suite_time.py table BEFORE.txt [AFTER.txt]   # from `pytest --durations=0` output
+    .venv/bin/python bench/suite_time.py table BEFORE.txt[=LABEL] [AFTER.xml ...]   # --durations=0 or --junitxml
     .venv/bin/python bench/suite_time.py startups [--rounds 2] [TEST ...]
 
 ``table``: every duration line (setup, call and teardown of each test) is put in one cost kind by what the
@@ -99,17 +99,20 @@ def by_kind(path: Path) -> tuple[dict[str, list], float, str]:
     return out, sum(seconds.values()), closing
 
 
-def table(paths: list[Path]) -> None:
+def table(outputs: list[str]) -> None:
+    """``outputs``: ``FILE`` or ``FILE=LABEL`` (the column's name)."""
+    paths = [Path(o.split("=", 1)[0]) for o in outputs]
+    labels = [o.split("=", 1)[1] if "=" in o else Path(o).name for o in outputs]
     runs = [by_kind(p) for p in paths]
-    head = " | ".join(f"{p.name}: tests | min" for p in paths)
+    head = " | ".join(f"{label}: tests | min" for label in labels)
     print(f"| cost kind | {head} |\n|---|" + "---|" * (2 * len(paths)))
     for kind, _ in KINDS:
         cells = " | ".join(f"{r[0][kind][0]} | {r[0][kind][1] / 60:.1f}" for r in runs)
         print(f"| {kind} | {cells} |")
     cells = " | ".join(f"{sum(v[0] for v in r[0].values())} | {r[1] / 60:.1f}" for r in runs)
     print(f"| all (durations summed) | {cells} |")
-    for p, r in zip(paths, runs):
-        print(f"{p.name}: {r[2].strip('= ')}")
+    for label, r in zip(labels, runs):
+        print(f"{label}: {r[2].strip('= ')}")
 
 
 def startups(tests: list[str], rounds: int) -> None:
@@ -136,7 +139,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("table")
-    t.add_argument("outputs", nargs="+", type=Path)
+    t.add_argument("outputs", nargs="+", help="FILE or FILE=LABEL")
     s = sub.add_parser("startups")
     s.add_argument("tests", nargs="*", default=list(DEFAULT_STARTUP_TESTS))
     s.add_argument("--rounds", type=int, default=2)

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny HF models built once per session, and a torchrun launcher."""
+"""Shared fixtures: tiny HF models built once per session, the SmolLM2 cache, and the launchers of multi-rank
+cases and mlora-train runs (on the session's rank pool)."""
 
 from __future__ import annotations
 
@@ -90,6 +91,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_POOL = None
+
+
 def _pool():
     """The session's rank pool (started at its first case, closed in pytest_sessionfinish)."""
     global _POOL
@@ -100,9 +104,6 @@ def _pool():
 
         _POOL = RankPool(tempfile.mkdtemp(prefix="mlora-rank-pool-"))
     return _POOL
-
-
-_POOL = None
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -162,6 +162,8 @@ class RankPool:
                 self._proc.kill()
                 self._proc.wait()
         self._proc = None
+        if getattr(self, "_zygote_log", None) is not None:
+            self._zygote_log.close()
 
 
 # --- the zygote -------------------------------------------------------------------------------------
