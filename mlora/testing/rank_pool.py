@@ -9,7 +9,7 @@ torchrun launch gives it: fresh processes with torchrun's environment (``RANK``,
 own working directory and its own output; a failure, a monkey-patch or a hung collective ends with its
 processes and never reaches the next case.
 
-    pool = RankPool()
+    pool = RankPool(log_dir)
     result = pool.run(4, "tests/dist/hf_equivalence.py", [model_dir, out], timeout=600)
     result.ok, result.returncodes, result.stdout, result.failure_report()
 
@@ -29,13 +29,14 @@ import importlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from mlora.parallel.mesh import _free_port
 
 # What the torchrun workers of mlora's tests import; anything else a case imports itself.
 PRELOAD = ("torch", "torch.distributed", "numpy", "safetensors.torch", "megatron.core.parallel_state",
@@ -45,12 +46,6 @@ PRELOAD = ("torch", "torch.distributed", "numpy", "safetensors.torch", "megatron
            "mlora.train.rl_stage", "mlora.testing")
 TORCH_DEFAULT_SEED = 67280421310721  # torch.initial_seed() of a process that never seeded
 TERM_GRACE_S = 5.0  # SIGTERM -> SIGKILL, for the ranks left when one failed or the case timed out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -97,12 +92,10 @@ class RankPool:
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}  # the zygote's
         self.python = python
         self._proc: subprocess.Popen | None = None
-        self.start_seconds = 0.0
         self.cases = 0
 
     def _start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        t = time.perf_counter()
         self._zygote_log = open(self.log_dir / "zygote.log", "ab")
         self._proc = subprocess.Popen([self.python, "-m", "mlora.testing.rank_pool", *self.preload],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._zygote_log,
@@ -110,7 +103,6 @@ class RankPool:
         reply = self._read()
         if reply.get("status") != "ready":
             raise RuntimeError(f"the rank pool's zygote did not start: {reply.get('error', reply)}")
-        self.start_seconds = time.perf_counter() - t
 
     def _read(self) -> dict:
         line = self._proc.stdout.readline()
