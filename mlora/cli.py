@@ -41,7 +41,7 @@ def _plan_memory(args: argparse.Namespace, spec) -> int:
     """``plan --memory``: per-rank bytes of a PPO step, or with ``--fit`` the layouts that fit."""
     from mlora.plan import Engine, Layout, Workload, fit_layouts, plan_memory, require_fit
     from mlora.plan.fit import GIB
-    from mlora.plan.report import fit_json, fit_table, memory_json, memory_table
+    from mlora.plan.report import engine_line, fit_json, fit_table, memory_json, memory_table
 
     targets = args.target_modules if isinstance(args.target_modules, str) else tuple(args.target_modules)
     if args.max_tokens_per_microbatch is not None:  # packed: one row of that many tokens per micro-batch
@@ -62,16 +62,25 @@ def _plan_memory(args: argparse.Namespace, spec) -> int:
     if args.engine_tp is not None or args.kv_tokens:
         engine = Engine(tp=args.engine_tp or 1, kv_tokens=args.kv_tokens or 0, dtype=getattr(torch, args.dtype),
                         sleeps=not args.engine_awake)
+        engine.check(spec)
+    elif args.engine_separate or args.engine_awake:
+        raise ValueError("--engine-separate / --engine-awake describe an engine: give --engine-tp and --kv-tokens")
+    if args.engine_separate and args.engine_awake:
+        raise ValueError("--engine-awake is for a colocated engine; --engine-separate puts it on GPUs of its own")
+    # an engine on GPUs of its own is not in the trainer's plan, only in its line
+    colocated = None if args.engine_separate else engine
     if args.fit is not None:
         if args.gpus is None:
             raise ValueError("--fit GPU_GIB needs --gpus N (the GPUs to lay the model out on)")
         gpu, reserve = int(args.fit * GIB), int(args.reserve_gib * GIB)
-        fits = fit_layouts(spec, workload, args.gpus, gpu, reserve, engine, sp=args.sp)
+        fits = fit_layouts(spec, workload, args.gpus, gpu, reserve, colocated, sp=args.sp)
         good = require_fit(fits, args.gpus, gpu, reserve)
         print(fit_json(good, args.gpus, gpu, reserve) if args.json else fit_table(fits, args.gpus, gpu, reserve))
-        return 0
-    plan = plan_memory(spec, Layout(tp=args.tp, pp=args.pp, dp=args.dp, sp=args.sp), workload, engine)
-    print(memory_json(plan) if args.json else memory_table(plan))
+    else:
+        plan = plan_memory(spec, Layout(tp=args.tp, pp=args.pp, dp=args.dp, sp=args.sp), workload, colocated)
+        print(memory_json(plan) if args.json else memory_table(plan))
+    if engine is not None and not args.json:
+        print(engine_line(spec, engine, workload, separate=args.engine_separate))
     return 0
 
 
@@ -162,8 +171,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="K experiments side by side on the base (config key experiments): K adapter sets")
     m.add_argument("--critic", action=argparse.BooleanOptionalAction, default=True,
                    help="a critic adapter + value head (PPO); --no-critic for GRPO/RLOO")
-    m.add_argument("--engine-tp", type=int, default=None, help="a colocated vLLM engine of this TP on every GPU")
-    m.add_argument("--kv-tokens", type=int, default=None, help="KV-cache tokens of each colocated engine")
+    m.add_argument("--engine-tp", type=int, default=None,
+                   help="a vLLM engine of this TP (colocated on every GPU unless --engine-separate)")
+    m.add_argument("--kv-tokens", type=int, default=None, help="KV-cache tokens of each engine")
+    m.add_argument("--engine-separate", action="store_true",
+                   help="the engine runs on GPUs of its own (trainer.placement.colocate_all=false): printed as its own "
+                        "line, not in the trainer's table")
     m.add_argument("--engine-awake", action="store_true",
                    help="the colocated engine keeps its memory during the update (default: it sleeps, vLLM's sleep "
                         "mode, as mlora runs colocated engines on CUDA)")

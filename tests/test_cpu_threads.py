@@ -121,6 +121,7 @@ def test_engine_options_place_local_cpu_engines(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # now the user's: the engines keep it
     assert engine_options(cfg, tmp_path, cuda=False)["engine_cores"] is None
     monkeypatch.delenv("OMP_NUM_THREADS")
+    cfg.trainer.dtype = "bfloat16"  # CUDA engines are 16-bit (finalize chose float32 for this CPU run)
     assert engine_options(cfg, tmp_path, cuda=True)["engine_cores"] is None  # GPUs: vLLM decides
     cfg.generator.inference_engine.run_engines_locally = False
     assert engine_options(cfg, tmp_path, cuda=False)["engine_cores"] is None  # Ray places its actors

@@ -232,25 +232,33 @@ def test_old_cuda_device_is_an_error(monkeypatch):
 
 
 def test_probe_asks_for_the_models_output_dtype(monkeypatch, tiny_models):
-    """A stack whose rowwise FP8 GEMM writes bf16 only (issue 22: CUTLASS on sm89, some CUDA versions) loads a
-    bf16 model with fp8='torch'; a float32 model on it is refused, naming the failure."""
-    from mlora.fp8 import FP8Unsupported, require_scaled_mm
+    """A stack whose rowwise FP8 GEMM writes bf16 only (issue 22: CUTLASS on sm89, cuBLAS < 12.9) runs a bf16 model
+    directly. For a float32 model the probe meets the refusal when the model is loaded, and from then on the FP8
+    GEMMs on that device write bf16 and cast (GPU-path issue, fault 7; this used to refuse the float32 model)."""
+    import mlora.fp8.quant as quant
+    from mlora.fp8 import require_scaled_mm
 
     real = torch._scaled_mm
+    asked = []
 
     def bf16_only(*args, out_dtype=None, **kwargs):
+        asked.append(out_dtype)
         if out_dtype != torch.bfloat16:
             raise RuntimeError(f"rowwise scaling supports bfloat16 output only, got {out_dtype}")
         return real(*args, out_dtype=out_dtype, **kwargs)
 
     monkeypatch.setattr(torch, "_scaled_mm", bf16_only)
+    monkeypatch.setattr(quant, "_BF16_OUTPUT_DEVICES", set())  # the decision is per process and device
     require_scaled_mm("cpu", torch.bfloat16)
-    with pytest.raises(FP8Unsupported, match="bfloat16 output only"):
-        require_scaled_mm("cpu", torch.float32)
-    model = mlora.from_pretrained(tiny_models / "llama", mlora.init_parallel(tp=1, pp=1), dtype=torch.bfloat16,
-                                  fp8="torch")
-    ids, mask = right_padded_batch(model.spec.vocab_size, (5,), seed=1)
-    assert torch.isfinite(model.logits(ids, attention_mask=mask).float()).all()
+    assert asked == [torch.bfloat16] and not quant._BF16_OUTPUT_DEVICES
+    mesh = mlora.init_parallel(tp=1, pp=1)
+    for dtype in (torch.bfloat16, torch.float32):
+        model = mlora.from_pretrained(tiny_models / "llama", mesh, dtype=dtype, fp8="torch")
+        ids, mask = right_padded_batch(model.spec.vocab_size, (5,), seed=1)
+        logits = model.logits(ids, attention_mask=mask)
+        assert torch.isfinite(logits.float()).all()
+    assert quant._BF16_OUTPUT_DEVICES == {"cpu"}
+    assert asked.count(torch.float32) == 1, asked  # the float32 model's probe, at load; no GEMM asks again
 
 
 def _lora_grads(model) -> dict[str, torch.Tensor]:

@@ -35,7 +35,7 @@ needs_no_te = pytest.mark.skipif(_te_importable(), reason="Transformer Engine is
 def _assert_gpu_extra_error(excinfo) -> None:
     msg = str(excinfo.value)
     assert isinstance(excinfo.value, ImportError)
-    assert "mlora[gpu]" in msg and "`gpu` extra" in msg
+    assert "scripts/setup_gpu.sh" in msg and "`gpu` extra" in msg
     assert 'fp8="torch"' in msg and "without Transformer Engine" in msg
 
 

@@ -145,4 +145,8 @@ def test_gpu_memory_utilization_does_not_size_cpu_engines(tmp_path):
     assert any(n.startswith("generator.gpu_memory_utilization=0.8 has no effect") and "kv_cache_memory_bytes" in n
                for n in notes), notes
     assert "gpu_memory_utilization" not in engine_options(cfg, tmp_path, cuda=False)
-    assert engine_options(cfg, tmp_path, cuda=True)["gpu_memory_utilization"] == 0.8
+    from mlora.plan.engines import DeviceMemory
+
+    cfg.trainer.dtype = "bfloat16"  # finalize chose float32 for CPU; CUDA engines are 16-bit
+    gpu = DeviceMemory(total=80 << 30, free=60 << 30, cuda=True)
+    assert engine_options(cfg, tmp_path, cuda=True, memory=gpu)["gpu_memory_utilization"] == 0.8

@@ -264,8 +264,9 @@ def _train(gsm8k, name: str, extra: list[str], nproc: int = 4, **values: str
            ) -> tuple[subprocess.CompletedProcess, list[dict]]:
     run_dir = Path(gsm8k["root"]) / f"run_{name}"
     args = overrides(SCRIPTS[name], **gsm8k, **values) + [
-        # the scripts' "$@": what a user appends. 2 steps; a KV cache sized for a 2-core machine.
-        "trainer.total_steps=2", f"trainer.run_dir={run_dir}", "generator.kv_cache_memory_bytes=67108864", *extra]
+        # the scripts' "$@": what a user appends. 2 steps. No generator.kv_cache_memory_bytes, as in SkyRL's scripts:
+        # the engine sizes its KV cache from the run and the free memory (vLLM's own rule dies beside the trainer)
+        "trainer.total_steps=2", f"trainer.run_dir={run_dir}", *extra]
     proc = mlora_train(args, nproc, cwd=gsm8k["root"])
     if proc.returncode != 0:
         pytest.fail(f"mlora-train failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
@@ -298,6 +299,7 @@ def test_example_trains_two_steps_with_eval(name, extra, values, gsm8k):
     dumped = Path(gsm8k["root"]) / f"run_{name}" / "dumped_evals"
     assert sorted(p.name for p in dumped.iterdir()) == ["eval_step_0.jsonl", "eval_step_2.jsonl"]
     assert "has no effect in mlora" in proc.stdout + proc.stderr  # the notes, once
+    assert "vLLM engine memory per host: weights" in proc.stdout + proc.stderr  # sized by mlora, said at start-up
     if values.get("STRATEGY") == "fsdp2":
         assert "trainer.strategy=fsdp2 runs as a data-parallel megatron-core mesh (TP1 x PP1 x DP2)" in proc.stdout + \
             proc.stderr

@@ -64,6 +64,9 @@ def test_70b_fsdp2_on_eight_gpus_stops_with_the_layout_that_fits(llama70b):
                micro_forward_batch_size_per_gpu=1)
     cfg.trainer.algorithm.advantage_estimator = "gae"
     cfg.generator.sampling_params.max_generate_length = 1024
+    # colocated engines (the default) of TP8: their shard of the base and KV cache count in every layout
+    cfg.generator.inference_engine.tensor_parallel_size = 8
+    cfg.generator.num_inference_engines = 1
     with pytest.raises(ConfigError) as err:
         finalize(cfg, 8, cuda=True, gpus_per_node=8, ranks_per_node=8, gpu_memory_bytes=80 * GIB)
     msg = str(err.value)

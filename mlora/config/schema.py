@@ -224,8 +224,10 @@ class TrainerSection:
     micro_train_batch_size_per_gpu: int = 2  # sequences
     update_epochs_per_batch: int = 1
     max_prompt_length: int = 512  # tokens after the chat template; longer prompts are dropped (as SkyRL)
-    dtype: str = "float32"  # mlora: compute dtype of the trainer's base and the engines' dtype; adapters, heads
-    # and AdamW state stay float32 (master weights) under bfloat16/float16
+    # mlora: compute dtype of the trainer's base and the engines' dtype; null: bfloat16 on CUDA (vLLM's CUDA LoRA
+    # kernels take 16-bit only), float32 on CPU (exact checks). Adapters, heads and AdamW state stay float32
+    # (master weights) under bfloat16/float16
+    dtype: Optional[str] = None
     lora_compute_dtype: Optional[str] = None  # mlora: dtype the LoRA branches compute in: null = float32 (PEFT) | trainer.dtype
     fp8: Optional[str] = None  # mlora: frozen linears of the base in FP8: null | torch (_scaled_mm) | te (GPU)
     fp8_recipe: str = "delayed"  # mlora, fp8=te only: delayed | current | mxfp8 (Transformer Engine recipes)

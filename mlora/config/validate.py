@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from mlora.checkpoint.dirs import RESUME_MODES
+from mlora.config.dtypes import engine_dtype, trainer_dtype
 from mlora.config.errors import ConfigError
 from mlora.config.schema import TrainConfig
 from mlora.rl.advantages import ADVANTAGE_ESTIMATORS
@@ -769,8 +770,11 @@ def _finalize_one(cfg: TrainConfig, explicit: Iterable[str], world_size: int, cu
     set_before = _set_keys(cfg, TrainConfig(), {k.lstrip("+~") for k in explicit})
     notes = []
     _check_preference(cfg, world_size)
+    cfg.trainer.dtype = trainer_dtype(cfg.trainer.dtype, cuda)
     _check_trainer(cfg)
     _resolve_generator(cfg)
+    if cfg.preference.stage is None:  # the RL loop's engines
+        engine_dtype(cfg, cuda)
     _resolve_mesh(cfg, world_size)
     notes += _resolve_megatron_kwargs(cfg) + _check_skyrl_keys(cfg)
     _resolve_recompute(cfg.trainer)
@@ -785,6 +789,10 @@ def _finalize_one(cfg: TrainConfig, explicit: Iterable[str], world_size: int, cu
             from mlora.config.layout_fit import check_layout_fits
 
             check_layout_fits(cfg, world_size, gpu_memory_bytes)
+    if cuda and gpu_memory_bytes and cfg.preference.stage is None and cfg.generator.inference_engine.run_engines_locally:
+        from mlora.config.layout_fit import check_engines_fit
+
+        check_engines_fit(cfg, world_size, gpu_memory_bytes)
     no_effect = {**NO_EFFECT, **({} if cuda else CPU_ONLY_NO_EFFECT)}
     return notes + [f"{key}={_get(cfg, key)!r} has no effect in mlora: {why}" for key, why in no_effect.items()
                     if key in set_before]

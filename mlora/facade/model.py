@@ -57,7 +57,7 @@ class MLoraModel(AdapterHost, torch.nn.Module):
         self.heads = torch.nn.ModuleDict()  # scalar heads (value, reward) on the last stage only
         # The mask convention follows the modules actually built (a patched spec included): SDPA
         # layers take the minimal mask of sdpa_mask, anything else (megatron's unfused
-        # DotProductAttention, TE's with attn_mask_type=arbitrary) the full [b, 1, s, s] bool mask.
+        # DotProductAttention, TE's, which reads it with attn_mask_type=arbitrary) the full [b, 1, s, s] bool mask.
         self._full_mask = not all(isinstance(layer.self_attention.core_attention, SDPAttention)
                                   for layer in gpt.decoder.layers)
 
@@ -70,7 +70,8 @@ class MLoraModel(AdapterHost, torch.nn.Module):
     def _prepare(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                  shared: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
         """``(ids, positions, mask, seq)`` for megatron's forward: ids and positions on the device
-        (right-padded to a multiple of TP under SP), the attention mask, the unpadded length.
+        (right-padded to a multiple of TP under SP and, with ``fp8="te"``, to a token count that TE's FP8
+        GEMMs take: :meth:`_padded_length`), the attention mask, the unpadded length.
 
         ``mask`` is what the core attention of this model takes: with SDPA (the default) None for a
         batch without padding or with right padding only and no window shorter than the sequence
@@ -86,8 +87,8 @@ class MLoraModel(AdapterHost, torch.nn.Module):
                              f"{tuple(input_ids.shape)}")
         self._check_token_ids(input_ids)
         batch, seq = input_ids.shape
-        pad = (-seq) % self.mesh.tp if self.mesh.sp else 0
-        if pad:  # sequence parallel splits tokens over TP: right-pad, causal attention keeps the rest exact
+        pad = self._padded_length(batch, seq) - seq
+        if pad:  # right-pad (SP splits tokens over TP; TE's FP8 shapes): causal attention keeps the rest exact
             input_ids = torch.nn.functional.pad(input_ids, (0, pad))
             if attention_mask is not None:
                 attention_mask = torch.nn.functional.pad(attention_mask, (0, pad))
@@ -106,6 +107,20 @@ class MLoraModel(AdapterHost, torch.nn.Module):
             mask = sdpa_mask(ids.shape[1], attention_mask, self.spec.sliding_window, self.dtype, device)
         return ids, positions, mask, seq
 
+    def _padded_length(self, batch: int, seq: int) -> int:
+        """The sequence length a micro-batch of ``batch`` rows of ``seq`` tokens is right-padded to: a multiple
+        of TP under sequence parallelism (megatron splits the sequence over TP) and, with ``fp8="te"``, one
+        whose token count ``batch * length`` TE's FP8 GEMMs accept (8 per-tensor, 32 MXFP8:
+        :func:`mlora.models.te.te_token_multiple`). Padded positions are masked (right padding under causal
+        attention: no real token sees them) and their logits dropped."""
+        from mlora.models.te import te_padded_length, te_token_multiple
+
+        seq_multiple = self.mesh.tp if self.mesh.sp else 1
+        token_multiple = 1
+        if self.fp8 == "te" and self.config.fp8:
+            token_multiple = te_token_multiple(self.config.fp8_recipe)
+        return te_padded_length(batch, seq, seq_multiple, token_multiple)
+
     def _check_token_ids(self, input_ids: torch.Tensor) -> None:
         if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.spec.vocab_size:
             raise ValueError(f"input_ids must lie in [0, {self.spec.vocab_size}); got "
@@ -114,24 +129,24 @@ class MLoraModel(AdapterHost, torch.nn.Module):
     def _prepare_packed(self, micro_batches: Sequence[dict]) -> list[tuple]:
         """Packed micro-batches (``mlora.models.packing``) for megatron's ``thd`` format: each one's
         ``input_ids`` is ``[1, width]`` and ``packed`` its :class:`~mlora.models.packing.PackedRows`. The
-        row is right-padded with a padding segment to a multiple of TP under SP and, with pipeline
-        stages (whose point-to-point buffers have one shape per schedule), to the longest of the call."""
+        row is right-padded with a padding segment to :meth:`_padded_length` (a multiple of TP under SP,
+        TE's FP8 token multiple with ``fp8="te"``) and, with pipeline stages (whose point-to-point buffers
+        have one shape per schedule), to the longest of the call."""
         if not all("packed" in mb for mb in micro_batches):
             raise ValueError("either every micro-batch of a call is packed or none is")
         if self._full_mask and self.fp8 != "te":
             raise ValueError("sequence packing needs the fused core attention (attention='sdpa', "
                              "trainer.flash_attn=true) or Transformer Engine's; megatron's unfused attention "
                              "takes no packed sequences")
-        multiple = self.mesh.tp if self.mesh.sp else 1
         widths = [mb["packed"].width for mb in micro_batches]
-        common = -(-max(widths) // multiple) * multiple
+        common = self._padded_length(1, max(widths))
         device, out = self.mesh.device, []
         for mb, width in zip(micro_batches, widths):
             ids = mb["input_ids"]
             if tuple(ids.shape) != (1, width):
                 raise ValueError(f"a packed micro-batch's input_ids must be [1, {width}], got {tuple(ids.shape)}")
             self._check_token_ids(ids)
-            target = common if self.mesh.pp > 1 else -(-width // multiple) * multiple
+            target = common if self.mesh.pp > 1 else self._padded_length(1, width)
             packed = mb["packed"].widened(target)
             ids = torch.nn.functional.pad(ids, (0, target - width)).to(device)
             out.append((mb, ids, packed.positions(device), None, width, packed.packed_seq_params(device)))
@@ -223,6 +238,12 @@ class MLoraModel(AdapterHost, torch.nn.Module):
 
         prepared = [(*p, self._routes(p[0])) for p in prepared]
         last = self.mesh.is_last_stage
+        # TE linears (fp8="te"): recast the FP8 weights at this call's first micro-batch, as megatron's
+        # schedules do (forward_step(is_first_microbatch=i == 0)) -- also when config.fp8 is unset (an external
+        # fp8_autocast), where megatron's set_is_first_microbatch does nothing; delayed scaling's scales move
+        from mlora.models.te import reset_fp8_weight_cache
+
+        reset_fp8_weight_cache(self.gpt)
 
         def forward_step(data_iterator, model):
             mb, ids, positions, mask, seq, packed_seq, routes = next(data_iterator)

@@ -18,6 +18,12 @@ The contract (tests/test_fp8.py holds the implementation to an independent fake-
 - GEMM: ``torch._scaled_mm(x_q, w_qᵀ, scale_a=[M, 1], scale_b=[1, N])`` with float32
   accumulation, output in the compute dtype. Where ``_scaled_mm`` is missing or fails, or on a
   CUDA device below compute capability 8.9, :class:`FP8Unsupported` — never a silent upcast.
+  A stack whose rowwise FP8 GEMM writes bf16 only (CUTLASS path: cuBLAS < 12.9 or sm89) gets a bf16
+  output cast to the compute dtype, decided once per device by the probe and logged once.
+- shapes: on CUDA ``_scaled_mm`` needs each local GEMM's K and N to be multiples of 16 (M is free), so a
+  model whose TP split leaves a linear with another K or N is refused when it is built
+  (:func:`fp8_shape_problems`, applied by :func:`mlora.models.megatron_build.check_fp8_shapes`:
+  :class:`FP8ShapeError` naming the layer and the TP sizes that work).
 
 This is the contract of the torch backend only. Transformer Engine (``fp8="te"``, :mod:`mlora.models.te`)
 keeps its own recipes' semantics (per-tensor delayed / current scaling, MXFP8 blocks, ...), which are
@@ -25,6 +31,9 @@ computed on each rank's local GEMM operands and so are not promised to be mesh i
 """
 
 from __future__ import annotations
+
+import logging
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
@@ -35,12 +44,32 @@ FP8_MAX = 448.0  # largest finite e4m3fn value
 EPS = 1e-12  # amax floor: an all-zero row or token gets a tiny scale, not 0/0
 # The frozen linears stored in FP8 (megatron module names); embeddings, norms, output layer stay in dtype.
 FP8_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+# torch._scaled_mm on CUDA (torch 2.13, aten/src/ATen/native/cuda/ScaledBlas.cpp, _scaled_mm_out_cuda; Blas.cpp
+# before the split, same checks):
+#   TORCH_CHECK(mat1.sizes()[1] % 16 == 0, "Expected trailing dimension of mat1 to be divisible by 16 ...")
+#   TORCH_CHECK(mat2.sizes()[0] % 16 == 0 && mat2.sizes()[1] % 16 == 0, "mat2 shape (...) must be divisible by 16")
+# mat1 = x [M, K], mat2 = Wᵀ [K, N]: K and N must be multiples of 16. M (tokens) is not checked, and the CUTLASS
+# rowwise kernel pads its [M, 1] scale to 256 rows itself (RowwiseScaledMM.cu, pytorch issue 133334), so token
+# counts need no padding. CPU's _scaled_mm has no such rule: the check is applied for CUDA devices only.
+SCALED_MM_MULTIPLE = 16
+_LOG = logging.getLogger("mlora")
+# Devices (str) whose rowwise FP8 GEMM refused a float32 output and wrote bf16: later GEMMs there ask for bf16 at
+# once. ScaledBlas.cpp sends rowwise scaling on cuBLAS < 12.9 or compute capability < 9.0 to CUTLASS
+# (f8f8bf16_rowwise), which older torch limits to bf16: TORCH_CHECK(_VALUE)(out.dtype() == kBFloat16, "Only bf16
+# high precision output types are supported for row-wise scaling.") -- a RuntimeError, or a ValueError where
+# TORCH_CHECK_VALUE is used; torch 2.13 also accepts fp16 and fp32 there.
+_BF16_OUTPUT_DEVICES: set[str] = set()
 _NO_ADAPTER_DTYPES = {FP8_DTYPE, getattr(torch, "float8_e5m2", None), getattr(torch, "float8_e4m3fnuz", None),
                       getattr(torch, "float8_e5m2fnuz", None)} - {None}
 
 
 class FP8Unsupported(RuntimeError):
     """FP8 GEMMs are not available on this device / torch build."""
+
+
+class FP8ShapeError(FP8Unsupported, ValueError):
+    """The FP8 GEMMs of this model at this TP size have shapes ``torch._scaled_mm`` refuses on CUDA: FP8 is
+    unavailable (an :class:`FP8Unsupported`) because of an argument value, the TP size (a ValueError)."""
 
 
 def check_fp8_arg(fp8: str | None) -> str | None:
@@ -62,8 +91,11 @@ def check_adapter_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def require_scaled_mm(device: torch.device | str, dtype: torch.dtype = torch.float32) -> None:
     """FP8Unsupported unless ``torch._scaled_mm`` runs rowwise-scaled e4m3 GEMMs on ``device`` with an output
-    in ``dtype``, the model's: the probe asks for what the layers will ask for (a stack whose rowwise FP8
-    GEMM writes only bf16, e.g. CUTLASS paths on sm89, serves a bf16 model although it refuses float32)."""
+    in ``dtype``, the model's: the probe asks for what the layers will ask for -- rowwise scales, a token count
+    that is no multiple of 16, the model's output dtype -- through the layers' own :func:`_scaled_mm`, so a
+    stack whose rowwise FP8 GEMM writes only bf16 (CUTLASS on sm89, cuBLAS < 12.9) is found here, at build,
+    and every later GEMM on ``device`` asks for bf16 and casts (logged once). The result is checked: small
+    integers, exact in float32 and bf16."""
     device = torch.device(device)
     if device.type == "cuda":
         cap = torch.cuda.get_device_capability(device)
@@ -71,26 +103,73 @@ def require_scaled_mm(device: torch.device | str, dtype: torch.dtype = torch.flo
             raise FP8Unsupported(f"fp8='torch' needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper, "
                                  f"Blackwell); {torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}. "
                                  f"Use fp8=None with dtype=torch.bfloat16")
-    a = torch.ones(16, 16, device=device).to(FP8_DTYPE)
-    ones = torch.ones(16, 1, device=device)
-    _scaled_mm(a, ones, a, ones.view(16), dtype)
+    m, k, n = 17, 32, 48
+    x = (torch.arange(m * k, device=device) % 5 - 2).float().view(m, k)  # values -2..2: e4m3-exact
+    w = (torch.arange(n * k, device=device) % 3 - 1).float().view(n, k)
+    out = _scaled_mm(x.to(FP8_DTYPE), torch.ones(m, 1, device=device), w.to(FP8_DTYPE), torch.ones(n, device=device),
+                     dtype)
+    if not torch.equal(out.float(), x @ w.t()):  # |sums| <= 64: exact in any output dtype
+        raise FP8Unsupported(f"torch._scaled_mm on {device} with torch {torch.__version__} returned a wrong result "
+                             f"for a small exact rowwise e4m3 GEMM; fp8='torch' cannot be trusted here: use fp8=None")
 
 
 def _scaled_mm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
                out_dtype: torch.dtype) -> torch.Tensor:
     """``(xq · sx) @ (wq · sw)ᵀ`` via ``torch._scaled_mm``: xq ``[M, K]``, sx ``[M, 1]``, wq ``[N, K]``,
-    sw ``[N]``; float32 accumulation, result in ``out_dtype``."""
-    direct = out_dtype in (torch.float32, torch.bfloat16)
+    sw ``[N]``; float32 accumulation, result in ``out_dtype``.
+
+    ``_scaled_mm`` writes ``out_dtype`` where it can (float32, bfloat16), else float32 then cast. Where a
+    float32 output is refused and a bfloat16 one works (see ``_BF16_OUTPUT_DEVICES``), it writes bfloat16 and
+    casts, from then on for this device, logged once: the GEMM is the same FP8 GEMM with float32
+    accumulation, only its output is rounded to bf16 (relative 2^-9, far below e4m3's input rounding)."""
+    device = str(xq.device)
+    want = out_dtype if out_dtype in (torch.float32, torch.bfloat16) else torch.float32
+    if device in _BF16_OUTPUT_DEVICES:
+        want = torch.bfloat16
     try:
-        out = torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw.view(1, -1),
-                               out_dtype=out_dtype if direct else torch.float32)
-    except (AttributeError, RuntimeError, NotImplementedError) as e:
-        raise FP8Unsupported(f"torch._scaled_mm with float8_e4m3fn and rowwise scales is unavailable on "
-                             f"{xq.device} with torch {torch.__version__} ({type(e).__name__}: {e}); fp8='torch' "
-                             f"does not fall back to a higher-precision GEMM: use fp8=None") from e
-    if isinstance(out, tuple):  # older torch returned (out, amax)
-        out = out[0]
-    return out if direct else out.to(out_dtype)
+        out = _call_scaled_mm(xq, sx, wq, sw, want)
+    except torch.OutOfMemoryError:
+        raise  # memory, not a missing FP8 path
+    except AttributeError as e:  # no torch._scaled_mm in this torch
+        raise _unsupported(xq, e) from e
+    except (ValueError, RuntimeError) as e:  # RuntimeError includes NotImplementedError (no kernel)
+        if want == torch.bfloat16:
+            raise _unsupported(xq, e) from e
+        try:
+            out = _call_scaled_mm(xq, sx, wq, sw, torch.bfloat16)
+        except (ValueError, RuntimeError):
+            raise _unsupported(xq, e) from e  # the first failure is the one that explains
+        _BF16_OUTPUT_DEVICES.add(device)
+        _LOG.warning("fp8='torch': torch._scaled_mm on %s refuses a %s output for rowwise-scaled e4m3 GEMMs (%s: %s; "
+                     "older cuBLAS/CUTLASS write bf16 only): the FP8 GEMMs on %s write bf16 and cast to %s",
+                     device, want, type(e).__name__, e, device, out_dtype)
+    return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
+def _call_scaled_mm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    out = torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw.view(1, -1), out_dtype=out_dtype)
+    return out[0] if isinstance(out, tuple) else out  # older torch returned (out, amax)
+
+
+def _unsupported(xq: torch.Tensor, e: BaseException) -> FP8Unsupported:
+    return FP8Unsupported(f"torch._scaled_mm with float8_e4m3fn and rowwise scales is unavailable on "
+                          f"{xq.device} with torch {torch.__version__} ({type(e).__name__}: {e}); fp8='torch' "
+                          f"does not fall back to a higher-precision GEMM: use fp8=None")
+
+
+def fp8_shape_problems(shapes: Mapping[str, tuple[int, int]]) -> list[str]:
+    """One line per linear whose local GEMM (``{layer: (K, N)}``, as :func:`fp8_local_shapes` gives) CUDA's
+    ``torch._scaled_mm`` refuses: K or N not a multiple of 16 (see ``SCALED_MM_MULTIPLE``); [] if all fit.
+    The model-level check that applies it when a model is built for CUDA is
+    :func:`mlora.models.megatron_build.check_fp8_shapes` (this package knows no model)."""
+    problems = []
+    for name, (k, n) in shapes.items():
+        bad = [f"{dim}={v}" for dim, v in (("K", k), ("N", n)) if v % SCALED_MM_MULTIPLE]
+        if bad:
+            problems.append(f"{name} (local GEMM K={k}, N={n}): {' and '.join(bad)} not a multiple of "
+                            f"{SCALED_MM_MULTIPLE}")
+    return problems
 
 
 def _scales(amax: torch.Tensor) -> torch.Tensor:

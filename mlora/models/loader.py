@@ -15,7 +15,7 @@ from mlora.formats.fp8_checkpoint import DequantizingReader, fp8_quantization_co
 from mlora.formats.hf_config import ModelSpec, check_layout, load_hf_config, model_spec
 from mlora.formats.weight_map import stage_layers, stage_param_maps
 from mlora.lora.config import master_dtype
-from mlora.models.megatron_build import build_gpt_model
+from mlora.models.megatron_build import build_gpt_model, check_fp8_shapes
 from mlora.models.recompute import recompute_settings
 from mlora.parallel.mesh import Mesh
 
@@ -61,6 +61,8 @@ def load_shard(hf_dir: str | os.PathLike, mesh: Mesh, dtype: torch.dtype = torch
     recompute_settings(recompute, recompute_method, recompute_num_layers, recompute_modules)  # before any I/O
     spec = model_spec(load_hf_config(hf_dir))
     check_layout(spec, mesh.tp, mesh.pp)
+    if fp8 == "torch":  # CUDA's _scaled_mm refuses K or N off multiples of 16: say so now, not at the first forward
+        check_fp8_shapes(spec, mesh.tp, mesh.device)
     settings = recompute_settings(recompute, recompute_method, recompute_num_layers, recompute_modules,
                                   layers_per_stage=spec.num_layers // mesh.pp)
     # a Hub FP8 checkpoint (block-scaled e4m3): read dequantized, slice by slice (mlora.formats.fp8_checkpoint)

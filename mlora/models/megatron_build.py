@@ -7,7 +7,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from mlora.formats.hf_config import ModelSpec, hf_inv_freq
+from mlora.formats.hf_config import ModelSpec, check_layout, hf_inv_freq
+from mlora.fp8.quant import SCALED_MM_MULTIPLE, FP8ShapeError, fp8_shape_problems
 from mlora.lora.sites import attach_lora_sites
 from mlora.models.attention import ATTENTION_CONFIG_ATTR, WINDOW_CONFIG_ATTR, SDPAttention, check_attention_arg
 from mlora.models.norm import RMSNorm
@@ -59,6 +60,60 @@ def transformer_config(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, recomput
         **recompute.config_kwargs(),
     )
 
+
+def fp8_local_shapes(spec: ModelSpec, tp: int) -> dict[str, tuple[int, int]]:
+    """``{layer: (K, N)}``: the local GEMM of each FP8 linear on one TP rank, ``x [M, K] @ Wᵀ [K, N]``.
+
+    Column-parallel (``linear_qkv``, ``linear_fc1``) split N, row-parallel (``linear_proj``, ``linear_fc2``)
+    split K, as megatron does; every rank and every layer has the same shapes. ``tp`` must divide the split
+    dims' totals (:func:`mlora.formats.hf_config.check_layout` says so otherwise), else ValueError."""
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    h, ffn = spec.hidden_size, spec.intermediate_size
+    split = {"linear_qkv": q + 2 * kv, "linear_proj": q, "linear_fc1": 2 * ffn, "linear_fc2": ffn}
+    bad = {name: total for name, total in split.items() if total % tp}
+    if bad:
+        raise ValueError(f"tp={tp} does not divide the TP-split dims {bad}")
+    return {"decoder.layers.*.self_attention.linear_qkv": (h, (q + 2 * kv) // tp),
+            "decoder.layers.*.self_attention.linear_proj": (q // tp, h),
+            "decoder.layers.*.mlp.linear_fc1": (h, 2 * ffn // tp),
+            "decoder.layers.*.mlp.linear_fc2": (ffn // tp, h)}
+
+
+def fp8_valid_tps(spec: ModelSpec) -> list[int]:
+    """The TP sizes that split ``spec`` (:func:`mlora.formats.hf_config.check_layout`) into FP8 GEMMs CUDA's
+    ``torch._scaled_mm`` accepts, ascending; [] when none does (e.g. a hidden size that is no multiple of 16)."""
+    tps = []
+    for tp in range(1, spec.num_heads + 1):  # TP must divide the head count
+        try:
+            check_layout(spec, tp, 1)
+        except ValueError:
+            continue
+        if not fp8_shape_problems(fp8_local_shapes(spec, tp)):
+            tps.append(tp)
+    return tps
+
+
+def check_fp8_shapes(spec: ModelSpec, tp: int, device: torch.device | str) -> None:
+    """:class:`mlora.fp8.FP8ShapeError` when ``device`` is CUDA and some FP8 linear of ``spec`` split ``tp``
+    ways has a local K or N that ``torch._scaled_mm`` refuses there (:func:`mlora.fp8.fp8_shape_problems`:
+    multiples of 16); the message names each such layer, the TP sizes that work for this model, and fp8=None.
+    :func:`mlora.models.loader.load_shard` calls it for ``fp8="torch"`` before reading or building anything,
+    so the first forward cannot fail on it. No check on other devices: CPU's ``_scaled_mm`` takes any shape.
+
+    Why an error and not those layers in bf16: a per-TP choice of bf16 linears would change the results
+    with the mesh (FP8 logits are meant to equal TP1's) and the memory the planner counts for the base."""
+    if torch.device(device).type != "cuda":
+        return
+    problems = fp8_shape_problems(fp8_local_shapes(spec, tp))
+    if not problems:
+        return
+    valid = fp8_valid_tps(spec)
+    works = (f"tp that work for this model with fp8='torch': {', '.join(map(str, valid))}" if valid else
+             "no tp works for this model with fp8='torch'")
+    raise FP8ShapeError(
+        f"fp8='torch' cannot run this model at tp={tp} on CUDA: torch._scaled_mm needs the inner dim K and the "
+        f"output dim N of every FP8 GEMM to be a multiple of {SCALED_MM_MULTIPLE}, and on each TP rank "
+        + "; ".join(problems) + f". {works}; or use fp8=None (the base in dtype, e.g. torch.bfloat16)")
 
 
 def gpt_model(spec: ModelSpec, mesh, config, layer_spec, vocab_size: int):

@@ -12,7 +12,8 @@ this module never imports ``transformer_engine``, and the mlora side of the TE l
 stand-ins for megatron's TE wrappers (a plain local GEMM) and local core attention: the spec builds
 through ``from_pretrained`` and gives the local spec's logits and LoRA gradients at TP1, TP2 and
 TP2+SP -- which checks where the LoRA branch joins and that the one collective per layer is
-megatron's, not what TE computes.
+megatron's, not what TE computes. ``tests/test_te_decisions.py`` checks mlora's decisions against fakes
+that apply TE's rules: the padded token counts, the mask type per layout, the FP8 weight-cast flag per call.
 
 Importing this module never imports TE; :func:`require_te` does, lazily, and turns a missing or
 broken install into one clear error naming the ``gpu`` extra.
@@ -51,9 +52,23 @@ Design (mirrors the local spec of :mod:`mlora.lora.layers` exactly, DESIGN princ
   or current per-tensor scaling, MXFP8 blocks) are taken on each rank's local GEMM operands, so the
   torch backend's mesh independence (weight and input scales over whole rows, :mod:`mlora.fp8.quant`)
   is not promised here.
-* Core attention is megatron's ``TEDotProductAttention`` with ``attn_mask_type=arbitrary``: mlora
-  passes a full boolean ``[B, 1, S, S]`` mask (causal + padding + sliding window, True = masked),
-  which TE's "arbitrary" type reads as given. A ``padding_causal`` / THD path would be faster.
+* Core attention is megatron's ``TEDotProductAttention`` with the mask type chosen per call from the
+  layout (:func:`te_mask_type`): padded micro-batches (``sbhd``) get ``arbitrary`` with mlora's full
+  boolean ``[B, 1, S, S]`` mask (causal + padding + sliding window, True = masked), which TE reads as
+  given; packed ones (``thd``) get ``padding_causal`` with the boundaries in ``cu_seqlens`` and the
+  sliding window as TE's ``window_size`` (TE asserts a ``padding*`` type for ``thd``, and megatron
+  rewrites only ``causal``/``no_mask`` to it).
+* Shapes: TE's FP8 GEMMs need the token count of every operand to be a multiple of 8 (32 for MXFP8);
+  :class:`mlora.MLoraModel` right-pads micro-batches to :func:`te_padded_length` (see
+  :func:`te_token_multiple`), masks the padding and drops its logits.
+* The FP8 weight cache: megatron's TE linears pass ``is_first_microbatch`` to TE (True: cast the weight to
+  FP8 and cache it; False: reuse the cache) and clear it after each call; megatron's schedules set it again
+  at the first micro-batch of every forward/backward call (``forward_step`` -> ``set_is_first_microbatch``),
+  but only when ``config.fp8`` is set. :meth:`mlora.MLoraModel.forward_backward` calls
+  :func:`reset_fp8_weight_cache` at the start of every call, so the weight is also recast under an
+  external :func:`fp8_autocast_context` (``config.fp8`` unset). That matters for delayed scaling: the base
+  never changes, but its scale does (amax history, updated after each autocast), and the very first cast
+  runs at TE's initial scale of 1, where weights of ~0.02 fall into e4m3's subnormal range.
 """
 
 from __future__ import annotations
@@ -64,7 +79,8 @@ import functools
 
 import torch
 
-GPU_EXTRA_HINT = ("install the `gpu` extra on a CUDA machine: pip install 'mlora[gpu]' (Transformer Engine); "
+GPU_EXTRA_HINT = ("set up a CUDA machine with bash scripts/setup_gpu.sh (the `gpu` extra: vLLM and Transformer Engine, "
+                  "built against the pinned torch); "
                   "fp8=\"torch\" (torch._scaled_mm) works without Transformer Engine, on CPU and GPU")
 
 RECIPES = ("delayed", "current", "mxfp8")
@@ -188,11 +204,15 @@ def megatron_fp8_settings(recipe: str, fp8_format: str = "hybrid") -> dict:
 
 
 def reset_fp8_weight_cache(model: torch.nn.Module) -> int:
-    """Make every TE linear of ``model`` recast its weight to FP8 at its next forward (UNVERIFIED).
+    """Make every TE linear of ``model`` recast its weight to FP8 at its next forward (needs no TE).
 
-    megatron's TE wrappers pass ``is_first_microbatch`` to TE, which then casts the weight once
-    and reuses the cached FP8 copy: right for a frozen base within one recipe. Call this after
-    changing the recipe (or the base weights). Returns the number of modules reset (no TE needed).
+    megatron's TE wrappers pass ``is_first_microbatch`` to TE, which casts the weight to FP8 when it is
+    True, caches the cast and reuses it while it is False; the wrappers clear the flag after each call.
+    Megatron's schedules set it again at the first micro-batch of every forward/backward call (via
+    ``MegatronModule.set_is_first_microbatch``, which does nothing unless ``config.fp8`` is set);
+    :meth:`mlora.MLoraModel.forward_backward` calls this at the start of every call, config or not, so
+    that delayed scaling's updated scales reach the weight (see the module docstring). Returns the
+    number of modules reset.
     """
     n = 0
     for module in model.modules():
@@ -200,6 +220,108 @@ def reset_fp8_weight_cache(model: torch.nn.Module) -> int:
             module.is_first_microbatch = True
             n += 1
     return n
+
+
+# ---------------------------------------------------------------------------- FP8 shapes
+
+# TE's rule for an FP8 GEMM operand (input [tokens..., in], weight [out, in]): transformer_engine/pytorch/
+# utils.py ``assert_dim_for_fp8_exec`` (called by Linear's forward under FP8) needs the product of all
+# dims but the last to be a multiple of 8 and the last a multiple of 16. MXFP8 quantizes 32-element
+# blocks along both dims (constants.MXFP8_BLOCK_SCALING_SIZE = 32; csrc/quantizer.cpp's MXFP8Quantizer
+# checks "MXFP8 requires tensor dims that are divisible by 32"). Feature dims are the model's (checked by
+# TE at the first GEMM); the token dim is the micro-batch's, which mlora pads.
+FP8_TOKEN_MULTIPLE = 8
+MXFP8_BLOCK = 32
+
+
+def recipe_name(recipe: str) -> str:
+    """mlora's name of an FP8 recipe given either its name (:data:`RECIPES`) or megatron's
+    (``TransformerConfig.fp8_recipe``: delayed, tensorwise, mxfp8); a ValueError naming both otherwise."""
+    if recipe in RECIPES:
+        return recipe
+    for name, megatron_name in MEGATRON_RECIPE.items():
+        if recipe == megatron_name:
+            return name
+    raise ValueError(f"unknown FP8 recipe {recipe!r}; choose one of {', '.join(RECIPES)} "
+                     f"(megatron's names: {', '.join(MEGATRON_RECIPE.values())})")
+
+
+def te_token_multiple(recipe: str) -> int:
+    """The multiple of which the token count of every TE FP8 GEMM operand must be under ``recipe`` (mlora's
+    or megatron's name): 8 for delayed and current (per-tensor) scaling, 32 for MXFP8 blocks."""
+    return MXFP8_BLOCK if recipe_name(recipe) == "mxfp8" else FP8_TOKEN_MULTIPLE
+
+
+def te_padded_length(batch: int, seq: int, seq_multiple: int, token_multiple: int) -> int:
+    """The smallest length ``L >= seq`` with ``L % seq_multiple == 0`` (TP under sequence parallelism, which
+    splits the sequence) and ``batch * L % token_multiple == 0`` (:func:`te_token_multiple`; 1 without FP8).
+
+    The whole ``batch * L`` counts, not a TP shard of it: mlora's TE linears run TE as a local GEMM on the
+    sequence-parallel *gathered* input (column) or on all tokens before the reduce-scatter (row), see the
+    module docstring. For a packed row ``batch`` is 1.
+    """
+    for name, value in (("batch", batch), ("seq", seq), ("seq_multiple", seq_multiple),
+                        ("token_multiple", token_multiple)):
+        if value < 1:
+            raise ValueError(f"te_padded_length: {name}={value} must be >= 1")
+    length = -(-seq // seq_multiple) * seq_multiple
+    while (batch * length) % token_multiple:  # ends by the next multiple of lcm(seq_multiple, token_multiple)
+        length += seq_multiple
+    return length
+
+
+# ---------------------------------------------------------------------------- attention mask type
+
+def te_mask_type(qkv_format: str):
+    """TE's attention mask type for a micro-batch in ``qkv_format`` (megatron ``AttnMaskType``).
+
+    ``thd`` (packed): ``padding_causal``; TE asserts a ``padding*`` type for ``thd`` (its varlen kernels
+    take the segments from ``cu_seqlens``, no mask tensor), and megatron rewrites only ``causal`` and
+    ``no_mask`` to one, not the ``arbitrary`` mlora uses otherwise. ``sbhd``/``bshd`` (padded):
+    ``arbitrary``, mlora's full boolean mask (causal, padding, window) read as given.
+    """
+    from megatron.core.transformer.enums import AttnMaskType
+
+    if qkv_format == "thd":
+        return AttnMaskType.padding_causal
+    if qkv_format in ("sbhd", "bshd"):
+        return AttnMaskType.arbitrary
+    raise ValueError(f"qkv_format {qkv_format!r} is not one of thd, sbhd, bshd")
+
+
+def te_window_size(qkv_format: str, sliding_window: int | None) -> tuple[int, int]:
+    """TE's ``window_size`` (keys ``[i - left, i + right]``, inclusive) for :func:`te_mask_type`'s type.
+
+    ``thd``: ``(sliding_window - 1, 0)`` (HF's window ``w`` lets a query see ``w`` keys, itself included,
+    as :func:`mlora.models.attention.attention_mask`), ``(-1, 0)`` without one. Padded layouts: ``(-1, -1)``,
+    the window is in the boolean mask already.
+    """
+    te_mask_type(qkv_format)  # the format check
+    if qkv_format != "thd":
+        return (-1, -1)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window={sliding_window} must be >= 1 or None")
+    return (-1, 0) if sliding_window is None else (sliding_window - 1, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _te_core_attention(base: type) -> type:
+    """``base`` (megatron's ``TEDotProductAttention``) with the mask type and window chosen per call from the
+    layout (UNVERIFIED with real TE). Keyed by ``base`` so that a stand-in base gets its own subclass."""
+    from mlora.models.attention import WINDOW_CONFIG_ATTR
+
+    class MLoraTEDotProductAttention(base):
+        """megatron's TEDotProductAttention given :func:`te_mask_type` and :func:`te_window_size` per call."""
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None, **kwargs):
+            fmt = packed_seq_params.qkv_format if packed_seq_params is not None else "sbhd"
+            # TE's forward reads self.window_size when megatron's wrapper passes none (it never does)
+            self.window_size = te_window_size(fmt, getattr(self.config, WINDOW_CONFIG_ATTR, None))
+            return super().forward(query, key, value, attention_mask, te_mask_type(fmt),
+                                   attention_bias=attention_bias, packed_seq_params=packed_seq_params, **kwargs)
+
+    return MLoraTEDotProductAttention
 
 
 # ---------------------------------------------------------------------------- TE LoRA linears
@@ -298,8 +420,8 @@ def te_layer_spec(config=None):
     - ``linear_qkv``, ``linear_fc1``: ``LoraTEColumnParallelLinear``; ``linear_proj``,
       ``linear_fc2``: ``LoraTERowParallelLinear``;
     - ``input_layernorm``, ``pre_mlp_layernorm``: mlora's RMSNorm (as in the local spec);
-    - core attention: ``TEDotProductAttention``, ``attn_mask_type=arbitrary`` (mlora's full
-      boolean mask: causal, padding, sliding window).
+    - core attention: ``TEDotProductAttention`` given the mask type of each call's layout
+      (:func:`te_mask_type`; the spec's ``attn_mask_type=arbitrary`` is the padded layout's).
 
     ``config`` (megatron TransformerConfig) is accepted for symmetry with :func:`te_block_spec`;
     the layer spec does not depend on it. Without TE: :class:`TransformerEngineUnavailable`
@@ -309,7 +431,7 @@ def te_layer_spec(config=None):
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
     col, row = te_lora_linear_classes()
-    return _swap_te_spec(col, row, TEDotProductAttention)
+    return _swap_te_spec(col, row, _te_core_attention(TEDotProductAttention))
 
 
 def _swap_te_spec(col, row, core_attention):

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 
-from mlora.lora.config import master_dtype
+from mlora.formats.hf_config import ModelSpec
+from mlora.lora.config import LoraConfig, master_dtype
 from mlora.plan.fit import GIB, Fit
-from mlora.plan.memory import FIELDS, MemoryPlan
+from mlora.plan.memory import FIELDS, MemoryPlan, engine_bytes
+from mlora.plan.workload import Engine, Workload
 
 
 def _gib(n: int) -> str:
@@ -57,6 +59,22 @@ def memory_table(plan: MemoryPlan) -> str:
     lines.append(f"peak per GPU: {plan.peak / GIB:.2f} GiB ({plan.peak:,} bytes); not counted: CUDA context, NCCL and "
                  "cuBLAS workspaces, allocator fragmentation")
     return "\n".join(lines)
+
+
+def engine_line(spec: ModelSpec, engine: Engine, workload: Workload, separate: bool) -> str:
+    """A vLLM engine's bytes per GPU (weights, LoRA slots, KV cache) and where they count: on GPUs of its own
+    (``separate``) or in the trainer's table (colocated: its ``engine`` column)."""
+    lora = LoraConfig(rank=workload.rank, alpha=2 * workload.rank, target_modules=workload.target_modules,
+                      exclude_modules=workload.exclude_modules)
+    weights = engine_bytes(spec, Engine(tp=engine.tp, kv_tokens=0, dtype=engine.dtype, fp8=engine.fp8), lora,
+                           workload.experiments)
+    total = engine_bytes(spec, engine, lora, workload.experiments)
+    where = ("on GPUs of its own (not in the trainer's table)" if separate else
+             "colocated: the table's engine column, " + ("only while it generates (it sleeps during the updates)"
+                                                         if engine.sleeps else "throughout (it stays awake)"))
+    return (f"vLLM engine TP{engine.tp} ({str(engine.dtype).removeprefix('torch.')}) per GPU: weights and LoRA slots "
+            f"{_gib(weights)} + KV cache {_gib(total - weights)} ({engine.kv_tokens:,} tokens) = {_gib(total)} GiB, "
+            f"{where}; vLLM's workspace (CUDA context, activations) not counted")
 
 
 def memory_json(plan: MemoryPlan) -> str:

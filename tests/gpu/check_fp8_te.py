@@ -12,13 +12,27 @@ Transformer Engine cannot be imported (exit code 3). Otherwise, on a tiny random
    with a message if that API is missing) and vs the bf16 local spec;
 3. LoRA gradients of a next-token loss with one random adapter (B != 0) on every model:
    cosine similarity and relative error per factor against the bf16 local spec;
-4. tokens/s of forward+backward (best of --iters) for each variant on a larger random model
+4. the FP8 gate: mlora.from_pretrained(..., fp8="te", fp8_recipe=r) for each recipe (megatron's own
+   fp8_autocast, mlora's padding, per-call FP8 weight recast) on a sharper tiny Llama (weights N(0, 0.08)),
+   logits of a batch of 3 x 37 tokens (111: TE needs multiples of 8, 32 for MXFP8, so mlora pads) and of
+   the same rows packed (thd, padding_causal) after 3 warm-up calls, KL against the bf16 local spec;
+5. tokens/s of forward+backward (best of --iters) for each variant on a larger random model
    (--bench-hidden, --bench-layers).
 
 Every figure is written to --out (JSON) as it is measured, so a failure later keeps the earlier
 ones; a stage that raises is recorded with its error and the script goes on. "pass" covers
-only: TE-bf16 logits vs local-bf16 KL <= 1e-3, and every LoRA factor's gradient cosine >= 0.99
-against the bf16 local spec (TE-bf16, TE-FP8, torch-FP8), as the issue asks of the FP8 base.
+only: TE-bf16 logits vs local-bf16 KL <= 1e-3, every LoRA factor's gradient cosine >= 0.99
+against the bf16 local spec (TE-bf16, TE-FP8, torch-FP8), as the issue asks of the FP8 base, and
+stage 4's FP8 KL <= FP8_KL_MAX (padded and packed, every recipe the GPU has).
+
+FP8_KL_MAX = 0.05, why: PLATFORM.md measures fake-quant rowwise e4m3 weights + per-token e4m3 inputs on
+tiny random models with weights N(0, 0.08) at KL ~0.02 against float32. Simulated here on CPU for stage
+4's model (tiny Llama, initializer_range 0.08, 4 x 128 random tokens; e4m3 fake-quant of every linear's
+weight and input, lm_head excepted) against bf16: per-tensor scales (TE delayed/current) KL 0.0117, rowwise
+0.0112, MXFP8 32-blocks 0.0118; a base with one layer's down_proj zeroed gives 0.68. 0.05 leaves ~4x room
+for TE's real kernels and delayed scaling's history-based (not current) scales and still fails a broken
+GEMM by an order of magnitude. Not on the default tiny model (weights N(0, 0.02)): its logits are
+near-uniform, FP8 gives KL ~1.5e-4 there and the zeroed layer only 1.3e-3, too close for a gate.
 """
 
 from __future__ import annotations
@@ -37,7 +51,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root (mlora) without an install
 
-from mlora.models.te import reset_fp8_weight_cache  # noqa: E402  (imports no Transformer Engine)
+FP8_KL_MAX = 0.05  # stage 4's gate: FP8 logits vs the bf16 local spec (see the module docstring)
+FP8_GATE_STD = 0.08  # stage 4's weights N(0, 0.08): PLATFORM.md's FP8 figures are for this regime
 
 
 class Report:
@@ -99,7 +114,7 @@ def next_token_loss(logits: torch.Tensor, mb: dict):
 
 
 def lora_grads(model, ids: torch.Tensor, ctx) -> dict:
-    reset_fp8_weight_cache(model.gpt)
+    # no manual FP8 weight-cache reset here or below: MLoraModel.forward_backward recasts at every call
     for p in model.adapter_parameters("policy"):
         p.grad = None
     with ctx():
@@ -109,7 +124,6 @@ def lora_grads(model, ids: torch.Tensor, ctx) -> dict:
 
 
 def tokens_per_s(model, ids: torch.Tensor, ctx, iters: int) -> float:
-    reset_fp8_weight_cache(model.gpt)  # a new recipe: recast the weights (then cached, as in training)
     best = float("inf")
     for i in range(iters + 2):  # 2 warm-up steps (kernels, FP8 amax history)
         torch.cuda.synchronize()
@@ -244,7 +258,6 @@ def main() -> None:
                 logits[kind] = stage(f"logits_{kind}", lambda m=m: m.logits(ids).float().cpu())
         for recipe in recipes:
             def run(r=recipe):
-                reset_fp8_weight_cache(te_model.gpt)  # no FP8 weight cast cached from another recipe
                 with te_model.use_adapters("policy"), fp8_autocast_context(r):
                     for _ in range(3):  # delayed scaling: let the amax history see real data first
                         te_model.logits(ids)
@@ -284,10 +297,51 @@ def main() -> None:
             rep.set(f"lora_grads_{kind}_vs_torch_fp8", compare_grads(grads["torch_fp8"], gr))
     ok &= all(grads.get(k) is not None for k in ["te", *[f"te_fp8_{r}" for r in recipes]])
 
-    # ---- 4. tokens/s on a larger random model
     models.clear()
-    te_model = ref = None  # free the tiny models before the bench
+    te_model = ref = None  # free the tiny models before stage 4 and the bench
     torch.cuda.empty_cache()
+
+    # ---- 4. the FP8 gate: fp8="te" models as users build them, odd shapes (padding) and packed rows (thd)
+    gate_ok = True
+    gate_dir = None
+    if not recipes:  # no FP8 on this GPU (compute capability < 8.9): nothing FP8 to gate; the skip is recorded above
+        rep.set("fp8_gate_skipped", "no FP8 recipe runs on this GPU")
+    else:
+        gate_dir = stage("fp8_gate_model", lambda: build_tiny_model("llama", work / "gate",
+                                                                    initializer_range=FP8_GATE_STD))
+        gate_ok = gate_dir is not None
+    if gate_dir is not None:
+        from mlora.models.packing import PackedRows
+        from mlora.testing import right_padded_batch
+
+        gids, gmask = right_padded_batch(vocab, (37, 30, 23), seed=5)  # [3, 37]: 111 tokens, not a multiple of 8
+        token = gmask.bool()
+        packed = PackedRows.of(gmask)  # 90 tokens in one thd row (padded to 96 by mlora)
+        gate_ref = stage("fp8_gate_local_bf16", lambda: mlora.from_pretrained(gate_dir, mesh, dtype=bf16)
+                         .logits(gids, gmask).float().cpu())
+        gate_ok &= gate_ref is not None
+
+        def gate(recipe: str) -> dict:
+            m = mlora.from_pretrained(gate_dir, mesh, dtype=bf16, fp8="te", fp8_recipe=recipe)
+            with torch.no_grad():
+                for _ in range(3):  # delayed scaling: the amax history sees real data; the weights are recast
+                    m.logits(gids, gmask)  # at every call (the first cast ran at the initial scale of 1)
+                padded = m.logits(gids, gmask).float().cpu()
+                out = m.forward_backward([{"input_ids": packed.pack(gids), "packed": packed}], forward_only=True)
+                packed_logits = packed.unpack(out[0][..., :vocab].float()).cpu()
+            return {"padded": compare_logits(gate_ref[token], padded[token]),
+                    "packed": compare_logits(gate_ref[token], packed_logits[token])}
+
+        for recipe in recipes if gate_ref is not None else []:
+            r = stage(f"fp8_gate_{recipe}", lambda r=recipe: gate(r))
+            if r is not None:
+                rep.set(f"fp8_gate_{recipe}_vs_local_bf16", {**r, "kl_max": FP8_KL_MAX})
+            gate_ok &= r is not None and max(r["padded"]["kl"], r["packed"]["kl"]) <= FP8_KL_MAX
+        torch.cuda.empty_cache()
+    rep.set("fp8_gate_pass", bool(gate_ok))
+    ok &= gate_ok
+
+    # ---- 5. tokens/s on a larger random model
     h = args.bench_hidden
     bench_dir = stage("bench_model", lambda: build_tiny_model(
         "llama", work / "bench", hidden_size=h, intermediate_size=(h * 11 // 4 + 127) // 128 * 128,
