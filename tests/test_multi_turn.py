@@ -1,7 +1,8 @@
 """Multi-turn rollouts (mlora.rollout.multi_turn) with text environments in SkyRL-Gym's shape: the token
 sequence and loss mask of a constructed calculator trajectory through SmolLM2's chat template, per-token
-turn rewards, GAE skipping environment tokens, faulty environments ending only their trajectory, a
-SkyRL-documented environment with only its import changed, the environments themselves, the config keys."""
+turn rewards, GAE skipping environment tokens, faulty environments (tolerated: ending only their trajectory;
+not tolerated: stopping the run with a report), a SkyRL-documented environment unchanged, the environments
+themselves, the config keys."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ import types
 
 import pytest
 import torch
+from skyrl_gym import register
+from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
 from mlora.rl.advantages import gae_advantages
 from mlora.rollout.data import Prompt, prompt_text
-from mlora.rollout.envs import env_class, is_multi_turn
+from mlora.rollout.envs import is_multi_turn
 from mlora.rollout.generator import Generation, SamplingConfig
-from mlora.rollout.gym import BaseTextEnv, BaseTextEnvStepOutput, register
-from mlora.rollout.multi_turn import TurnFormat, end_reason_counts, run_episodes
+from mlora.rollout.gym import make_text_env
+from mlora.rollout.multi_turn import EnvironmentFailure, TurnFormat, check_env_failures, end_reason_counts, run_episodes
 from mlora.rollout.tool_envs import CalculatorEnv, GuessNumberEnv, evaluate_expression, final_answer
 from mlora.train.rollouts import build_batch
 
@@ -42,11 +45,12 @@ def _prompt(row: dict, tokenizer) -> Prompt:
                   row["env_class"])
 
 
-def _episodes(prompts, engine, tokenizer, max_turns=4, n=1, max_input_length=4096, workers=1):
+def _episodes(prompts, engine, tokenizer, max_turns=4, n=1, max_input_length=4096, workers=1, settings=None):
+    """mlora's episodes as the trainer runs them (mlora/train/rollouts.py ``_episodes``), a scripted engine."""
     fmt = TurnFormat(tokenizer)
 
     def make(p):
-        return env_class(p.env_class)(env_config={}, extras={**p.row, "max_turns": max_turns})
+        return make_text_env(p.env_class, (settings or {}).get(p.env_class), {**p.row, "max_turns": max_turns})
 
     def ids_of(p, conversation):
         return tokenizer(prompt_text({**p.row, "prompt": conversation}, tokenizer), add_special_tokens=True)["input_ids"]
@@ -160,7 +164,8 @@ for _name, _cls in (("t_raises", _Raises), ("t_malformed", _Malformed), ("t_neve
 
 def test_faulty_environments_end_their_trajectory_only(chat_tokenizer):
     """An environment that raises, returns malformed output, fails in init, or never ends: its trajectory ends
-    with the reason (and the rewards of its earlier turns), the others run on, and the reasons are counted."""
+    with the reason (and the rewards of its earlier turns), the others run on, and the reasons are counted;
+    the failures stop the run unless environment.max_env_error_ratio tolerates their share (3 of 5)."""
     tok = chat_tokenizer
     rows = [dict(CALC_ROW)] + [dict(CALC_ROW, env_class=n) for n in ("t_raises", "t_malformed", "t_never_done",
                                                                      "t_bad_init")]
@@ -174,6 +179,11 @@ def test_faulty_environments_end_their_trajectory_only(chat_tokenizer):
     assert reasons[3] == "max_turns" and gens[3].extra["turn_rewards"] == [0.25] * 3
     assert reasons[4] == "env_error: KeyError: 'missing field'" and gens[4].extra["turns"] == 1
     assert end_reason_counts(gens) == {"done": 1, "max_turns": 1, "length": 0, "env_error": 2, "malformed": 1}
+    assert check_env_failures(gens, 0.6, prompts).failed == 3
+    with pytest.raises(EnvironmentFailure, match=r"(?s)3 of 5 trajectories .*max_env_error_ratio=0.5 .*"
+                                                 r"environment 't_raises' failed at turn 1.*tool server down.*"
+                                                 r"Traceback.*in step\n.*RuntimeError"):
+        check_env_failures(gens, 0.5, prompts)
     # each trajectory's tokens still form a trainable row
     batch = build_batch([p.token_ids for p in prompts], gens, [sum(g.extra["turn_rewards"]) for g in gens], 0)
     assert (batch.response_positions.sum(-1) > 0).all() and batch.rewards.tolist() == [1.0, 0.0, 0.0, 0.75, 0.0]
@@ -187,10 +197,9 @@ def test_length_bound_ends_a_trajectory(chat_tokenizer):
 
 
 # SkyRL's documented multi-turn multiply environment (skyrl-train/docs/tutorials/new_env.rst and
-# examples/multiply/env.py at NovaSky-AI/SkyRL), as a user writes it; the only change is its import line:
-#   from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
+# examples/multiply/env.py at NovaSky-AI/SkyRL), as a user writes it, unchanged
 SKYRL_MULTIPLY = '''
-from mlora.rollout.gym import BaseTextEnv, BaseTextEnvStepOutput
+from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 from typing import Dict, Any
 import re
 
@@ -230,7 +239,7 @@ class MultiplyEnv(BaseTextEnv):
 '''
 
 
-def test_skyrl_environment_runs_with_an_import_change(chat_tokenizer):
+def test_skyrl_environment_runs_unchanged(chat_tokenizer):
     module = types.ModuleType("user_multiply")
     exec(compile(SKYRL_MULTIPLY, "user_multiply.py", "exec"), module.__dict__)
     sys.modules["user_multiply"] = module
@@ -307,6 +316,9 @@ def test_config_keys_and_errors():
     assert cfg.trainer.use_sample_packing is True  # on by default for multi-turn rollouts
     assert cfg.generator.use_conversation_multi_turn is True and cfg.generator.turn_rewards == "turn_end"
     assert cfg.generator.max_input_length == cfg.trainer.max_prompt_length + 2 * 2 * 8
+    # SkyRL's shipped environments are registered ones: their settings are accepted (and passed as env_config)
+    finalize(_compose(["+environment.skyrl_gym.text2sql.db_path=/data/sql", "environment.max_env_error_ratio=0.25"]),
+             world_size=4)
     cfg = _compose(["generator.max_turns=3", "environment.env_class=calculator", "trainer.use_sample_packing=false"])
     finalize(cfg, world_size=4)
     assert cfg.trainer.use_sample_packing is False
@@ -314,8 +326,9 @@ def test_config_keys_and_errors():
         ("generator.max_turns=0",): "generator.max_turns=0 must be >= 1",
         ("generator.turn_rewards=last",): "generator.turn_rewards='last' is not valid; valid: turn_end, final",
         ("generator.max_turns=2", "trainer.fully_async.enabled=true"): "multi-turn rollouts are generated synchronously",
-        ("+environment.skyrl_gym.text2sql.db_file_path=x",): r"environment.skyrl_gym.text2sql.db_file_path: settings "
-                                                             r"of environment 'text2sql', which is not a registered",
+        ("+environment.skyrl_gym.no_such_env.db_path=x",): r"environment.skyrl_gym.no_such_env.db_path: settings "
+                                                           r"of environment 'no_such_env', which is not a registered",
+        ("environment.max_env_error_ratio=1.5",): r"environment.max_env_error_ratio=1.5 must be a number in \[0, 1\]",
         ("+environment.skyrl_gym.max_env_workers=0",): "max_env_workers=0 must be an integer >= 1",
     }
     for overrides, message in cases.items():

@@ -43,6 +43,26 @@ def test_a_failing_case_fails_alone_with_its_traceback(tmp_path):
     assert not {r["pid"] for r in before} & {r["pid"] for r in after}
 
 
+def test_a_case_whose_port_was_taken_runs_again_on_another(tmp_path, monkeypatch):
+    """The free port picked for a case's store can be taken before rank 0 binds it (seen in CI: EADDRINUSE, with
+    tests of the other xdist worker running); the case then runs again on a new port."""
+    import socket
+
+    import mlora.testing.rank_pool as rank_pool
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    monkeypatch.setattr(rank_pool, "_free_port", lambda: next(ports, None) or _free_port())
+    try:
+        result = _pool().run(2, CASES, ["fresh", tmp_path], timeout=120)
+    finally:
+        taken.close()
+    assert result.ok, result.failure_report()
+    assert [r["sum"] for r in json.loads((tmp_path / "fresh.json").read_text())] == [3.0, 3.0]
+
+
 def test_a_hung_case_ends_at_its_timeout_and_the_next_passes(tmp_path):
     t = time.monotonic()
     hung = _pool().run(2, CASES, ["hang", tmp_path], timeout=3)

@@ -342,6 +342,11 @@ class EnvironmentSection:
     env_class: str = "gsm8k"  # a registered environment (mlora.rollout.envs.register_env)
     # SkyRL-Gym's: <env_class>.* = a multi-turn environment's env_config; max_env_workers = threads stepping them
     skyrl_gym: dict[str, Any] = field(default_factory=dict)
+    # mlora (SkyRL has no such key: there an environment's exception ends the run): the share of a batch's
+    # multi-turn trajectories whose environment may raise or return malformed output before the run stops with a
+    # report (env id, trajectory, traceback); within it they are counted (multi_turn/env_failure_ratio), logged
+    # and score 0 from the failing turn. 0: any failure stops the run.
+    max_env_error_ratio: float = 0.0
 
 
 @dataclass

@@ -655,6 +655,10 @@ def _check_multi_turn(cfg: TrainConfig) -> list[str]:
         if not isinstance(value, dict):
             raise ConfigError(f"environment.skyrl_gym.{key}={value!r}: an environment's settings are a dict "
                               f"(environment.skyrl_gym.{key}.NAME=VALUE)")
+    ratio = env.max_env_error_ratio
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+        raise ConfigError(f"environment.max_env_error_ratio={ratio!r} must be a number in [0, 1]: the share of a "
+                          "batch's trajectories whose environment may fail before the run stops (0: none)")
     multi = env.env_class in text_envs
     if g.max_turns > 1 and cfg.trainer.fully_async.enabled:
         raise ConfigError(f"generator.max_turns={g.max_turns} with trainer.fully_async.enabled=true: multi-turn "

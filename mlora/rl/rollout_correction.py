@@ -5,8 +5,11 @@ weights (truncated importance sampling, TIS) and masks, under SkyRL's names
 (``trainer.algorithm.off_policy_correction``) and meanings, and SkyRL's ``rollout_is`` policy loss.
 
 All functions are pure: per-token log-probs ``[B, T]`` and the response mask in, tensors and float metrics
-out. The engine passes the log-probs of the sampled tokens only, which every TP rank already has after the
-vocab-parallel log-softmax (:mod:`mlora.rl.vocab_parallel`): nothing here depends on the mesh.
+out. The mask functions take the raw per-token ``log ρ_t`` and clamp where SkyRL does
+(``off_policy_correction_utils.py``): each token's ratio is ``exp(clamp(log ρ_t, ±20))``, a sequence's is
+``exp(clamp(Σ_t log ρ_t, ±20))``, the sum of the unclamped log-ratios clamped once. The engine passes the
+log-probs of the sampled tokens only, which every TP rank already has after the vocab-parallel log-softmax
+(:mod:`mlora.rl.vocab_parallel`): nothing here depends on the mesh.
 """
 
 from __future__ import annotations
@@ -17,11 +20,10 @@ import torch
 
 from mlora.rl.kl import kl_penalty
 from mlora.rl.losses import agg_loss
-from mlora.rl.masked import masked_mean
+from mlora.rl.masked import masked_mean, masked_std, safe_exp
 
 TIS_RATIO_TYPES = ("token", "sequence")
 SEQUENCE_MASK_METRICS = ("product", "geometric")
-LOG_RATIO_CLAMP = 20.0  # as SkyRL's safe_exp_delta: exp of at most ±20 (ratios in [2e-9, 5e8])
 
 
 @dataclass(frozen=True)
@@ -77,35 +79,38 @@ class OffPolicyCorrection:
 
 
 def log_ratio(old_logprob: torch.Tensor, rollout_logprob: torch.Tensor) -> torch.Tensor:
-    """``log ρ_t = log π_old - log μ``, clamped to ``±20`` so that ``exp`` stays finite."""
-    return (old_logprob - rollout_logprob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    """``log ρ_t = log π_old - log μ``, unclamped: a sequence's ratio sums these before its one clamp."""
+    return old_logprob - rollout_logprob
 
 
 def token_tis_weights(log_rho: torch.Tensor, mask: torch.Tensor, cap: float) -> tuple[torch.Tensor, dict]:
-    """Token TIS: ``w_t = min(ρ_t, C)`` (Yao et al. 2025). Metric: the share of response tokens capped."""
-    rho = torch.exp(log_rho)
+    """Token TIS: ``w_t = min(ρ_t, C)``, ``ρ_t = exp(clamp(log ρ_t, ±20))`` (Yao et al. 2025). Metric: the
+    share of response tokens capped."""
+    rho = safe_exp(log_rho)
     capped = (rho > cap) & (mask > 0)
     return rho.clamp(max=cap), {"tis_token_clip_high_ratio": float(capped.sum() / (mask > 0).sum().clamp(min=1))}
 
 
 def sequence_tis_weights(log_rho: torch.Tensor, mask: torch.Tensor, cap: float) -> tuple[torch.Tensor, dict]:
-    """Sequence TIS: ``w = min(Π_t ρ_t, C)`` per sequence, ``[B, 1]`` (Liu et al. 2025). Metric: the share of
-    sequences capped."""
-    rho = torch.exp((log_rho * mask).sum(-1, keepdim=True).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    """Sequence TIS: ``w = min(exp(clamp(Σ_t log ρ_t·m_t, ±20)), C)`` per sequence, ``[B, 1]`` (Liu et al.
+    2025): the unclamped token log-ratios summed, the sum clamped once (SkyRL's ``compute_tis_ratio``). Metric:
+    the share of sequences capped."""
+    rho = safe_exp((log_rho * mask).sum(-1, keepdim=True))
     return rho.clamp(max=cap), {"tis_seq_clip_high_ratio": float((rho > cap).float().mean())}
 
 
 def sequence_mask(log_rho: torch.Tensor, mask: torch.Tensor, metric: str, low: float, high: float
                   ) -> tuple[torch.Tensor, dict]:
     """``[B, 1]``: 1 where the sequence's ratio is in ``[low, high]``, else 0. ``metric="product"``:
-    ``Π_t ρ_t``; ``"geometric"``: ``(Π_t ρ_t)^(1/T)`` over the sequence's ``T`` response tokens. Metrics: the
-    shares of sequences masked, over ``high`` and under ``low`` (SkyRL's names)."""
+    ``exp(clamp(Σ_t log ρ_t·m_t, ±20))``; ``"geometric"``: ``exp(clamp(Σ_t log ρ_t·m_t / T, ±20))`` over the
+    sequence's ``T`` response tokens, the unclamped log-ratios summed (SkyRL's ``compute_sequence_mask``).
+    Metrics: the shares of sequences masked, over ``high`` and under ``low`` (SkyRL's names)."""
     total = (log_rho * mask).sum(-1, keepdim=True)
     if metric == "geometric":
         total = total / mask.sum(-1, keepdim=True).clamp(min=1)
     elif metric != "product":
         raise ValueError(f"sequence_mask_metric={metric!r}; valid: {', '.join(SEQUENCE_MASK_METRICS)}")
-    rho = torch.exp(total.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    rho = safe_exp(total)
     over, under = rho > high, rho < low
     keep = ~over & ~under
     name = "geo" if metric == "geometric" else "product"
@@ -117,8 +122,8 @@ def sequence_mask(log_rho: torch.Tensor, mask: torch.Tensor, metric: str, low: f
 def outlier_token_mask(log_rho: torch.Tensor, mask: torch.Tensor, low: float | None, high: float | None
                        ) -> tuple[torch.Tensor, dict]:
     """``[B, 1]``: 0 for a sequence in which any response token has ``ρ_t < low`` or ``ρ_t > high`` (either
-    bound may be None: no bound), else 1."""
-    rho, valid = torch.exp(log_rho), mask > 0
+    bound may be None: no bound), else 1; ``ρ_t = exp(clamp(log ρ_t, ±20))``."""
+    rho, valid = safe_exp(log_rho), mask > 0
     over = (rho > high) & valid if high is not None else torch.zeros_like(valid)
     under = (rho < low) & valid if low is not None else torch.zeros_like(valid)
     keep = ~(over | under).any(-1, keepdim=True)
@@ -128,9 +133,9 @@ def outlier_token_mask(log_rho: torch.Tensor, mask: torch.Tensor, low: float | N
 
 
 def token_mask(log_rho: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> tuple[torch.Tensor, dict]:
-    """Per-token mask (IcePop): ``m_t = 1`` if ``low ≤ ρ_t ≤ high`` else 0. Metric: the share of response
-    tokens masked."""
-    rho, valid = torch.exp(log_rho), mask > 0
+    """Per-token mask (IcePop): ``m_t = 1`` if ``low ≤ ρ_t ≤ high`` else 0, ``ρ_t = exp(clamp(log ρ_t, ±20))``.
+    Metric: the share of response tokens masked."""
+    rho, valid = safe_exp(log_rho), mask > 0
     inside = (rho >= low) & (rho <= high)
     return (inside | ~valid).to(mask.dtype), {
         "token_mask_ratio": float((~inside & valid).sum() / valid.sum().clamp(min=1))}
@@ -146,14 +151,17 @@ def off_policy_correction(old_logprob: torch.Tensor, rollout_logprob: torch.Tens
     Masked terms are zeroed, not dropped: the loss's normalizer (token or sequence count) stays the
     uncorrected one, as in SkyRL. ``f`` carries no gradient (``ρ`` does not depend on the weights trained).
 
-    Metrics (also when no correction is on, so a run sees its mismatch): ``is_ratio_mean``/``max``/``min``
-    over response tokens, ``rollout_kl_k3`` (``KL(μ ‖ π_old)`` by k3 over response tokens), and each enabled
-    check's shares.
+    Metrics (also when no correction is on, so a run sees its mismatch), of ``ρ_t = exp(clamp(log ρ_t, ±20))``
+    over response tokens: ``is_ratio_mean``, ``is_ratio_std`` (unbiased), ``is_ratio_max``, ``is_ratio_min``
+    (SkyRL's ``compute_off_policy_correction`` takes std, max and min of ``ρ·m`` over every position, padding
+    as zeros, so its min is 0 once a row is padded: here padding is left out); ``rollout_kl_k3``
+    (``KL(μ ‖ π_old)`` by k3 over response tokens), and each enabled check's shares.
     """
     mask = mask.to(old_logprob.dtype)
     log_rho = log_ratio(old_logprob, rollout_logprob).detach()
-    rho, valid = torch.exp(log_rho), mask > 0
+    rho, valid = safe_exp(log_rho), mask > 0
     metrics = {"is_ratio_mean": float(masked_mean(rho, mask)),
+               "is_ratio_std": float(masked_std(rho, mask)),
                "is_ratio_max": float(rho[valid].max()) if valid.any() else 1.0,
                "is_ratio_min": float(rho[valid].min()) if valid.any() else 1.0,
                "rollout_kl_k3": float(masked_mean(kl_penalty(rollout_logprob, old_logprob, "k3"), mask))}
@@ -193,13 +201,13 @@ def rollout_is_loss(logprob: torch.Tensor, rollout_logprob: torch.Tensor, advant
     """SkyRL's ``rollout_is`` policy loss (GLM-5 §4.1.2): importance-weighted policy gradient against the
     rollout distribution, with IcePop-style hard zeroing of ratios outside the trust region.
 
-    ``r_t = exp(log π - log μ)``, ``f(r) = r`` if ``1 - ε_low < r < 1 + ε_high`` else 0, and per token
+    ``r_t = exp(clamp(log π - log μ, ±20))``, ``f(r) = r`` if ``1 - ε_low < r < 1 + ε_high`` else 0, and per token
     ``ℓ_t = -sg(f(r_t)) · A_t · log π_t`` (times ``token_weights``, e.g. :func:`off_policy_correction`'s
     factor), aggregated by :func:`~mlora.rl.losses.agg_loss`. Its gradient is ``-f(r_t)·A_t·∇log π_t``: the
     policy gradient with the sampling distribution's ratio, tokens outside the region contributing nothing.
     Metric ``clipfrac``: the share of response tokens outside the region.
     """
-    ratio = torch.exp(log_ratio(logprob, rollout_logprob))
+    ratio = safe_exp(log_ratio(logprob, rollout_logprob))
     inside = (ratio > 1 - clip_low) & (ratio < 1 + clip_high)
     calibrated = torch.where(inside, ratio, torch.zeros_like(ratio)).detach()
     loss = -calibrated * advantages * logprob

@@ -1,11 +1,19 @@
 """Environments: GSM8K, synthetic tasks a tiny model learns on CPU, multi-turn ones, user-registered ones.
 
-A reward environment scores one response: ``env.reward(sample, response_text, response_ids) -> float``.
-``sample`` is the prompt row (with its ``reward_spec``). A multi-turn text environment
-(:class:`mlora.rollout.gym.BaseTextEnv`: ``calculator``, ``guess_number``, or your own) is one object per
-trajectory that answers each model turn (:mod:`mlora.rollout.multi_turn`). Select one with
-``environment.env_class`` (or a row's ``env_class``); register your own with :func:`register_env` or
-:func:`mlora.rollout.gym.register`.
+Two kinds, one ``environment.env_class`` (or a row's ``env_class``):
+
+- a reward environment (mlora's own registry, :func:`register_env`) scores one response:
+  ``env.reward(sample, response_text, response_ids) -> float``, ``sample`` the prompt row (with its
+  ``reward_spec``): ``gsm8k``, ``target_token``, ``copy_first``, ``reward_model``;
+- a SkyRL-Gym text environment (``skyrl_gym``'s registry, ``skyrl_gym.register``, or an entry point
+  ``package.module:Class``) is one object per trajectory that answers each model turn
+  (:mod:`mlora.rollout.multi_turn`): mlora's ``calculator`` and ``guess_number``, SkyRL's shipped ones
+  (``gsm8k_multi_turn``, ``aime``, ``text2sql``, ``search``, ``lcb``, ``searchcode``), or your own.
+
+A name in both registries is mlora's reward environment: ``gsm8k`` is mlora's single-response scoring (the
+last number by default, ``strict=True`` for ``#### N``), as the SkyRL example scripts and mlora's demos use
+it; SkyRL's own ``GSM8kEnv`` (strict ``#### N``, compared as text) runs as a one-turn episode by its entry
+point ``skyrl_gym.envs.gsm8k.env:GSM8kEnv``.
 """
 
 from __future__ import annotations
@@ -13,22 +21,65 @@ from __future__ import annotations
 import re
 from typing import Protocol
 
-from mlora.rollout.gym import is_text_env
-from mlora.rollout.registry import env_class, register_env, registered_envs  # noqa: F401 (the registry's doors)
-from mlora.rollout.tool_envs import CalculatorEnv, GuessNumberEnv
+import skyrl_gym
+
+from mlora.rollout import registry
+from mlora.rollout.gym import UnknownTextEnv, is_text_env, text_env_class
+from mlora.rollout.registry import register_env  # noqa: F401 (the reward registry's door)
+
+# mlora's text environments, in skyrl_gym's registry as a SkyRL user's would be
+MLORA_TEXT_ENVS = {"calculator": "mlora.rollout.tool_envs:CalculatorEnv",
+                   "guess_number": "mlora.rollout.tool_envs:GuessNumberEnv"}
+
+
+def _register_text_envs() -> None:
+    for env_id, entry_point in MLORA_TEXT_ENVS.items():
+        spec = skyrl_gym.registry.get(env_id)
+        if spec is None:
+            skyrl_gym.register(id=env_id, entry_point=entry_point)
+        elif spec.entry_point != entry_point:
+            raise ValueError(f"skyrl_gym id {env_id!r} is registered to {spec.entry_point!r}; mlora registers "
+                             f"{entry_point!r} under it: register yours under another id")
+
+
+_register_text_envs()
 
 
 class Environment(Protocol):
     def reward(self, sample: dict, response_text: str, response_ids: list[int]) -> float: ...
 
 
+def registered_envs() -> list[str]:
+    """Every name ``environment.env_class`` takes besides entry points: mlora's reward environments and the
+    ids in skyrl_gym's registry."""
+    return sorted(set(registry.registered_envs()) | set(skyrl_gym.registry))
+
+
+def env_class(name: str):
+    """The class ``name`` selects: a reward environment of mlora's registry, else a skyrl_gym id or entry
+    point (:func:`mlora.rollout.gym.text_env_class`); ValueError naming the registered ones."""
+    if name in registry.registered_envs():
+        return registry.env_class(name)
+    try:
+        return text_env_class(name)
+    except UnknownTextEnv:
+        raise ValueError(f"unknown env_class {name!r}; registered: {', '.join(registered_envs())}, or an entry point "
+                         "'package.module:Class' (add your own with skyrl_gym.register(id=..., entry_point=...) "
+                         "or mlora.rollout.envs.register_env)") from None
+
+
 def make_env(name: str, **kwargs) -> Environment:
-    """A reward environment (one per run); multi-turn text environments are made per trajectory."""
-    return env_class(name)(**kwargs)
+    """A reward environment (one per run); text environments are made per trajectory
+    (:func:`mlora.rollout.gym.make_text_env`)."""
+    cls = env_class(name)
+    if is_text_env(cls):
+        raise ValueError(f"env_class {name!r} is a multi-turn text environment: it is made per trajectory, "
+                         "not as a reward environment")
+    return cls(**kwargs)
 
 
 def is_multi_turn(name: str) -> bool:
-    """Whether ``name`` is a multi-turn text environment (:class:`mlora.rollout.gym.BaseTextEnv`)."""
+    """Whether ``name`` is a SkyRL-Gym text environment (its rollouts are episodes)."""
     return is_text_env(env_class(name))
 
 
@@ -96,9 +147,6 @@ class CopyFirstEnv:
         return float(bool(response_ids) and response_ids[0] == int(sample["reward_spec"]["last_prompt_token"]))
 
 
-register_env("calculator")(CalculatorEnv)
-register_env("guess_number")(GuessNumberEnv)
-
 REWARD_MODEL_ENV = "reward_model"
 
 
@@ -115,7 +163,7 @@ class RewardModelEnv:
     def __init__(self, rule_env: str | None = None, rule_weight: float = 1.0) -> None:
         if rule_env == REWARD_MODEL_ENV:
             raise ValueError(f"reward_model.rule_env={rule_env!r}: the rule part must be a rule environment; "
-                             f"valid: {', '.join(n for n in registered_envs() if n != REWARD_MODEL_ENV)}")
+                             f"valid: {', '.join(n for n in registry.registered_envs() if n != REWARD_MODEL_ENV)}")
         self.rule = make_env(rule_env) if rule_env else None
         self.rule_weight = float(rule_weight)
 

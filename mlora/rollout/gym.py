@@ -1,120 +1,129 @@
-"""Multi-turn text environments in SkyRL-Gym's shape.
+"""mlora's side of SkyRL-Gym: text environments are ``skyrl_gym``'s, found in its registry.
 
-An environment is one trajectory's world: ``init(prompt)`` gives the first conversation the model
-sees, and each ``step(action_text)`` takes the model's turn and returns new observations (chat
-messages), a reward, whether the trajectory is done, and metadata::
-
-    from mlora.rollout.gym import BaseTextEnv, BaseTextEnvStepOutput, register
-
-    class MultiplyEnv(BaseTextEnv):
-        def __init__(self, env_config={}, extras={}):
-            super().__init__()
-            self.ground_truth = extras["reward_spec"]["ground_truth"]
-            self.max_turns = extras.get("max_turns", 5)
-
-        def step(self, action: str) -> BaseTextEnvStepOutput:
-            self.turns += 1
-            ...
-            return BaseTextEnvStepOutput(observations=[{"role": "user", "content": "try again"}],
-                                         reward=0.0, done=False, metadata={})
-
-    register(id="multiply", entry_point=MultiplyEnv)   # or "package.module:MultiplyEnv"
-
-What differs from SkyRL-Gym: the import (``mlora.rollout.gym`` instead of ``skyrl_gym.envs.base_text_env``
-and ``skyrl_gym.envs.registration``); the tool-group helpers (``_init_tool_groups``, ``_execute_tool``) are
-not part of the base class (an environment calls its tools itself); ``env_config`` is a plain dict
-(``environment.skyrl_gym.<env_class>``), ``extras`` the prompt row (with ``reward_spec``) plus
-``max_turns`` (``generator.max_turns``) when the row has none. One environment object is made per
-trajectory, as in SkyRL.
+A multi-turn environment is a subclass of ``skyrl_gym.envs.base_text_env.BaseTextEnv``, registered with
+``skyrl_gym.register(id=..., entry_point=..., kwargs=...)`` exactly as for SkyRL (mlora's ``calculator`` and
+``guess_number`` are registered there too), or named by entry point ``package.module:Class``. This module
+resolves ``environment.env_class`` (an id or an entry point) to such a class, makes one environment per
+trajectory as SkyRL's generator does (``skyrl_gym.make(id, env_config=<OmegaConf DictConfig of
+environment.skyrl_gym.<id>>, extras=<the prompt row + max_turns>)``), and checks what ``step`` returns.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
-from typing import Any, Callable, Dict, List, Optional, Tuple, TypedDict
+import numbers
+from typing import Any, Mapping, NamedTuple, Optional
 
-MessageType = Dict[str, str]
-ConversationType = List[MessageType]
+import numpy as np
+import skyrl_gym
+from omegaconf import DictConfig, OmegaConf
+from skyrl_gym.envs.base_text_env import BaseTextEnv
+from skyrl_gym.envs.registration import load_env_creator
 
-
-class BaseTextEnvStepOutput(TypedDict, total=False):
-    """What :meth:`BaseTextEnv.step` returns (SkyRL-Gym's fields)."""
-
-    observations: List[MessageType]  # new chat messages from the environment (OpenAI format)
-    reward: float  # this turn's reward
-    done: bool  # the trajectory ends after this turn
-    metadata: Dict[str, Any]
-    postprocessed_action: Optional[str]  # SkyRL: the action as the environment rewrote it (not used here)
+MessageType = dict[str, str]
 
 
-class BaseTextEnv:
-    """Text in, text out, one object per trajectory: override :meth:`step` (and :meth:`init`, :meth:`close`
-    where needed). ``turns`` counts the steps taken; ``max_turns`` is the environment's own bound (the
-    generator also ends a trajectory at ``generator.max_turns``)."""
-
-    def __init__(self) -> None:
-        self.turns = 0
-        self.max_turns = 1
-
-    def init(self, prompt: ConversationType) -> Tuple[ConversationType, Dict[str, Any]]:
-        """The first conversation given to the model, and optional metadata."""
-        return prompt, {}
-
-    def step(self, action: str) -> BaseTextEnvStepOutput:
-        """One turn: the model's ``action`` in, observations, reward, done and metadata out."""
-        raise NotImplementedError(f"{type(self).__name__}.step")
-
-    def close(self) -> None:
-        """Release what the environment holds (called when its trajectory ends)."""
+class UnknownTextEnv(ValueError):
+    """``name`` is neither a registered skyrl_gym id nor a ``module:Class`` entry point."""
 
 
 def is_text_env(cls: Any) -> bool:
-    """Whether a registered environment class is a multi-turn text environment (not a reward function)."""
+    """Whether ``cls`` is a SkyRL-Gym text environment class (a ``skyrl_gym`` ``BaseTextEnv`` subclass)."""
     return isinstance(cls, type) and issubclass(cls, BaseTextEnv)
 
 
-def register(id: str, entry_point: str | Callable) -> None:  # noqa: A002 (SkyRL-Gym's argument name)
-    """SkyRL-Gym's registration: ``environment.env_class=<id>`` builds ``entry_point`` (a class or
-    ``"module:Class"``) for each trajectory."""
-    from mlora.rollout.registry import register_env
-
-    register_env(id)(resolve_entry_point(entry_point))
+def _load(entry_point: Any) -> Any:
+    return entry_point if callable(entry_point) else load_env_creator(entry_point)
 
 
-def resolve_entry_point(entry_point: str | Callable) -> Callable:
-    """A class from ``"package.module:Class"`` (or the class itself)."""
-    if not isinstance(entry_point, str):
-        return entry_point
-    module, _, name = entry_point.partition(":")
-    if not module or not name:
-        raise ValueError(f"entry_point={entry_point!r}: expected 'package.module:Class'")
+def text_env_id(name: str) -> str:
+    """The skyrl_gym registry id of ``name``: a registered id as is; an entry point ``package.module:Class``
+    is imported (on the rank that calls this) and registered under that string, so that ``skyrl_gym.make``
+    and SkyRL's metric aggregation find it. UnknownTextEnv when it is neither."""
+    if name in skyrl_gym.registry:
+        return name
+    module, sep, attr = name.partition(":")
+    if not sep or not module or not attr:
+        raise UnknownTextEnv(f"{name!r} is not a registered skyrl_gym environment id nor an entry point "
+                             "'package.module:Class'")
     try:
-        return getattr(importlib.import_module(module), name)
+        cls = load_env_creator(name)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"entry_point={entry_point!r} cannot be loaded: {exc}") from None
+        raise ValueError(f"environment entry point {name!r} cannot be loaded: {type(exc).__name__}: {exc}") from None
+    if not is_text_env(cls):
+        raise ValueError(f"environment entry point {name!r} is {cls!r}, not a subclass of "
+                         "skyrl_gym.envs.base_text_env.BaseTextEnv")
+    skyrl_gym.register(id=name, entry_point=cls)
+    return name
 
 
-def check_step_output(out: Any) -> tuple[list[MessageType], float, bool, dict]:
-    """``(observations, reward, done, metadata)`` of a :meth:`BaseTextEnv.step` result; ValueError naming
-    what is malformed (the trajectory then ends, counted, and the run goes on)."""
-    if not isinstance(out, dict):
+def text_env_class(name: str) -> type:
+    """The class an id or entry point names (:func:`text_env_id`)."""
+    return _load(skyrl_gym.registry[text_env_id(name)].entry_point)
+
+
+def env_config(settings: Mapping | None) -> DictConfig:
+    """``environment.skyrl_gym.<id>`` as SkyRL passes it: an OmegaConf DictConfig (``env_config.db_path``
+    and ``env_config.get("db_path")`` both work); empty when the environment has no settings."""
+    return OmegaConf.create(dict(settings or {}))
+
+
+def make_text_env(name: str, settings: Mapping | None, extras: dict) -> BaseTextEnv:
+    """One environment for one trajectory: ``skyrl_gym.make`` (so ``register(..., kwargs=...)`` applies, the
+    call's ``env_config``/``extras`` over them) with ``settings`` as :func:`env_config`."""
+    return skyrl_gym.make(text_env_id(name), env_config=env_config(settings), extras=extras)
+
+
+class StepResult(NamedTuple):
+    observations: list[MessageType]
+    reward: float
+    done: bool
+    metadata: dict
+    postprocessed_action: Optional[str]
+
+
+def check_step_output(out: Any) -> StepResult:
+    """A ``BaseTextEnvStepOutput`` made plain: numpy booleans and numbers (``np.bool_``, ``np.float32``) become
+    Python ones, as SkyRL's generator uses them unchecked. ValueError naming what is malformed."""
+    if not isinstance(out, Mapping):
         raise ValueError(f"step() returned {type(out).__name__}, not a BaseTextEnvStepOutput dict")
     missing = [k for k in ("observations", "reward", "done") if k not in out]
     if missing:
         raise ValueError(f"step() output lacks {missing}")
     obs = out["observations"]
     if not isinstance(obs, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
+            isinstance(m, Mapping) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
             for m in obs):
         raise ValueError("step() observations must be a list of {'role': str, 'content': str} messages, got "
                          f"{str(obs)[:120]}")
     reward = out["reward"]
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+    if not isinstance(reward, (numbers.Real, np.bool_)) or not math.isfinite(float(reward)):
         raise ValueError(f"step() reward must be a finite number, got {reward!r}")
-    if not isinstance(out["done"], bool):
-        raise ValueError(f"step() done must be a bool, got {out['done']!r}")
+    done = out["done"]
+    if not isinstance(done, (bool, np.bool_)):
+        raise ValueError(f"step() done must be a bool, got {done!r} ({type(done).__name__})")
     metadata = out.get("metadata") or {}
-    if not isinstance(metadata, dict):
+    if not isinstance(metadata, Mapping):
         raise ValueError(f"step() metadata must be a dict, got {type(metadata).__name__}")
-    return obs, float(reward), out["done"], metadata
+    action = out.get("postprocessed_action")
+    if action is not None and not isinstance(action, str):
+        raise ValueError(f"step() postprocessed_action must be a str or None, got {type(action).__name__}")
+    return StepResult([dict(m) for m in obs], float(reward), bool(done), dict(metadata), action)
+
+
+def plain_metrics(metrics: Any) -> dict:
+    """``env.get_metrics()`` with numpy scalars as Python numbers (SkyRL's default aggregation averages only
+    ``int``/``float`` values and would drop an ``np.float32``). ValueError when it is not a dict."""
+    if not isinstance(metrics, Mapping):
+        raise ValueError(f"get_metrics() must return a dict, got {type(metrics).__name__}")
+    return {str(k): (v.item() if isinstance(v, np.generic) else v) for k, v in metrics.items()}
+
+
+def aggregate_env_metrics(name: str, metrics: list[dict]) -> dict[str, float]:
+    """The class's ``aggregate_metrics`` over its episodes' metrics (SkyRL's ``aggregate_for_environment``),
+    numeric results only."""
+    from skyrl_gym.metrics import aggregate_for_environment
+
+    out = aggregate_for_environment(text_env_id(name), metrics)
+    return {str(k): float(v) for k, v in out.items()
+            if isinstance(v, (numbers.Real, np.generic)) and math.isfinite(float(v))}

@@ -1,7 +1,7 @@
 """Multi-turn rollouts: engine generation and environment steps alternating per trajectory.
 
 Each trajectory (a prompt × ``n_samples_per_prompt``) owns one environment object
-(:class:`mlora.rollout.gym.BaseTextEnv`). A turn is one batched generation call over every trajectory
+(a ``skyrl_gym`` ``BaseTextEnv``, made by :func:`mlora.rollout.gym.make_text_env`). A turn is one batched generation call over every trajectory
 still running (so trajectories wait only for the turn in flight, not for another's whole episode; the
 call is split over the rank's engines), then each environment's ``step`` on its model's text (in a pool
 of ``max_env_workers`` threads when asked). What the environment answers becomes tokens
@@ -14,24 +14,36 @@ every token after the prompt, with ``extra``:
   of every loss, the advantages and the vLLM-vs-trainer gap);
 - ``turn_rewards`` and ``turn_ends`` (index in ``token_ids`` of each turn's last model token), from
   which the trainer places per-token rewards (``generator.turn_rewards``);
-- ``turns``, ``end_reason`` (``done``, ``max_turns``, ``length``, ``env_error: ...``, ``malformed: ...``).
+- ``turns``, ``end_reason`` (``done``, ``max_turns``, ``length``, ``env_error: ...``, ``malformed: ...``);
+- ``env_class``, ``env_metrics`` (the environment's ``get_metrics()`` when its episode ended; aggregated per
+  environment class by :func:`episode_metrics`), and ``failure`` (environment id, turn, traceback) when the
+  environment failed.
 
-An environment that raises or returns malformed output ends its trajectory (reward 0 for that turn, the
-reason kept) and the batch goes on; so does one whose next prompt would exceed ``max_input_length``.
+As in SkyRL, a step's ``postprocessed_action`` replaces the model's text of that turn (re-tokenized; still
+the model's tokens, but with log-prob 0 where they differ from what the engine sampled). An environment that
+raises (in construction, ``init``, ``step``, ``get_metrics``) or returns malformed output ends its
+trajectory (reward 0 for that turn, the reason and traceback kept); :func:`check_env_failures` then stops the
+run with a report unless the share of such trajectories is within the tolerated one. A trajectory whose next
+prompt would exceed ``max_input_length`` ends as ``length``.
 """
 
 from __future__ import annotations
 
 import copy
+import traceback
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
+
+from skyrl_gym.envs.base_text_env import BaseTextEnv
 
 from mlora.rollout.generator import Generation, SamplingConfig
-from mlora.rollout.gym import BaseTextEnv, check_step_output
+from mlora.rollout.gym import aggregate_env_metrics, check_step_output, plain_metrics
 
 TURN_SEED_STRIDE = 100_003  # turn t samples with seed + t·stride (+ the trajectory's place in the call)
 END_REASONS = ("done", "max_turns", "length", "env_error", "malformed")
+FAILURES = ("env_error", "malformed")  # end reasons that are the environment's fault
 TURN_REWARDS = ("turn_end", "final")  # generator.turn_rewards: where a trajectory's turn rewards are placed
 
 
@@ -86,22 +98,45 @@ class _Trajectory:
     ids: list[int]  # the whole sequence so far
     prompt_length: int
     env: BaseTextEnv | None
+    env_class: str | None = None
     mask: list[int] = field(default_factory=list)  # over ids[prompt_length:]
     logprobs: list[float] = field(default_factory=list)
     turn_rewards: list[float] = field(default_factory=list)
     turn_ends: list[int] = field(default_factory=list)
     finish_reason: str = ""
     end_reason: str | None = None
+    failure: dict | None = None  # where and how the environment failed (check_env_failures reports it)
+    env_metrics: dict = field(default_factory=dict)
+
+    def fail(self, reason: str, turn: int) -> None:
+        """Record the environment failure being handled (call inside its ``except``)."""
+        self.end_reason = reason
+        self.failure = {"env_class": self.env_class, "turn": turn, "traceback": traceback.format_exc()[-4000:]}
 
     def add(self, ids: Sequence[int], model: bool, logprobs: Sequence[float] | None = None) -> None:
         self.ids.extend(ids)
         self.mask.extend([int(model)] * len(ids))
         self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
 
+    def replace_action(self, old: Sequence[int], new: list[int]) -> None:
+        """The last turn's model tokens ``old`` become ``new`` (a ``postprocessed_action``); tokens past the
+        common prefix have no engine log-prob: 0."""
+        keep = 0
+        while keep < min(len(old), len(new)) and old[keep] == new[keep]:
+            keep += 1
+        start = len(self.ids) - len(old)
+        logprobs = self.logprobs[len(self.logprobs) - len(old):][:keep] + [0.0] * (len(new) - keep)
+        del self.ids[start:], self.mask[len(self.mask) - len(old):], self.logprobs[len(self.logprobs) - len(old):]
+        self.add(new, True, logprobs)
+
     def result(self, text: str) -> Generation:
+        extra = {"model_mask": self.mask, "turn_rewards": self.turn_rewards, "turn_ends": self.turn_ends,
+                 "turns": len(self.turn_rewards), "end_reason": self.end_reason, "env_class": self.env_class,
+                 "env_metrics": self.env_metrics}
+        if self.failure is not None:
+            extra["failure"] = self.failure
         return Generation(self.prompt_index, self.ids[self.prompt_length:], self.logprobs, text, self.finish_reason,
-                          {"model_mask": self.mask, "turn_rewards": self.turn_rewards, "turn_ends": self.turn_ends,
-                           "turns": len(self.turn_rewards), "end_reason": self.end_reason})
+                          extra)
 
 
 def _error(kind: str, exc: BaseException) -> str:
@@ -124,17 +159,17 @@ def run_episodes(generate: Callable[[list[list[int]], SamplingConfig], list[Gene
     trajectories = []
     for p_index, prompt in enumerate(prompts):
         for _ in range(sampling.n_samples_per_prompt):
-            ids, env, reason = list(prompt.token_ids), None, None
+            t = _Trajectory(p_index, list(prompt.token_ids), len(prompt.token_ids), None,
+                            getattr(prompt, "env_class", None))
             try:
-                env = make_env(prompt)
+                t.env = make_env(prompt)
                 conversation = prompt.row.get("prompt")
-                start, _ = env.init(copy.deepcopy(conversation))
+                start, _ = t.env.init(copy.deepcopy(conversation))
                 if start != conversation:
-                    ids = list(prompt_ids(prompt, start))
-            except Exception as exc:  # noqa: BLE001 — an environment's fault ends its trajectory, not the run
-                reason = _error("env_error", exc)
-            t = _Trajectory(p_index, ids, len(ids), env)
-            t.end_reason = reason  # set: the trajectory gets its first turn, then ends with reward 0
+                    t.ids = list(prompt_ids(prompt, start))
+                    t.prompt_length = len(t.ids)
+            except Exception as exc:  # noqa: BLE001 — counted and reported by check_env_failures
+                t.fail(_error("env_error", exc), 0)  # the trajectory gets its first turn, then ends with reward 0
             trajectories.append(t)
     pool = ThreadPoolExecutor(env_workers) if env_workers > 1 else None
     try:
@@ -154,15 +189,23 @@ def run_episodes(generate: Callable[[list[list[int]], SamplingConfig], list[Gene
             texts = [g.text for g in gens]
             steps = list(pool.map(_step, active, texts) if pool else map(_step, active, texts))
             still = []
-            for t, g, (obs, reward, done, reason) in zip(active, gens, steps):
+            for t, g, (obs, reward, done, reason, action) in zip(active, gens, steps):
                 t.turn_rewards.append(reward)
+                action_ids = list(g.token_ids)
+                if action is not None:  # SkyRL's postprocessed_action: the turn as the environment rewrote it
+                    ends = bool(action_ids) and action_ids[-1] == fmt.eos
+                    new = fmt.tokenizer(action, add_special_tokens=False)["input_ids"] + ([fmt.eos] if ends else [])
+                    t.replace_action(action_ids, new)
+                    t.turn_ends[-1] = len(t.mask) - 1
+                    action_ids = new
                 if reason is None and not done and turn + 1 >= max_turns:
                     reason = "max_turns"
                 if reason is None and not done:
                     try:
-                        more = fmt.close_turn(g.token_ids) + fmt.observation_ids(obs)
+                        more = fmt.close_turn(action_ids) + fmt.observation_ids(obs)
                     except Exception as exc:  # noqa: BLE001
-                        reason = _error("malformed", exc)
+                        t.fail(_error("malformed", exc), turn + 1)
+                        reason = t.end_reason
                     else:
                         if len(t.ids) + len(more) > max_input_length:
                             reason = "length"
@@ -177,6 +220,11 @@ def run_episodes(generate: Callable[[list[list[int]], SamplingConfig], list[Gene
             pool.shutdown()
         for t in trajectories:
             if t.env is not None:
+                if t.failure is None:
+                    try:  # SkyRL: after the episode, before close
+                        t.env_metrics = plain_metrics(t.env.get_metrics())
+                    except Exception as exc:  # noqa: BLE001
+                        t.fail(_error("env_error", exc), len(t.turn_rewards))
                 try:
                     t.env.close()
                 except Exception:  # noqa: BLE001 — nothing to keep from a failing close
@@ -184,19 +232,23 @@ def run_episodes(generate: Callable[[list[list[int]], SamplingConfig], list[Gene
     return [t.result(fmt.tokenizer.decode(t.ids[t.prompt_length:])) for t in trajectories]
 
 
-def _step(t: _Trajectory, text: str) -> tuple[list, float, bool, str | None]:
-    """``(observations, reward, done, end reason or None)`` of one environment step, faults caught."""
+def _step(t: _Trajectory, text: str) -> tuple[list, float, bool, str | None, str | None]:
+    """``(observations, reward, done, end reason or None, postprocessed action or None)`` of one environment
+    step, faults caught and recorded on ``t``."""
     if t.end_reason is not None:  # init failed: this first turn is its last
-        return [], 0.0, True, t.end_reason
+        return [], 0.0, True, t.end_reason, None
+    turn = len(t.turn_rewards) + 1
     try:
         out = t.env.step(text)
     except Exception as exc:  # noqa: BLE001
-        return [], 0.0, True, _error("env_error", exc)
+        t.fail(_error("env_error", exc), turn)
+        return [], 0.0, True, t.end_reason, None
     try:
-        obs, reward, done, _ = check_step_output(out)
+        step = check_step_output(out)
     except ValueError as exc:
-        return [], 0.0, True, f"malformed: {exc}"[:300]
-    return obs, reward, done, None
+        t.fail(f"malformed: {exc}"[:300], turn)
+        return [], 0.0, True, t.end_reason, None
+    return step.observations, step.reward, step.done, None, step.postprocessed_action
 
 
 def end_reason_counts(gens: Sequence[Generation]) -> dict[str, int]:
@@ -206,3 +258,50 @@ def end_reason_counts(gens: Sequence[Generation]) -> dict[str, int]:
         reason = str(g.extra.get("end_reason") or "done")
         out[reason.split(":", 1)[0]] += 1
     return out
+
+
+def episode_metrics(gens: Sequence[Generation]) -> dict[str, float]:
+    """SkyRL's ``environment/<key>`` metrics: each environment class's ``aggregate_metrics`` over the
+    ``get_metrics()`` of its episodes in ``gens``."""
+    by_class: dict[str, list[dict]] = defaultdict(list)
+    for g in gens:
+        if g.extra.get("env_class") and "failure" not in g.extra:
+            by_class[g.extra["env_class"]].append(g.extra.get("env_metrics") or {})
+    out: dict[str, float] = {}
+    for name, metrics in by_class.items():
+        out.update({f"environment/{k}": v for k, v in aggregate_env_metrics(name, metrics).items()})
+    return out
+
+
+class EnvironmentFailure(RuntimeError):
+    """More trajectories than tolerated ended by their environment's fault (the message is the report)."""
+
+
+class FailureCount(NamedTuple):
+    failed: int
+    total: int
+    first: str | None  # the report of the first failure, None when none
+
+
+def check_env_failures(gens: Sequence[Generation], max_ratio: float, prompts: Sequence | None = None
+                       ) -> FailureCount:
+    """The trajectories of ``gens`` whose environment raised or returned malformed output; EnvironmentFailure
+    with a report of the first (environment id, turn, prompt, trajectory text, traceback) when their share
+    exceeds ``max_ratio`` (``environment.max_env_error_ratio``; 0: any failure stops the run).
+    ``prompts``: the batch's prompts by ``prompt_index`` (for the report's prompt)."""
+    failed = [g for g in gens if str(g.extra.get("end_reason") or "").split(":", 1)[0] in FAILURES]
+    if not failed:
+        return FailureCount(0, len(gens), None)
+    first = failed[0]
+    info = first.extra.get("failure") or {}
+    prompt = None
+    if prompts is not None and 0 <= first.prompt_index < len(prompts):
+        prompt = getattr(prompts[first.prompt_index], "row", {}).get("prompt")
+    report = (f"environment {info.get('env_class')!r} failed at turn {info.get('turn')} of a trajectory: "
+              f"{first.extra['end_reason']}\n--- prompt ---\n{str(prompt)[:2000]}\n--- trajectory (model and "
+              f"environment turns) ---\n{first.text[-3000:]}\n--- traceback ---\n{info.get('traceback', '')}")
+    if len(failed) > max_ratio * len(gens):
+        raise EnvironmentFailure(f"{len(failed)} of {len(gens)} trajectories ended by an environment fault, more than "
+                                 f"environment.max_env_error_ratio={max_ratio} allows (raise it to train on without "
+                                 f"them). The first: {report}")
+    return FailureCount(len(failed), len(gens), report)

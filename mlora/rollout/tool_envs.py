@@ -1,11 +1,13 @@
-"""Two multi-turn environments (:mod:`mlora.rollout.gym`): a calculator tool and a number-guessing game.
+"""Two SkyRL-Gym text environments (``skyrl_gym`` ``BaseTextEnv``s, registered by :mod:`mlora.rollout.envs`):
+a calculator tool and a number-guessing game.
 
 ``calculator``: the model answers an arithmetic question and may call a calculator first. A turn that
 holds ``<tool>EXPRESSION</tool>`` is a tool call: the environment answers with ``<result>VALUE</result>``
 (or ``<result>error: ...</result>``) and the trajectory goes on. A turn without a call is the answer: its
 ``#### N`` (or else its last number) is compared with ``reward_spec.ground_truth``: reward 1, else 0, and
 the trajectory ends. An empty call (``<tool></tool>``) applies the calculator to the question's own
-expression (``reward_spec.expression``), the tool's default argument. Reaching ``max_turns`` without an
+expression (``reward_spec.expression``), the tool's default argument. The calculator is a SkyRL tool group
+(:class:`CalculatorToolGroup`, ``skyrl_gym.tools.core``) run through ``BaseTextEnv._execute_tool``. Reaching ``max_turns`` without an
 answer ends the trajectory with reward 0.
 
 ``guess_number``: a hidden integer in ``[low, high]`` (``reward_spec``: ``target``, ``low``, ``high``);
@@ -20,7 +22,8 @@ import operator
 import re
 from typing import Any
 
-from mlora.rollout.gym import BaseTextEnv, BaseTextEnvStepOutput
+from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
+from skyrl_gym.tools.core import ToolGroup, tool
 
 TOOL_CALL = re.compile(r"<tool>(.*?)(?:</tool>|$)", re.DOTALL)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -83,12 +86,26 @@ def final_answer(text: str) -> str | None:
     return format_number(float(found[-1])) if found else None
 
 
+class CalculatorToolGroup(ToolGroup):
+    """The calculator as a SkyRL tool group: ``calculate(expression)`` -> the value's text or ``error: ...``."""
+
+    def __init__(self) -> None:
+        super().__init__(name="CalculatorToolGroup")
+
+    @tool
+    def calculate(self, expression: str) -> str:
+        try:
+            return format_number(evaluate_expression(expression))
+        except ValueError as exc:  # the model's bad expression is its turn's answer, not an environment fault
+            return f"error: {exc}"
+
+
 class CalculatorEnv(BaseTextEnv):
     """Arithmetic with a calculator tool (module docstring). ``extras``: the prompt row, with
     ``reward_spec.ground_truth`` and optionally ``reward_spec.expression``; ``max_turns`` from the row,
-    else ``env_config["max_turns"]``, else 3."""
+    else ``env_config.max_turns`` (environment.skyrl_gym.calculator.max_turns), else 3."""
 
-    def __init__(self, env_config: dict | None = None, extras: dict | None = None) -> None:
+    def __init__(self, env_config: Any = None, extras: dict | None = None) -> None:
         super().__init__()
         env_config, extras = env_config or {}, extras or {}
         spec = extras.get("reward_spec") or {}
@@ -98,6 +115,7 @@ class CalculatorEnv(BaseTextEnv):
         self.expression = spec.get("expression")
         self.max_turns = int(extras.get("max_turns") or env_config.get("max_turns", 3))
         self.tool_calls = 0
+        self.init_tool_groups([CalculatorToolGroup()])
 
     def step(self, action: str) -> BaseTextEnvStepOutput:
         self.turns += 1
@@ -109,21 +127,22 @@ class CalculatorEnv(BaseTextEnv):
                                          metadata={"answer": answer, "tool_calls": self.tool_calls})
         self.tool_calls += 1
         expression = call.group(1).strip() or (self.expression or "")
-        try:
-            result = format_number(evaluate_expression(expression))
-        except ValueError as exc:
-            result = f"error: {exc}"
+        result = self._execute_tool("CalculatorToolGroup", "calculate", [expression])
         done = self.turns >= self.max_turns
         return BaseTextEnvStepOutput(observations=[] if done else [{"role": "user",
                                                                     "content": f"<result>{result}</result>"}],
                                      reward=0.0, done=done,
                                      metadata={"tool_calls": self.tool_calls, "result": result})
 
+    def get_metrics(self) -> dict[str, Any]:
+        """Per episode (averaged over a batch by SkyRL's default ``aggregate_metrics``)."""
+        return {"tool_calls": self.tool_calls, "turns": self.turns}
+
 
 class GuessNumberEnv(BaseTextEnv):
     """The number-guessing game (module docstring); ``max_turns`` as :class:`CalculatorEnv` (default 5)."""
 
-    def __init__(self, env_config: dict | None = None, extras: dict | None = None) -> None:
+    def __init__(self, env_config: Any = None, extras: dict | None = None) -> None:
         super().__init__()
         env_config, extras = env_config or {}, extras or {}
         spec: dict[str, Any] = extras.get("reward_spec") or {}

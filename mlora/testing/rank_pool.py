@@ -18,7 +18,9 @@ Like torchrun, the first rank that fails ends the case: the other ranks get SIGT
 do the processes the ranks started (each rank leads a process group of its own). The zygote must not
 run threads when it forks (a lock held by a thread would stay locked in the child forever): it checks
 that it has one thread after its imports and refuses to start otherwise. ``OMP_NUM_THREADS=1`` (what
-torchrun sets for several ranks) keeps torch's OpenMP pool from starting in it.
+torchrun sets for several ranks) keeps torch's OpenMP pool from starting in it, and
+``JE_ARROW_MALLOC_CONF=background_thread:false`` pyarrow's jemalloc from starting its background thread when
+pandas (skyrl-gym's) imports it.
 
     python -m mlora.testing.rank_pool   # the zygote; speaks JSON lines on stdin/stdout
 """
@@ -38,6 +40,8 @@ from pathlib import Path
 
 from mlora.parallel.mesh import _free_port
 
+# What the zygote starts with so that its imports start no thread (see the module docstring)
+ZYGOTE_ENV = {"OMP_NUM_THREADS": "1", "JE_ARROW_MALLOC_CONF": "background_thread:false"}
 # What the torchrun workers of mlora's tests import; anything else a case imports itself.
 PRELOAD = ("torch", "torch.distributed", "numpy", "safetensors.torch", "megatron.core.parallel_state",
            "megatron.core.tensor_parallel", "megatron.core.models.gpt", "transformers",
@@ -89,7 +93,7 @@ class RankPool:
                  env: dict[str, str] | None = None, python: str = sys.executable) -> None:
         self.log_dir = Path(log_dir)
         self.preload = preload
-        self.env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}  # the zygote's
+        self.env = {**os.environ, **ZYGOTE_ENV, **(env or {})}  # the zygote's
         self.python = python
         self._proc: subprocess.Popen | None = None
         self.cases = 0
@@ -125,6 +129,18 @@ class RankPool:
             raise ValueError(f"nproc={nproc!r} must be a positive integer")
         if not torchrun and nproc != 1:
             raise ValueError(f"nproc={nproc}: without torchrun a case runs in one process")
+        for attempt in range(2):
+            result = self._run_once(nproc, target, args, module, env, cwd, timeout, torchrun)
+            # the free port picked for the case's store was taken before rank 0 bound it (another process on this
+            # machine picked it too): nothing of the case ran past its first collective; once more on a new port
+            lost_port = (not result.ok and result.first_failed == 0 and "EADDRINUSE" in result.logs[0][1].read_text(
+                errors="replace"))
+            if not lost_port or attempt:
+                return result
+        return result
+
+    def _run_once(self, nproc: int, target, args, module: bool, env, cwd, timeout: float, torchrun: bool
+                  ) -> CaseResult:
         if self._proc is None or self._proc.poll() is not None:
             self._start()
         self.cases += 1

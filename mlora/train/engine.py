@@ -35,6 +35,7 @@ from mlora.rl import (
 )
 from mlora.rl.advantages import broadcast_to_tokens
 from mlora.rl.kl import apply_kl_in_reward
+from mlora.rl.losses import loss_normalizer
 from mlora.rl.masked import masked_mean, masked_sum
 from mlora.rl.rollout_correction import off_policy_correction, rollout_is_loss
 from mlora.rl.vocab_parallel import next_token_logits, vocab_parallel_logprobs, vocab_parallel_truncation_logmass
@@ -218,11 +219,8 @@ class ActorCriticEngine:
 
     # ------------------------------------------------------------------ updates
     def _normalizer(self, mask: torch.Tensor) -> float:
-        if self.cfg.loss_agg_mode == "token-mean":
-            return float(mask.sum())
-        if self.cfg.loss_agg_mode == "token-mean-legacy":  # micro-batches of the mini-batch, all DP ranks'
-            return float(mask.shape[0] // self.cfg.micro_train_batch_size)
-        return float((mask.sum(-1) > 0).sum())
+        # the whole mini-batch's count (all DP ranks' rows): tokens, rows, or its micro-batches (legacy)
+        return loss_normalizer(mask, self.cfg.loss_agg_mode, self.cfg.micro_train_batch_size)
 
     def _actor_loss(self, normalizer: float, tokens: float):
         c = self.cfg

@@ -25,9 +25,17 @@ from mlora.config.schema import TrainConfig
 from mlora.parallel.small_collectives import all_flags, broadcast_json, gather_json, ranks_seeing_folder
 from mlora.plan.engines import DeviceMemory, EngineSizing
 from mlora.rollout.data import Prompt, prompt_text
-from mlora.rollout.envs import env_class, is_multi_turn, make_env
+from mlora.rollout.envs import is_multi_turn, make_env
 from mlora.rollout.generator import Generation, SamplingConfig, per_prompt_configs
-from mlora.rollout.multi_turn import TURN_REWARDS, TurnFormat, end_reason_counts, run_episodes
+from mlora.rollout.gym import make_text_env
+from mlora.rollout.multi_turn import (
+    TURN_REWARDS,
+    TurnFormat,
+    check_env_failures,
+    end_reason_counts,
+    episode_metrics,
+    run_episodes,
+)
 from mlora.rollout.placement import Placement, cuda_visible_devices, plan_placement
 from mlora.rollout.shm_names import SHM_DIR, remove_stale, shm_name
 from mlora.rollout.spread import collect_scored, gather_scored, generate_scored, submit_generation
@@ -284,8 +292,7 @@ class Rollouts:
 
             def make(prompt: Prompt):
                 extras = {**prompt.row, "max_turns": prompt.row.get("max_turns") or g.max_turns}
-                return env_class(prompt.env_class)(env_config=dict(settings.get(prompt.env_class) or {}),
-                                                   extras=extras)
+                return make_text_env(prompt.env_class, settings.get(prompt.env_class), extras)
 
             def ids_of(prompt: Prompt, conversation) -> list[int]:
                 text = prompt_text({**prompt.row, "prompt": conversation}, self.tokenizer)
@@ -451,22 +458,22 @@ class Rollouts:
             self.asleep = True
 
     def _turn_metrics(self, gens: list[Generation]) -> dict[str, float]:
-        """Turns, environment tokens and end reasons of multi-turn trajectories; the faults are logged once per
-        batch with the first message of each kind (the run goes on without those trajectories' rewards)."""
+        """Turns, environment tokens, end reasons and the environments' own metrics (SkyRL's
+        ``environment/<key>``) of multi-turn trajectories. Environment faults stop the run with a report
+        (:func:`mlora.rollout.multi_turn.check_env_failures`; every rank holds the same batch, so every rank
+        raises) unless ``environment.max_env_error_ratio`` tolerates them: then they are counted and the first
+        is logged once per batch."""
+        failures = check_env_failures(gens, self.cfg.environment.max_env_error_ratio)
         counts = end_reason_counts(gens)
         n = len(gens)
         out = {"multi_turn/turns_mean": sum(g.extra["turns"] for g in gens) / n,
                "multi_turn/env_tokens_mean": sum(len(g.token_ids) - sum(g.extra["model_mask"]) for g in gens) / n,
-               **{f"multi_turn/ended_{k}": float(v) for k, v in counts.items()}}
-        if self.mesh.rank == 0:
-            faults = {}
-            for g in gens:
-                reason = str(g.extra["end_reason"])
-                if reason.split(":", 1)[0] in ("env_error", "malformed"):
-                    faults.setdefault(reason.split(":", 1)[0], reason)
-            for kind, first in faults.items():
-                log.warning("%d trajectories ended by %s (they keep the rewards of their earlier turns); the first: %s",
-                            counts[kind], kind, first)
+               **{f"multi_turn/ended_{k}": float(v) for k, v in counts.items()},
+               "multi_turn/env_failure_ratio": failures.failed / n, **episode_metrics(gens)}
+        if self.mesh.rank == 0 and failures.first is not None:
+            log.warning("%d of %d trajectories ended by an environment fault (tolerated: "
+                        "environment.max_env_error_ratio=%s; they keep the rewards of their earlier turns); the first: %s",
+                        failures.failed, n, self.cfg.environment.max_env_error_ratio, failures.first)
         return out
 
     def evaluate(self, prompts: list[Prompt], step: int, run_dir: Path, cfg: TrainConfig | None = None,
