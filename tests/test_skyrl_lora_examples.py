@@ -1026,10 +1026,7 @@ REFUSED = {
     "RUN_MEGATRON_DAPO_QWEN3_30B_A3B_LORA": {"trainer.policy.megatron_config.expert_model_parallel_size": _MOE},
     "RUN_MEGATRON_LORA_QWEN3_30B_A3B": {"trainer.policy.megatron_config.expert_model_parallel_size": _MOE,
                                         "trainer.ref.megatron_config.expert_model_parallel_size": _MOE},
-    # multi-turn itself is mlora's now (generator.max_turns, use_conversation_multi_turn); SkyRL-SQL's text2sql
-    # environment is not part of mlora, so its settings are refused naming the environments that are
-    "RUN_SKYRL_SQL_MEGATRON_LORA": {"environment.skyrl_gym.text2sql.db_path": "settings of environment 'text2sql', "
-                                                                              "which is not a registered multi-turn"},
+    # SkyRL-SQL composes whole: its text2sql environment is skyrl_gym's own (the package is mlora's environment API)
 }
 
 
