@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from te_stand_ins import TELinearShape
 
 from mlora.models import te as fp8_te
 
@@ -212,19 +213,9 @@ def test_reset_fp8_weight_cache_needs_no_te():
 # This checks mlora's wiring (spec, norms, weight names, adapter registry, where the LoRA branch
 # joins, that TE is left without collectives); what TE itself computes stays UNVERIFIED.
 
-class _StandInTELinear(torch.nn.Module):
-    mode = ""
-
-    def __init__(self, input_size, output_size, *, config, init_method, bias, skip_bias_add, is_expert=False,
-                 tp_comm_buffer_name=None, tp_group=None, gather_output=False, input_is_parallel=True, stride=1,
-                 skip_weight_param_allocation=False):
-        super().__init__()
-        tp = tp_group.size() if tp_group is not None else 1
-        self.config, self._tp_group, self.skip_bias_add = config, tp_group, skip_bias_add
-        self.parallel_mode, self.sequence_parallel = self.mode, config.sequence_parallel
-        out, inp = (output_size // tp, input_size) if self.mode == "column" else (output_size, input_size // tp)
-        self.weight = torch.nn.Parameter(torch.empty(out, inp, dtype=config.params_dtype))
-        self.bias = torch.nn.Parameter(torch.zeros(out, dtype=config.params_dtype)) if bias else None
+class _StandInTELinear(TELinearShape):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self.forward_calls = 0
 
     def forward(self, x):

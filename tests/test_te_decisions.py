@@ -22,6 +22,7 @@ import math
 
 import pytest
 import torch
+from te_stand_ins import TELinearShape
 
 import mlora
 from mlora.models import te as fp8_te
@@ -41,23 +42,13 @@ def _te_fp8_dims(recipe: str) -> tuple[int, int]:
     return (32, 32) if recipe == "mxfp8" else (8, 16)
 
 
-class _FakeTELinear(torch.nn.Module):
+class _FakeTELinear(TELinearShape):
     """megatron's TE linear wrapper as mlora uses it (a local GEMM), with the TE behaviour under test:
     the FP8 shape assertion when the config asks for FP8, and ``is_first_microbatch`` handed to TE and
     cleared after every call (megatron/core/extensions/transformer_engine.py, TELinear.forward)."""
 
-    mode = ""
-
-    def __init__(self, input_size, output_size, *, config, init_method, bias, skip_bias_add, is_expert=False,
-                 tp_comm_buffer_name=None, tp_group=None, gather_output=False, input_is_parallel=True, stride=1,
-                 skip_weight_param_allocation=False):
-        super().__init__()
-        tp = tp_group.size() if tp_group is not None else 1
-        self.config, self._tp_group, self.skip_bias_add = config, tp_group, skip_bias_add
-        self.parallel_mode, self.sequence_parallel = self.mode, config.sequence_parallel
-        out, inp = (output_size // tp, input_size) if self.mode == "column" else (output_size, input_size // tp)
-        self.weight = torch.nn.Parameter(torch.empty(out, inp, dtype=config.params_dtype))
-        self.bias = torch.nn.Parameter(torch.zeros(out, dtype=config.params_dtype)) if bias else None
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self.is_first_microbatch = True
         self.flags: list[bool] = []  # is_first_microbatch as TE saw it, per call
         self.tokens: list[int] = []
