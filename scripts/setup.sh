@@ -3,15 +3,7 @@
 # Idempotent: a second run only checks that everything is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-}
-if [ -z "$PY" ]; then
-  for cand in python3.11 python3; do
-    if command -v "$cand" >/dev/null && "$cand" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
-      PY=$cand; break
-    fi
-  done
-fi
-[ -n "$PY" ] || { echo "setup.sh: Python 3.11 is required (megatron-core 0.16.1); set PYTHON=/path/to/python3.11" >&2; exit 1; }
+. scripts/python311.sh setup.sh
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # torch==2.13.0 resolves to the CPU build on these machines; a CUDA install uses the "gpu" extra.
 log=$(mktemp)

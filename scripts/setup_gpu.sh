@@ -17,15 +17,7 @@
 # requirements it resolves from the sdist's declared ones (torch>=2.1, transformer_engine_cu13==TE, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-}
-if [ -z "$PY" ]; then
-  for cand in python3.11 python3; do
-    if command -v "$cand" >/dev/null && "$cand" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
-      PY=$cand; break
-    fi
-  done
-fi
-[ -n "$PY" ] || { echo "setup_gpu.sh: Python 3.11 is required (mlora and megatron-core 0.16.1); set PYTHON=/path/to/python3.11" >&2; exit 1; }
+. scripts/python311.sh setup_gpu.sh
 
 # the pins, read from pyproject.toml so that they live in one place
 pins=$("$PY" - <<'EOF'
