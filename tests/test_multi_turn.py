@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import types
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from skyrl_gym import register
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
 from mlora.rl.advantages import gae_advantages
-from mlora.rollout.data import Prompt, prompt_text
+from mlora.rollout.data import Prompt, prompt_ids
 from mlora.rollout.envs import is_multi_turn
 from mlora.rollout.generator import Generation, SamplingConfig
 from mlora.rollout.gym import make_text_env
@@ -41,19 +42,20 @@ class ScriptedEngine:
 
 
 def _prompt(row: dict, tokenizer) -> Prompt:
-    return Prompt(row, tokenizer(prompt_text(row, tokenizer), add_special_tokens=True)["input_ids"],
+    return Prompt(row, prompt_ids(row, tokenizer),
                   row["env_class"])
 
 
-def _episodes(prompts, engine, tokenizer, max_turns=4, n=1, max_input_length=4096, workers=1, settings=None):
+def _episodes(prompts, engine, tokenizer, max_turns=4, n=1, max_input_length=4096, workers=1, settings=None,
+              conversation=True):
     """mlora's episodes as the trainer runs them (mlora/train/rollouts.py ``_episodes``), a scripted engine."""
-    fmt = TurnFormat(tokenizer)
+    fmt = TurnFormat(tokenizer, conversation)
 
     def make(p):
         return make_text_env(p.env_class, (settings or {}).get(p.env_class), {**p.row, "max_turns": max_turns})
 
     def ids_of(p, conversation):
-        return tokenizer(prompt_text({**p.row, "prompt": conversation}, tokenizer), add_special_tokens=True)["input_ids"]
+        return prompt_ids({**p.row, "prompt": conversation}, tokenizer)
 
     return run_episodes(engine, prompts, SamplingConfig(n_samples_per_prompt=n, seed=3), make, fmt, max_turns,
                         max_input_length, ids_of, workers)
@@ -194,6 +196,7 @@ def test_length_bound_ends_a_trajectory(chat_tokenizer):
     prompt = _prompt(CALC_ROW, tok)
     (gen,) = _episodes([prompt], ScriptedEngine(tok, ["<tool>1 + 1</tool>"]), tok, max_input_length=len(prompt.token_ids) + 12)
     assert gen.extra["end_reason"] == "length" and gen.extra["turns"] == 1
+    assert gen.finish_reason == "length"  # SkyRL's stop_reason: zero_reward_on_non_stop and overlong filtering see it
 
 
 # SkyRL's documented multi-turn multiply environment (skyrl-train/docs/tutorials/new_env.rst and
@@ -281,8 +284,8 @@ def test_calculator_and_guess_number():
 
 
 def test_plain_text_turns_without_a_chat_template(tiny_models):
-    """A tokenizer without a chat template (the tiny models'): observations are appended as text lines and
-    the model's turn is not closed by anything the model did not write."""
+    """A tokenizer without a chat template (the tiny models'): the trajectory is one message, observations
+    appended as they are, the model's turn not closed by anything the model did not write."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tiny_models / "llama"))
@@ -291,7 +294,42 @@ def test_plain_text_turns_without_a_chat_template(tiny_models):
     (gen,) = _episodes([_prompt(row, tok)], ScriptedEngine(tok, ["2", "3"]), tok)
     assert gen.extra["turn_rewards"] == [0.0, 1.0]
     env = tok.decode([t for t, m in zip(gen.token_ids, gen.extra["model_mask"]) if not m])
-    assert env == "The number is higher than 2.\n"
+    assert env == "The number is higher than 2."
+
+
+class _StopStringEngine(ScriptedEngine):
+    """Turns that end on a stop string: no EOS token (vLLM with ``stop=[...]``)."""
+
+    def __call__(self, sequences, sampling):
+        return [replace(g, token_ids=g.token_ids[:-1], logprobs=g.logprobs[:-1])
+                for g in super().__call__(sequences, sampling)]
+
+
+def test_one_message_trajectories_as_skyrl(chat_tokenizer):
+    """``use_conversation_multi_turn=false`` as SkyRL's generator: a turn's EOS leaves the trajectory when the
+    episode goes on (it is not trained mid-message), observations are appended as they are (no newline), and a
+    trajectory ending without EOS gets one (trained, log-prob 0, carrying the last turn's reward); the
+    context-budget cut is a "length" stop."""
+    tok = chat_tokenizer
+    eos = tok.eos_token_id
+    row = {"prompt": [{"role": "user", "content": "guess"}], "env_class": "guess_number",
+           "reward_spec": {"target": 3, "low": 1, "high": 4}}
+    prompt = _prompt(row, tok)
+    (gen,) = _episodes([prompt], ScriptedEngine(tok, ["2", "3"]), tok, conversation=False)
+    two, three = (tok(x, add_special_tokens=False)["input_ids"] for x in ("2", "3"))
+    obs = tok("The number is higher than 2.", add_special_tokens=False)["input_ids"]
+    assert gen.token_ids == two + obs + three + [eos]  # the first turn's EOS is gone, the last one's kept
+    assert gen.extra["model_mask"] == [1] * len(two) + [0] * len(obs) + [1] * (len(three) + 1)
+    assert gen.logprobs == [-0.5] * len(two) + [0.0] * len(obs) + [-0.5] * (len(three) + 1)
+    assert gen.extra["turn_ends"] == [len(two) - 1, len(gen.token_ids) - 1] and gen.finish_reason == "stop"
+
+    (gen,) = _episodes([prompt], _StopStringEngine(tok, ["2", "3"]), tok, conversation=False)
+    assert gen.token_ids == two + obs + three + [eos] and gen.logprobs[-1] == 0.0  # appended, as SkyRL
+    assert gen.extra["model_mask"][-1] == 1 and gen.extra["turn_ends"][-1] == len(gen.token_ids) - 1
+
+    budget = len(prompt.token_ids) + len(two) + len(obs) - 1  # the observation does not fit
+    (gen,) = _episodes([prompt], ScriptedEngine(tok, ["2", "3"]), tok, conversation=False, max_input_length=budget)
+    assert gen.token_ids == two and gen.finish_reason == "length" and gen.extra["end_reason"] == "length"
 
 
 def _compose(overrides: list[str]):
@@ -330,6 +368,8 @@ def test_config_keys_and_errors():
                                                            r"of environment 'no_such_env', which is not a registered",
         ("environment.max_env_error_ratio=1.5",): r"environment.max_env_error_ratio=1.5 must be a number in \[0, 1\]",
         ("+environment.skyrl_gym.max_env_workers=0",): "max_env_workers=0 must be an integer >= 1",
+        ("+environment.skyrl_gym.search.top_k=5",): ("environment.skyrl_gym.search.top_k: not a setting of 'search'; "
+                                                     "valid: log_requests, search_url, topk, timeout"),
     }
     for overrides, message in cases.items():
         with pytest.raises(ConfigError, match=message):

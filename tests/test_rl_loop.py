@@ -161,13 +161,13 @@ def test_bad_input(tmp_path):
     assert "does not exist" in fails(f"data.train_data=[{tmp_path / 'missing.parquet'}]")
     pq.write_table(pa.Table.from_pylist([{"question": "1+1?", "answer": "#### 2"}]), tmp_path / "raw.parquet")
     err = fails(f"data.train_data=[{tmp_path / 'raw.parquet'}]")
-    assert "lacks columns ['prompt', 'reward_spec']" in err and "found ['question', 'answer']" in err
+    assert "lacks columns ['prompt']" in err and "found ['question', 'answer']" in err
     err = fails("+generator.engine_init_kwargs.no_such_vllm_argument=1")
     assert "vLLM engine for" in err and "failed to start" in err and "no_such_vllm_argument" in err
     assert "trainer.strategy='deepspeed': mlora is built on megatron-core" in fails("trainer.strategy=deepspeed")
     assert "but torchrun started 1 ranks" in fails("trainer.placement.policy_num_gpus_per_node=4")
     err = fails(f"data.val_data=[{tmp_path / 'raw.parquet'}]")
-    assert "data.val_data: " in err and "lacks columns ['prompt', 'reward_spec']" in err
+    assert "data.val_data: " in err and "lacks columns ['prompt']" in err
     assert "Could not override 'trainer.no_such_key'" in fails("trainer.no_such_key=1")
     # an error after the engine started: it is released too (checked inside _mlora_train)
     assert "not divisible by micro_train_batch_size" in fails("trainer.micro_train_batch_size_per_gpu=3")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mlora.rollout.data import load_prompts
-from mlora.rollout.envs import gsm8k_extract, gsm8k_reference, make_env, register_env, registered_envs
+from mlora.rollout.envs import gsm8k_reference, last_number, make_env, register_env, registered_envs, response_reward
 
 pytestmark = pytest.mark.quick
 
@@ -17,16 +17,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_gsm8k_scoring():
+    """``gsm8k`` is SkyRL's GSM8kEnv (strict ``#### N``, compared as text); mlora's lenient last-number scoring
+    of the arithmetic demo is ``arithmetic``."""
     assert gsm8k_reference("so 3 + 4 = 7\n#### 1,234") == "1234"
-    env = make_env("gsm8k")
-    sample = {"reward_spec": {"ground_truth": "72"}}
+    env = make_env("arithmetic")
+    sample = {"prompt": [{"role": "user", "content": "q"}], "reward_spec": {"ground_truth": "72"}}
     assert env.reward(sample, "She sold 48/2 = 24 ... 48+24 = 72", []) == 1.0
     assert env.reward(sample, "the answer is 72.0, not 71", []) == 0.0  # the last number counts
     assert env.reward(sample, "total 72.00", []) == 1.0
-    strict = make_env("gsm8k", strict=True)
-    assert strict.reward(sample, "... so 72", []) == 0.0
-    assert strict.reward(sample, "... #### 72", []) == 1.0
-    assert gsm8k_extract("no numbers here") is None
+    assert last_number("no numbers here") is None
+    assert response_reward("gsm8k", sample, "The answer is 72.", []) == 0.0  # SkyRL's: no '#### 72'
+    assert response_reward("gsm8k", sample, "... #### 72", []) == 1.0
+    assert response_reward("arithmetic", sample, "The answer is 72.", []) == 1.0
+    with pytest.raises(ValueError, match="'gsm8k' is a multi-turn text environment"):
+        make_env("gsm8k")
 
 
 def test_synthetic_envs_and_registry():
@@ -63,5 +67,27 @@ def test_bad_data_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_prompts(tmp_path / "missing.parquet")
     pq.write_table(pa.Table.from_pylist([{"question": "q", "answer": "a"}]), tmp_path / "raw.parquet")
-    with pytest.raises(ValueError, match=r"lacks columns \['prompt', 'reward_spec'\]"):
+    with pytest.raises(ValueError, match=r"lacks columns \['prompt'\]"):
         load_prompts(tmp_path / "raw.parquet")
+
+
+def test_chat_prompts_are_tokenized_once(tiny_models):
+    """A template that writes BOS itself (Llama-3's, Gemma's): the prompt has one BOS (SkyRL tokenizes through
+    the template), not the two that rendering to text and tokenizing with special tokens gives."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    from mlora.rollout.data import prompt_ids, prompt_text
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_models / "llama"))
+    # special tokens add a BOS, as Llama-3's tokenizer does
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single=f"{tok.bos_token} $A",
+                                                              special_tokens=[(tok.bos_token, tok.bos_token_id)])
+    assert tok("x", add_special_tokens=True)["input_ids"][0] == tok.bos_token_id
+    tok.chat_template = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    row = {"prompt": [{"role": "user", "content": "What is 2 + 3?"}]}
+    ids = prompt_ids(row, tok)
+    assert ids.count(tok.bos_token_id) == 1 and ids[0] == tok.bos_token_id
+    assert tok(prompt_text(row, tok), add_special_tokens=True)["input_ids"].count(tok.bos_token_id) == 2
+    assert prompt_ids({"prompt": "plain text"}, tok)[0] == tok.bos_token_id  # text prompts: the tokenizer's BOS

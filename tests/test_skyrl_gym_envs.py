@@ -16,8 +16,8 @@ from omegaconf import DictConfig
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 from skyrl_gym.tools.core import ToolGroup, tool
 
-from mlora.rollout.data import Prompt, prompt_text
-from mlora.rollout.envs import GSM8KEnv, env_class, is_multi_turn, make_env
+from mlora.rollout.data import Prompt, prompt_ids
+from mlora.rollout.envs import LastNumberEnv, env_class, is_multi_turn
 from mlora.rollout.generator import Generation, SamplingConfig
 from mlora.rollout.gym import check_step_output, make_text_env
 from mlora.rollout.multi_turn import EnvironmentFailure, TurnFormat, episode_metrics, run_episodes
@@ -118,13 +118,13 @@ def tok(smollm2):
 
 def _run(tok, rows: list[dict], scripts: list[list[str]], settings: dict | None = None, max_turns: int = 3):
     """mlora's episodes as its trainer runs them (mlora/train/rollouts.py ``_episodes``)."""
-    prompts = [Prompt(r, tok(prompt_text(r, tok), add_special_tokens=True)["input_ids"], r["env_class"]) for r in rows]
+    prompts = [Prompt(r, prompt_ids(r, tok), r["env_class"]) for r in rows]
 
     def make(p):
         return make_text_env(p.env_class, (settings or {}).get(p.env_class), {**p.row, "max_turns": max_turns})
 
     def ids_of(p, conversation):
-        return tok(prompt_text({**p.row, "prompt": conversation}, tok), add_special_tokens=True)["input_ids"]
+        return prompt_ids({**p.row, "prompt": conversation}, tok)
 
     gens = run_episodes(PerTrajectoryEngine(tok, scripts), prompts, SamplingConfig(n_samples_per_prompt=1, seed=0),
                         make, TurnFormat(tok), max_turns, 4096, ids_of)
@@ -218,20 +218,19 @@ def test_environment_failure_stops_the_run_with_a_report(tok, caplog):
     with caplog.at_level(logging.WARNING, logger="mlora"):
         metrics = Rollouts._turn_metrics(_rollouts(0.25), gens)
     assert metrics["multi_turn/ended_env_error"] == 1.0 and metrics["multi_turn/env_failure_ratio"] == 0.25
-    assert "1 of 4 trajectories ended by an environment fault" in caplog.text and "ConnectionError" in caplog.text
+    assert "training: 1 of 4 trajectories ended by an environment fault" in caplog.text and "ConnectionError" in caplog.text
+    # evaluation episodes are checked alike (a failing environment would otherwise score 0 unseen)
+    strict = _rollouts(0.0)
+    with pytest.raises(EnvironmentFailure, match="environment 't_flaky' failed at turn 1"):
+        Rollouts._env_failures(strict, gens, strict.cfg, "evaluation")
 
 
-def test_skyrl_gsm8k_envs_next_to_mlora_gsm8k(tok):
-    """The id ``gsm8k`` stays mlora's single-response reward (last number by default: the SkyRL example scripts'
-    and demos' path); SkyRL's shipped GSM8kEnv (strict ``#### N``) runs as a one-turn episode by its entry
-    point, and ``gsm8k_multi_turn`` by its id with its own metric aggregation."""
-    assert env_class("gsm8k") is GSM8KEnv and not is_multi_turn("gsm8k")
-    assert skyrl_gym.registry["gsm8k"].entry_point == "skyrl_gym.envs.gsm8k.env:GSM8kEnv"  # untouched
-    sample = _row("gsm8k", "7")
-    assert make_env("gsm8k").reward(sample, "The answer is 7", []) == 1.0
-    skyrl = "skyrl_gym.envs.gsm8k.env:GSM8kEnv"
-    assert is_multi_turn(skyrl)
-    _, gens = _run(tok, [_row(skyrl, "7")] * 3, [["The answer is 7"], ["#### 7"], ["#### 8"]], max_turns=1)
+def test_gsm8k_is_skyrl_gym_gsm8k(tok):
+    """The id ``gsm8k`` is SkyRL's shipped GSM8kEnv (strict ``#### N``), a one-turn episode; mlora's lenient
+    last-number reward is ``arithmetic``; ``gsm8k_multi_turn`` runs by its id with its own metric aggregation."""
+    assert is_multi_turn("gsm8k") and env_class("gsm8k").__module__ == "skyrl_gym.envs.gsm8k.env"
+    assert env_class("arithmetic") is LastNumberEnv and not is_multi_turn("arithmetic")
+    _, gens = _run(tok, [_row("gsm8k", "7")] * 3, [["The answer is 7"], ["#### 7"], ["#### 8"]], max_turns=1)
     assert [g.extra["turn_rewards"] for g in gens] == [[0.0], [1.0], [0.0]]
     assert all(g.extra["end_reason"] == "done" for g in gens)
     _, gens = _run(tok, [_row("gsm8k_multi_turn", "7")] * 2, [["#### 5", "#### 7"], ["#### 7"]])

@@ -350,7 +350,7 @@ def test_val_data_without_columns(gsm8k, tmp_path):
 
     raw = tmp_path / "raw.parquet"
     pq.write_table(pa.Table.from_pylist([{"question": "1+1?", "answer": "#### 2"}]), raw)
-    with pytest.raises(ValueError, match=r"data.val_data: .*raw.parquet lacks columns \['prompt', 'reward_spec'\]"):
+    with pytest.raises(ValueError, match=r"data.val_data: .*raw.parquet lacks columns \['prompt'\]"):
         load_prompt_set([str(raw)], tokenizer=None, max_prompt_length=512, default_env="gsm8k", what="data.val_data")
 
 
@@ -388,21 +388,35 @@ def test_configs_ship_in_the_wheel(tmp_path):
     assert out.strip().startswith(str(target)), out
 
 
-def test_zero_reward_on_non_stop(tmp_path):
-    """generator.zero_reward_on_non_stop: a response cut at max_generate_length scores 0, as in SkyRL."""
+def test_zero_reward_on_non_stop(tiny_models):
+    """generator.zero_reward_on_non_stop: a response cut at max_generate_length scores 0, as in SkyRL, under a
+    reward environment (``arithmetic``) and under a text environment scored as a one-turn episode (SkyRL's
+    ``gsm8k``, as asynchronous training scores responses generated ahead: its turn rewards zeroed too)."""
+    from transformers import AutoTokenizer
+
     from mlora.config.schema import TrainConfig
     from mlora.rollout.data import Prompt
     from mlora.rollout.generator import Generation
     from mlora.train.rollouts import Rollouts
 
-    prompt = Prompt({"prompt": "1+1?", "reward_spec": {"ground_truth": "2"}}, [1, 2], "gsm8k")
-    done, cut = Generation(0, [5], [0.0], "#### 2", "stop"), Generation(0, [5], [0.0], "#### 2", "length")
     cfg = TrainConfig()
     rollouts = object.__new__(Rollouts)  # scoring only: no engines, no process group
-    rollouts.cfg, rollouts.envs = cfg, {}
-    assert rollouts.score(prompt, done) == rollouts.score(prompt, cut) == 1.0
-    cfg.generator.zero_reward_on_non_stop = True
-    assert (rollouts.score(prompt, done), rollouts.score(prompt, cut)) == (1.0, 0.0)
+    rollouts.cfg, rollouts.envs, rollouts.turn_formats, rollouts.max_model_len = cfg, {}, {}, 256
+    rollouts.tokenizer = AutoTokenizer.from_pretrained(str(tiny_models / "llama"))
+    for env in ("arithmetic", "gsm8k"):
+        cfg.generator.zero_reward_on_non_stop = False
+        prompt = Prompt({"prompt": "1+1?", "reward_spec": {"ground_truth": "2"}}, [1, 2], env)
+        def scored() -> tuple[float, float]:  # fresh generations: a text environment's episode rewrites its own
+            nonlocal done, cut
+            done, cut = Generation(0, [5], [0.0], "#### 2", "stop"), Generation(0, [5], [0.0], "#### 2", "length")
+            return rollouts.score(prompt, done), rollouts.score(prompt, cut)
+
+        done = cut = None
+        assert scored() == (1.0, 1.0), env
+        cfg.generator.zero_reward_on_non_stop = True
+        assert scored() == (1.0, 0.0), env
+    assert done.extra["turn_rewards"] == [1.0] and cut.extra["turn_rewards"] == [0.0]  # the episode's own record
+    assert done.extra["end_reason"] == "done" and done.extra["env_class"] == "gsm8k"
 
 
 def test_overrides_before_and_after_options():

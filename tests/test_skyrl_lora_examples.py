@@ -1268,6 +1268,22 @@ def test_json_dict_values_on_the_command_line():
     assert skyrl_override('a.b={"not an id": 1}') == 'a.b={"not an id": 1}'
 
 
+def aime_rows(src: Path, dst: Path) -> Path:
+    """GSM8K rows in the AIME dataset's schema (SkyRL's AIMEEnv reads ``reward_model.ground_truth``): the
+    problems differ, the environment and its answer check are AIME's."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from mlora.rollout.data import load_prompts
+
+    rows = [{**r, "env_class": "aime", "data_source": "aime",
+             "reward_model": {"style": "rule", "ground_truth": str(r["reward_spec"]["ground_truth"])}}
+            for r in load_prompts(src)]
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), dst)
+    return dst
+
+
 def test_dapo_script_trains_two_steps(gsm8k):  # noqa: F811
     """SkyRL's DAPO 4B LoRA script (CPU-sized) trains 2 steps at TP2 x PP2: the overlong penalty and
     filtering show in the metrics, the adapter is exported every step (hf_save_interval=1, PEFT files)
@@ -1277,13 +1293,13 @@ def test_dapo_script_trains_two_steps(gsm8k):  # noqa: F811
     root = Path(gsm8k["root"])
     run_dir, export = root / "run_dapo", root / "exports" / "dapo_qwen3_4b_base_megatron_tp2_pp2_cp1_lora_rank32_alpha64"
     # the run's sizes: GSM8K prompts, 8-token responses (the last 4 penalized), 4 prompts x 4 samples a step
+    aime = {split: aime_rows(Path(gsm8k["DATA_DIR"]) / f"{split}.parquet", root / "aime" / f"{split}.parquet")
+            for split in ("train", "validation")}
     sizes = {"MAX_PROMPT_LENGTH": "512", "MAX_RESPONSE_LENGTH": "8", "OVERLONG_BUFFER_LEN": "4",
              "TRAIN_BATCH_SIZE": "4", "MINI_BATCH_SIZE": "2", "N_SAMPLES_PER_PROMPT": "4",
-             "EVAL_N_SAMPLES_PER_PROMPT": "1", "TRAIN_FILE": f"{gsm8k['DATA_DIR']}/train.parquet",
-             "TEST_FILE": f"{gsm8k['DATA_DIR']}/validation.parquet"}
+             "EVAL_N_SAMPLES_PER_PROMPT": "1", "TRAIN_FILE": str(aime["train"]), "TEST_FILE": str(aime["validation"])}
     args = rl_overrides("RUN_MEGATRON_DAPO_QWEN3_4B_LORA", root, gsm8k["MODEL"], **sizes)
-    # AIME's environment is not mlora's: the CPU data are GSM8K's rows (scored by its environment)
-    args = [a.replace("environment.env_class=aime", "environment.env_class=gsm8k") for a in args]
+    assert "environment.env_class=aime" in args  # skyrl_gym's AIMEEnv, as the script says
     args += ["trainer.total_steps=2", f"trainer.run_dir={run_dir}", "generator.kv_cache_memory_bytes=67108864",
              "trainer.hf_save_interval=1", "trainer.dump_data_batch=true", "trainer.eval_before_train=false"]
     proc = mlora_train(args, 4, cwd=root)
@@ -1305,7 +1321,43 @@ def test_dapo_script_trains_two_steps(gsm8k):  # noqa: F811
         assert any("lora_A" in k for k in load_file(adapter / "adapter_model.safetensors"))
         dumped = torch.load(export / "dumped_data" / f"global_step_{step}_training_input.pt")
         assert dumped["input_ids"].shape[0] == 16 and dumped["loss_mask"].shape == (16,)
-        assert dumped["rewards"].shape == (16,) and dumped["rewards"].min() >= -1.0
+        # AIME's -1 for a wrong answer, the overlong penalty down to -1 more
+        assert dumped["rewards"].shape == (16,) and dumped["rewards"].min() >= -2.0
+
+
+def test_sql_script_trains_two_steps(tmp_path):
+    """SkyRL-SQL's megatron LoRA script (CPU-sized) trains 2 steps with its own environment, skyrl_gym's
+    ``text2sql``, on a tiny Spider-layout database under its ``DB_PATH``: one-message trajectories
+    (use_conversation_multi_turn=false) of up to its 6 turns, its stop strings, GRPO over 5 samples at TP2, the held-out
+    episodes before training; no environment fault."""
+    from skyrl_env_assets import build_spider_db, env_rows, write_prompt_parquet
+
+    from mlora.testing import build_tiny_model
+
+    model = tmp_path / "tiny-llama"  # the SQL prompt and its turns need more than the tiny model's 256 positions
+    build_tiny_model("llama", model, initializer_range=0.1, max_position_embeddings=2048)
+    where = paths(tmp_path, str(model))
+    build_spider_db(Path(where["DB_PATH"]))
+    rows = env_rows(["text2sql"])
+    write_prompt_parquet(rows * 4, Path(where["DATA_DIR"]) / "train.parquet")
+    write_prompt_parquet(rows * 2, Path(where["DATA_DIR"]) / "validation.parquet")
+    run_dir = tmp_path / "run_sql"
+    sizes = {"TRAIN_BATCH_SIZE": "2", "MAX_INPUT_LENGTH": "1900", "MAX_GENERATE_LENGTH": "8", "MEGATRON_TP": "2",
+             "MEGATRON_PP": "1", "NUM_GPUS": "2"}
+    # the script's literal sizes (and its W&B logger: no account here) for 2 cores
+    cpu = {"trainer.max_prompt_length": "800", "trainer.policy_mini_batch_size": "2", "trainer.logger": "console"}
+    args = [f"{a.split('=', 1)[0]}={cpu[a.split('=', 1)[0]]}" if a.split("=", 1)[0] in cpu else a
+            for a in rl_overrides("RUN_SKYRL_SQL_MEGATRON_LORA", tmp_path, str(model), **sizes)]
+    args += ["trainer.total_steps=2", f"trainer.run_dir={run_dir}", "generator.kv_cache_memory_bytes=67108864"]
+    proc = mlora_train(args, 2, cwd=tmp_path)
+    if proc.returncode != 0:
+        pytest.fail(f"mlora-train failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2] and "eval/spider/reward_mean" in rows[0]
+    for r in steps:
+        assert r["multi_turn/ended_env_error"] == r["multi_turn/ended_malformed"] == 0, r
+        assert r["multi_turn/turns_mean"] > 1 and r["multi_turn/env_tokens_mean"] > 0  # the env answered turns
 
 
 def test_fully_async_script_trains_two_steps(gsm8k):  # noqa: F811

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -139,6 +140,44 @@ def test_tempered_truncated_agreement(engine, tiny_models, peft_refs_dir, tmp_pa
         assert metrics["rollout/logprob_abs_diff_max"] <= AGREE
         assert gap_old.mean().item() > 10 * AGREE  # what the trainer compared before
         assert gap_tempered.mean().item() > 10 * AGREE  # the truncation matters too
+
+
+def test_stop_strings_reach_the_environment(engine, tiny_models, peft_refs_dir, tmp_path):
+    """A turn that ends on a stop string (SkyRL's text-to-SQL script stops at ``</sql>``): the environment's
+    step sees the text up to and including the stop string (SkyRL's ``include_stop_str_in_output``), and that
+    text is the decoding of the tokens kept for training."""
+    from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
+    from transformers import AutoTokenizer
+
+    from mlora.rollout.data import Prompt
+    from mlora.rollout.multi_turn import TurnFormat, run_episodes
+
+    adapter = tmp_path / "policy"
+    shutil.copytree(peft_refs_dir / "llama" / "policy", adapter)
+    engine.update_adapter(adapter, "policy")
+    tok = AutoTokenizer.from_pretrained(str(tiny_models / "llama"))
+    # the random tiny model's vocabulary outgrows its tokenizer's: find a seed whose sample has text to stop in
+    for seed in range(50):
+        sampling = SamplingConfig(max_generate_length=16, seed=seed)
+        (free,) = engine.generate(PROMPTS[:1], sampling)
+        stop = free.text[len(free.text) // 2:][:3]  # a closing tag the sample reaches mid-generation
+        if len(stop) == 3 and free.text.index(stop) + 3 < len(free.text):
+            break
+    else:
+        pytest.fail("no sample with text")
+    seen = []
+
+    class Recorder(BaseTextEnv):
+        def step(self, action):
+            seen.append(action)
+            return BaseTextEnvStepOutput(observations=[], reward=1.0, done=True, metadata={})
+
+    prompt = Prompt({"prompt": "p"}, PROMPTS[0], "recorder")
+    sampling = replace(sampling, stop=(stop,))  # the same seed: the same tokens up to the stop string
+    (gen,) = run_episodes(engine.generate, [prompt], sampling, lambda p: Recorder(), TurnFormat(tok, False), 1,
+                          64, lambda p, c: PROMPTS[0])
+    assert seen == [free.text[:free.text.index(stop) + len(stop)]] and seen[0].endswith(stop)
+    assert tok.decode(gen.token_ids) == seen[0] + tok.eos_token  # the stop-string turn closed by an EOS
 
 
 def test_engine_start_errors(tmp_path):

@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 
 from mlora.rollout.data import load_prompts
-from mlora.rollout.envs import make_env
+from mlora.rollout.envs import response_reward
 from mlora.rollout.serve import largest_adapter_rank, serve_command
 from mlora.train.metrics_log import read_metrics
 
@@ -59,13 +59,13 @@ def _wait_ready(url: str, proc: subprocess.Popen, log: Path, limit_s: float = 60
 
 def served_accuracy(url: str, rows: list[dict], env_class: str, max_tokens: int) -> tuple[float, list[dict]]:
     """Share of ``rows`` answered right by adapter ``policy`` through the chat API, greedy."""
-    env, right, answers = make_env(env_class), 0, []
+    right, answers = 0, []
     for row in rows:
         messages = row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
         out = _post(f"{url}/v1/chat/completions", {"model": ADAPTER, "messages": messages, "temperature": 0.0,
                                                     "max_tokens": max_tokens})
         text = out["choices"][0]["message"]["content"]
-        score = env.reward(row, text, [])
+        score = response_reward(row.get("env_class") or env_class, row, text, [])
         right += score
         answers.append({"question": messages[-1]["content"], "response": text, "reward": score})
     return right / len(rows), answers

@@ -332,9 +332,13 @@ def _check_async(cfg: TrainConfig, cuda: bool) -> list[str]:
     if cfg.preference.stage not in (None, "null", "none"):
         raise ConfigError(f"trainer.fully_async.enabled=true applies to the RL loop, not preference.stage="
                           f"{cfg.preference.stage}")
-    if f.max_staleness_steps < 1:
-        raise ConfigError(f"trainer.fully_async.max_staleness_steps={f.max_staleness_steps} must be >= 1 (0 is the "
-                          "synchronous loop: set trainer.fully_async.enabled=false)")
+    if f.max_staleness_steps < 0:
+        raise ConfigError(f"trainer.fully_async.max_staleness_steps={f.max_staleness_steps} must be >= 0 (0: each "
+                          "step's groups generate after the previous update, the synchronous loop)")
+    if t.policy_mini_batch_size != t.train_batch_size:
+        raise ConfigError(f"trainer.fully_async.enabled=true needs trainer.policy_mini_batch_size="
+                          f"{t.policy_mini_batch_size} equal to trainer.train_batch_size={t.train_batch_size} (SkyRL's "
+                          "rule: each step trains the groups of one mini-batch, the unit the staleness bound counts)")
     if f.num_parallel_generation_workers < t.train_batch_size:
         raise ConfigError(f"trainer.fully_async.num_parallel_generation_workers={f.num_parallel_generation_workers} "
                           f"must be >= trainer.train_batch_size={t.train_batch_size} (prompt groups of one training "
@@ -343,19 +347,43 @@ def _check_async(cfg: TrainConfig, cuda: bool) -> list[str]:
         raise ConfigError("trainer.fully_async.enabled=true needs trainer.placement.colocate_all=false: the engines "
                           "generate the next batches while the trainer updates, so they cannot share its GPUs and "
                           "sleep")
-    ahead = async_batches_ahead(cfg)
-    notes = [f"trainer.fully_async: {ahead} batch{'es' if ahead > 1 else ''} of {t.train_batch_size} prompts "
-             f"generate{'' if ahead > 1 else 's'} ahead of the update (num_parallel_generation_workers={f.num_parallel_generation_workers}, "
-             f"max_staleness_steps={f.max_staleness_steps}): a batch trained at step j was sampled by policy version "
-             f">= j - 1 - {ahead}"]
+    in_flight = async_groups_in_flight(cfg)
+    notes = [f"trainer.fully_async: up to {in_flight} prompt groups generate at once (num_parallel_generation_workers="
+             f"{f.num_parallel_generation_workers}; SkyRL's capacity rule: (max_staleness_steps + step) x "
+             f"{t.train_batch_size} groups admitted by step, max_staleness_steps={f.max_staleness_steps}): a batch "
+             f"trained at step j was sampled by policy version >= j - 1 - {f.max_staleness_steps}"]
+    if f.num_parallel_generation_workers > in_flight:
+        notes.append(f"trainer.fully_async.num_parallel_generation_workers={f.num_parallel_generation_workers}: at "
+                     f"most {in_flight} = train_batch_size x (max_staleness_steps + 1) groups can be in flight "
+                     "(the staleness bound admits no more); SkyRL refuses more")
     return notes
 
 
-def async_batches_ahead(cfg: TrainConfig) -> int:
-    """How many training batches generate ahead of the update in asynchronous training: the parallel
-    generation workers' whole batches, at most ``max_staleness_steps`` (so no sample is staler), at least 1."""
+def async_groups_in_flight(cfg: TrainConfig) -> int:
+    """The most prompt groups generating at once in asynchronous training: the parallel generation workers, at
+    most what the staleness bound admits beyond the step being trained (``train_batch_size x
+    (max_staleness_steps + 1)``)."""
+    f, b = cfg.trainer.fully_async, cfg.trainer.train_batch_size
+    return min(f.num_parallel_generation_workers, b * (f.max_staleness_steps + 1))
+
+
+def generates_while_training(cfg: TrainConfig) -> bool:
+    """Whether engines generate while the trainer updates (asynchronous training with a staleness bound > 0;
+    at 0 each step's groups wait for the previous update): then they and the trainer split a node's CPU cores."""
     f = cfg.trainer.fully_async
-    return max(1, min(f.max_staleness_steps, f.num_parallel_generation_workers // cfg.trainer.train_batch_size))
+    return f.enabled and f.max_staleness_steps > 0
+
+
+def off_policy_corrected(cfg: TrainConfig) -> bool:
+    """Whether the run corrects for samples of another policy than the trainer's π_old: the ``rollout_is`` loss
+    (its ratio is to the sampling policy) or importance weights / masks of
+    ``trainer.algorithm.off_policy_correction``."""
+    a = cfg.trainer.algorithm
+    o = a.off_policy_correction
+    return bool(a.policy_loss_type == "rollout_is" or o.tis_ratio_type or o.sequence_mask_metric
+                or o.token_mask_is_threshold_low is not None
+                or o.token_mask_is_threshold_high is not None or o.outlier_token_is_threshold_low is not None
+                or o.outlier_token_is_threshold_high is not None)
 
 
 def _check_reward_model(cfg: TrainConfig) -> None:
@@ -635,7 +663,7 @@ def _check_multi_turn(cfg: TrainConfig) -> list[str]:
     ``environment.skyrl_gym.*`` (per-environment settings under the environment's name, and
     ``max_env_workers``). Returns notes."""
     from mlora.rollout.envs import env_class, registered_envs
-    from mlora.rollout.gym import is_text_env
+    from mlora.rollout.gym import env_config, is_text_env
 
     g, env, notes = cfg.generator, cfg.environment, []
     if g.max_turns < 1:
@@ -655,6 +683,10 @@ def _check_multi_turn(cfg: TrainConfig) -> list[str]:
         if not isinstance(value, dict):
             raise ConfigError(f"environment.skyrl_gym.{key}={value!r}: an environment's settings are a dict "
                               f"(environment.skyrl_gym.{key}.NAME=VALUE)")
+        try:
+            env_config(value, key)  # SkyRL's typed settings (search, text2sql) refuse keys they do not have
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     ratio = env.max_env_error_ratio
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
         raise ConfigError(f"environment.max_env_error_ratio={ratio!r} must be a number in [0, 1]: the share of a "

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-REQUIRED_COLUMNS = ("prompt", "reward_spec")
+REQUIRED_COLUMNS = ("prompt",)  # SkyRL's: the rest of a row is the environment's extras
 
 
 def load_prompts(path: str | os.PathLike) -> list[dict]:
@@ -23,10 +23,10 @@ def load_prompts(path: str | os.PathLike) -> list[dict]:
     missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
     if missing:
         raise ValueError(f"{file} lacks columns {missing}; expected {list(REQUIRED_COLUMNS)} (+ optional env_class, "
-                         f"data_source), found {table.column_names}")
+                         f"data_source, reward_spec and the environment's extras), found {table.column_names}")
     rows = table.to_pylist()
     for row in rows:
-        if isinstance(row["reward_spec"], str):
+        if isinstance(row.get("reward_spec"), str):
             row["reward_spec"] = json.loads(row["reward_spec"])
     if not rows:
         raise ValueError(f"{file} has no rows")
@@ -41,6 +41,18 @@ def prompt_text(row: dict, tokenizer) -> str:
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     return "\n".join(m["content"] for m in prompt) + "\n"
+
+
+def prompt_ids(row: dict, tokenizer) -> list[int]:
+    """The prompt's tokens. Chat messages are tokenized by the chat template itself (SkyRL's way): the special
+    tokens the template writes (a BOS in Llama-3's or Gemma's) appear once, where rendering to text and
+    tokenizing that with special tokens adds a second BOS. Text prompts, and messages without a template, get
+    the tokenizer's special tokens."""
+    prompt = row["prompt"]
+    if not isinstance(prompt, str) and getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True,
+                                                  return_dict=False))
+    return tokenizer(prompt_text(row, tokenizer), add_special_tokens=True)["input_ids"]
 
 
 @dataclass
@@ -68,7 +80,7 @@ def load_prompt_set(paths: list[str], tokenizer, max_prompt_length: int, default
         except (ValueError, FileNotFoundError) as exc:
             raise type(exc)(f"{what}: {exc}") from None
         for row in rows:
-            ids = tokenizer(prompt_text(row, tokenizer), add_special_tokens=True)["input_ids"]
+            ids = prompt_ids(row, tokenizer)
             if len(ids) > max_prompt_length:
                 dropped += 1
                 continue

@@ -4,27 +4,27 @@ Two kinds, one ``environment.env_class`` (or a row's ``env_class``):
 
 - a reward environment (mlora's own registry, :func:`register_env`) scores one response:
   ``env.reward(sample, response_text, response_ids) -> float``, ``sample`` the prompt row (with its
-  ``reward_spec``): ``gsm8k``, ``target_token``, ``copy_first``, ``reward_model``;
+  ``reward_spec``): ``arithmetic`` (the last number of the response), ``target_token``, ``copy_first``,
+  ``reward_model``;
 - a SkyRL-Gym text environment (``skyrl_gym``'s registry, ``skyrl_gym.register``, or an entry point
   ``package.module:Class``) is one object per trajectory that answers each model turn
-  (:mod:`mlora.rollout.multi_turn`): mlora's ``calculator`` and ``guess_number``, SkyRL's shipped ones
-  (``gsm8k_multi_turn``, ``aime``, ``text2sql``, ``search``, ``lcb``, ``searchcode``), or your own.
+  (:mod:`mlora.rollout.multi_turn`): SkyRL's shipped ones (``gsm8k`` with its strict ``#### N`` reward,
+  ``gsm8k_multi_turn``, ``aime``, ``text2sql``, ``search``, ``lcb``, ``searchcode``), mlora's ``calculator``
+  and ``guess_number``, or your own.
 
-A name in both registries is mlora's reward environment: ``gsm8k`` is mlora's single-response scoring (the
-last number by default, ``strict=True`` for ``#### N``), as the SkyRL example scripts and mlora's demos use
-it; SkyRL's own ``GSM8kEnv`` (strict ``#### N``, compared as text) runs as a one-turn episode by its entry
-point ``skyrl_gym.envs.gsm8k.env:GSM8kEnv``.
+A name is in one registry only: mlora registers no reward environment under a skyrl_gym id.
 """
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import Protocol
 
 import skyrl_gym
 
 from mlora.rollout import registry
-from mlora.rollout.gym import UnknownTextEnv, is_text_env, text_env_class
+from mlora.rollout.gym import UnknownTextEnv, check_step_output, is_text_env, make_text_env, text_env_class
 from mlora.rollout.registry import register_env  # noqa: F401 (the reward registry's door)
 
 # mlora's text environments, in skyrl_gym's registry as a SkyRL user's would be
@@ -78,6 +78,20 @@ def make_env(name: str, **kwargs) -> Environment:
     return cls(**kwargs)
 
 
+def response_reward(name: str, row: dict, text: str, ids: list[int], settings: dict | None = None) -> float:
+    """The reward of one response ``text`` (tokens ``ids``) to prompt ``row`` under environment ``name``: a
+    reward environment's ``reward``, or a text environment's first step (``settings``: its
+    ``environment.skyrl_gym.<name>``). For scoring responses produced elsewhere (a served model)."""
+    if not is_multi_turn(name):
+        return make_env(name).reward(row, text, ids)
+    env = make_text_env(name, settings, {**row, "max_turns": 1})
+    try:
+        env.init(copy.deepcopy(row.get("prompt")))
+        return check_step_output(env.step(text)).reward
+    finally:
+        env.close()
+
+
 def is_multi_turn(name: str) -> bool:
     """Whether ``name`` is a SkyRL-Gym text environment (its rollouts are episodes)."""
     return is_text_env(env_class(name))
@@ -103,25 +117,20 @@ def gsm8k_reference(answer: str) -> str:
     return _normalise(found[0])
 
 
-def gsm8k_extract(response: str, strict: bool = False) -> str | None:
-    """The model's answer: the number in ``#### N`` (strict) or the last number in the response."""
-    if strict:
-        m = re.search(r"####\s*(-?[\d,]*\.?\d+)", response)
-        return _normalise(m.group(1)) if m else None
+def last_number(response: str) -> str | None:
+    """The last number in the response (commas and trailing zeros of decimals dropped), None when none."""
     found = _NUMBER.findall(response)
     return _normalise(found[-1]) if found else None
 
 
-@register_env("gsm8k")
-class GSM8KEnv:
-    """Reward 1 when the extracted answer equals ``reward_spec.ground_truth``, else 0."""
-
-    def __init__(self, strict: bool = False) -> None:
-        self.strict = strict
+@register_env("arithmetic")
+class LastNumberEnv:
+    """Reward 1 when the last number of the response equals ``reward_spec.ground_truth``, else 0: the lenient
+    scoring of mlora's arithmetic demo (SkyRL's ``gsm8k`` wants ``#### N``)."""
 
     def reward(self, sample: dict, response_text: str, response_ids: list[int]) -> float:
         truth = _normalise(str(sample["reward_spec"]["ground_truth"]))
-        return float(gsm8k_extract(response_text, self.strict) == truth)
+        return float(last_number(response_text) == truth)
 
 
 @register_env("target_token")

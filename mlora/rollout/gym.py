@@ -62,16 +62,31 @@ def text_env_class(name: str) -> type:
     return _load(skyrl_gym.registry[text_env_id(name)].entry_point)
 
 
-def env_config(settings: Mapping | None) -> DictConfig:
-    """``environment.skyrl_gym.<id>`` as SkyRL passes it: an OmegaConf DictConfig (``env_config.db_path``
-    and ``env_config.get("db_path")`` both work); empty when the environment has no settings."""
-    return OmegaConf.create(dict(settings or {}))
+# the environments whose settings SkyRL's trainer config types, with its defaults (skyrl.train.config's
+# SkyRLGymConfig: search's search_url/topk/timeout/log_requests, text2sql's db_path)
+TYPED_SETTINGS = {"search": "skyrl_gym.envs.search.env:SearchEnvConfig",
+                  "text2sql": "skyrl_gym.envs.sql.env:Text2SQLEnvConfig"}
+
+
+def env_config(settings: Mapping | None, name: str | None = None) -> DictConfig:
+    """``environment.skyrl_gym.<name>`` as SkyRL passes it: an OmegaConf DictConfig (``env_config.db_path``
+    and ``env_config.get("db_path")`` both work); for ``search`` and ``text2sql`` the settings over SkyRL's
+    defaults, a key they do not have refused (ValueError naming it and the valid ones)."""
+    settings = dict(settings or {})
+    if name not in TYPED_SETTINGS:
+        return OmegaConf.create(settings)
+    defaults = OmegaConf.structured(load_env_creator(TYPED_SETTINGS[name]))
+    unknown = sorted(set(settings) - set(defaults))
+    if unknown:
+        raise ValueError(f"environment.skyrl_gym.{name}.{unknown[0]}: not a setting of {name!r}; valid: "
+                         f"{', '.join(defaults)}")
+    return OmegaConf.merge(defaults, settings)
 
 
 def make_text_env(name: str, settings: Mapping | None, extras: dict) -> BaseTextEnv:
     """One environment for one trajectory: ``skyrl_gym.make`` (so ``register(..., kwargs=...)`` applies, the
     call's ``env_config``/``extras`` over them) with ``settings`` as :func:`env_config`."""
-    return skyrl_gym.make(text_env_id(name), env_config=env_config(settings), extras=extras)
+    return skyrl_gym.make(text_env_id(name), env_config=env_config(settings, name), extras=extras)
 
 
 class StepResult(NamedTuple):

@@ -24,7 +24,13 @@ the model's tokens, but with log-prob 0 where they differ from what the engine s
 raises (in construction, ``init``, ``step``, ``get_metrics``) or returns malformed output ends its
 trajectory (reward 0 for that turn, the reason and traceback kept); :func:`check_env_failures` then stops the
 run with a report unless the share of such trajectories is within the tolerated one. A trajectory whose next
-prompt would exceed ``max_input_length`` ends as ``length``.
+prompt would exceed ``max_input_length`` ends as ``length`` (its ``finish_reason`` too, as SkyRL's
+``stop_reason``).
+
+``use_conversation_multi_turn=false`` (or a tokenizer without a chat template) keeps the whole trajectory in one
+assistant message, as SkyRL: a turn's closing EOS is dropped when the episode goes on, the observations'
+contents are appended as they are, and a trajectory that ends with neither an EOS nor a length cut gets one
+(trained, log-prob 0, carrying the last turn's reward).
 """
 
 from __future__ import annotations
@@ -55,7 +61,8 @@ class TurnFormat:
     token if the model stopped on something else, then what the template puts after it), and the
     observations are the template's rendering of the new messages followed by the generation prompt,
     taken as the difference of two renderings (SkyRL's way). Otherwise (no template, or
-    ``conversation=False``): the observations' contents, one per line, as plain text."""
+    ``conversation=False``): one assistant message goes on, the model's EOS dropped (:meth:`open_turn`) and the
+    observations' contents appended as they are (SkyRL's ``use_conversation_multi_turn=false``)."""
 
     _BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
 
@@ -73,6 +80,11 @@ class TurnFormat:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def open_turn(self, action_ids: Sequence[int]) -> int:
+        """How many of the turn's last model tokens leave the trajectory before the observations: its EOS when
+        the conversation stays one assistant message (the message goes on, so SkyRL drops the EOS)."""
+        return int(not self.chat and bool(action_ids) and action_ids[-1] == self.eos)
+
     def close_turn(self, action_ids: Sequence[int]) -> list[int]:
         """Environment tokens that end the model's turn before the observations."""
         if not self.chat:
@@ -83,7 +95,7 @@ class TurnFormat:
     def observation_ids(self, messages: list[dict]) -> list[int]:
         """The observations as tokens, ready for the model's next turn."""
         if not self.chat:
-            return self._encode("".join(m["content"] + "\n" for m in messages))
+            return [t for m in messages for t in self._encode(m["content"])]
         full = self.tokenizer.apply_chat_template(self._BASE + list(messages), tokenize=False,
                                                   add_generation_prompt=True)
         if not full.startswith(self._base_text):
@@ -117,6 +129,11 @@ class _Trajectory:
         self.ids.extend(ids)
         self.mask.extend([int(model)] * len(ids))
         self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+
+    def drop_last(self, n: int) -> None:
+        """The last ``n`` tokens leave the trajectory."""
+        if n:
+            del self.ids[-n:], self.mask[-n:], self.logprobs[-n:]
 
     def replace_action(self, old: Sequence[int], new: list[int]) -> None:
         """The last turn's model tokens ``old`` become ``new`` (a ``postprocessed_action``); tokens past the
@@ -207,13 +224,18 @@ def run_episodes(generate: Callable[[list[list[int]], SamplingConfig], list[Gene
                         t.fail(_error("malformed", exc), turn + 1)
                         reason = t.end_reason
                     else:
+                        t.drop_last(fmt.open_turn(action_ids))
+                        t.turn_ends[-1] = len(t.mask) - 1
                         if len(t.ids) + len(more) > max_input_length:
-                            reason = "length"
+                            reason = t.finish_reason = "length"  # SkyRL's stop_reason for the context cut
                         else:
                             t.add(more, False)
                             still.append(t)
                             continue
                 t.end_reason = reason or "done"
+                if not fmt.chat and t.finish_reason != "length" and t.ids[-1:] != [fmt.eos] and fmt.eos is not None:
+                    t.add([fmt.eos], True)  # one assistant message ends with EOS (SkyRL appends and trains it)
+                    t.turn_ends[-1] = len(t.mask) - 1
             active = still
     finally:
         if pool is not None:

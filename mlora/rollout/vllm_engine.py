@@ -340,12 +340,15 @@ def _one_per_prompt(values: list, n: int, what: str) -> list:
 
 
 def _vllm_params(c: SamplingConfig):
-    """vLLM's ``SamplingParams`` of ``c``, with the log-prob of each sampled token."""
+    """vLLM's ``SamplingParams`` of ``c``, with the log-prob of each sampled token. A stop string stays in the
+    text (SkyRL's ``include_stop_str_in_output``): environments parse the closing tag (``</sql>``) that ended
+    the turn, and the text then matches the tokens, which vLLM keeps either way."""
     from vllm import SamplingParams
 
     return SamplingParams(n=c.n_samples_per_prompt, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
                           min_p=c.min_p, max_tokens=c.max_generate_length, logprobs=0, seed=c.seed,
-                          stop_token_ids=list(c.stop_token_ids) or None, stop=list(c.stop) or None)
+                          stop_token_ids=list(c.stop_token_ids) or None, stop=list(c.stop) or None,
+                          include_stop_str_in_output=True)
 
 
 def _use_cores(tp: int, cores: list[int] | None) -> None:

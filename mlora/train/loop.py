@@ -33,6 +33,7 @@ from mlora.checkpoint.dirs import (
 )
 from mlora.checkpoint.run_state import Checkpointable, load_run_state, write_run_state
 from mlora.config.schema import TrainConfig
+from mlora.config.validate import generates_while_training
 from mlora.train.from_config import model_kwargs
 from mlora.train.metrics_log import MetricsLogger, log, setup_logging
 from mlora.train.preemption import EX_TEMPFAIL, Preempted, PreemptionGuard, clear_marker, write_marker
@@ -144,7 +145,7 @@ def start_run(cfg: TrainConfig, notes: Sequence[str], build_assets: Callable[[st
                          "pass build_assets (e.g. mlora.demos.rl_assets.build_demo_assets) or set demo.prepare=false")
     e = cfg.generator.inference_engine
     # asynchronous training: rank 0's node runs its local engines beside the update (torchrun's GROUP_RANK)
-    overlapping = (e.num_engines if t.fully_async.enabled and e.run_engines_locally
+    overlapping = (e.num_engines if generates_while_training(cfg) and e.run_engines_locally
                    and os.environ.get("GROUP_RANK", "0") == "0" else 0)
     threads = apply_trainer_threads(t.cpu_threads, torch.cuda.is_available(), overlapping)
     if cfg.demo.prepare and int(os.environ.get("RANK", "0")) == 0:

@@ -69,7 +69,13 @@ class MetricsLogger:
         if self.kind == "tensorboard":
             self.backend.close()
         elif self.kind == "wandb":
+            import wandb
+
             self.backend.finish()
+            # W&B's service may still hold the run file's last records after finish(); its atexit teardown, which
+            # would write them, does not run in processes that end without the interpreter's exit handlers (forked
+            # ranks): tear down here (the offline file is then complete, seen missing its rows under load)
+            wandb.teardown()
 
 
 def _wandb_run(run_dir: Path, project_name: str, run_name: str, resume_step: int | None):

@@ -19,11 +19,12 @@ import torch
 from mlora.config.dtypes import engine_dtype
 from mlora.config.experiments import experiment_configs
 from mlora.config.schema import TrainConfig
-from mlora.config.validate import async_batches_ahead
+from mlora.config.validate import async_groups_in_flight, off_policy_corrected
 from mlora.rollout.data import Prompt, epoch_batches, load_prompt_set
-from mlora.rollout.envs import env_class, is_multi_turn, make_env
-from mlora.rollout.generator import SamplingConfig
+from mlora.rollout.envs import REWARD_MODEL_ENV, env_class, is_multi_turn, make_env
+from mlora.rollout.generator import SamplingConfig, per_prompt_configs
 from mlora.train import loop
+from mlora.train.async_schedule import Chunk, GroupSchedule
 from mlora.train.batch import RolloutBatch
 from mlora.train.engine import ActorCriticEngine, step_experiments
 from mlora.train.experiments import CRITIC, POLICY, Experiment, ExperimentEngines, experiments_step_line, joint_schedule
@@ -34,7 +35,6 @@ from mlora.train.metrics_log import log, step_line
 from mlora.train.rollouts import (
     Collected,
     Job,
-    QueuedBatch,
     Rollouts,
     engine_placement,
     release_cached_memory,
@@ -84,6 +84,10 @@ def _load_data(cfg: TrainConfig, tokenizer) -> tuple[list[Prompt], list[Prompt]]
     for name in names:
         if not is_multi_turn(name):
             make_env(name)
+            if name != REWARD_MODEL_ENV and any(p.row.get("reward_spec") is None for p in train + val
+                                                if p.env_class == name):
+                raise ValueError(f"rows of reward environment {name!r} lack a reward_spec (its ground truth): "
+                                 "give the data files a reward_spec column ({'ground_truth': ...})")
     kinds = {is_multi_turn(n) for n in names}
     if len(kinds) > 1:
         raise ValueError(f"the prompts' environments {names} mix multi-turn ones ("
@@ -126,11 +130,13 @@ class RLStage:
         self.total_steps = max(e.total_steps for e in self.experiments)
         self.rollouts: Rollouts | None = None
         self.run_dir: Path | None = None
-        # asynchronous training (runs without experiments): the batches queued on the engines ahead of the
-        # update, by the step they are for
-        self.ahead = async_batches_ahead(cfg) if t.fully_async.enabled else 0
-        self.queued: dict[int, QueuedBatch] = {}
-        self.queue_order: dict[int, list[int]] = {}
+        # asynchronous training (runs without experiments): SkyRL's admission of prompt groups
+        # (mlora.train.async_schedule), each group's prompt by the run's order, finished groups not trained yet
+        self.asynchronous = t.fully_async.enabled
+        self.groups: GroupSchedule | None = None
+        self.group_prompts: dict[int, int] = {}
+        self.finished: dict[int, tuple[int, list, list]] = {}  # group -> (version, generations, rewards)
+        self.warned_stale = False
 
     def _experiment(self, name: str | None, cfg: TrainConfig, train: list[Prompt], val: list[Prompt],
                     reference: tuple[str, ...]) -> Experiment:
@@ -169,41 +175,96 @@ class RLStage:
         # rollouts of step s sample with seed + 1000·s (+ the prompt's index): no RNG to carry
         return sampling_config(g.sampling_params, g.n_samples_per_prompt, t.seed + step * 1000)
 
-    def _queue_ahead(self, step: int, picked: list[int]) -> None:
-        """Asynchronous training: queue the generation of batches ``step .. step + ahead`` not queued yet, on the
-        adapter the engines have now (the hand-off of policy version ``step - 1``). The prompts of a later step
-        are the ones the run loop will pass then (:func:`~mlora.rollout.data.epoch_batches` is deterministic)."""
-        e = self.experiments[0]
-        if not self.queue_order:  # the first step of this launch (a resumed run starts after its checkpoint)
-            t = self.cfg.trainer
-            self.queue_order = {s: p for _, s, p in epoch_batches(len(e.train), t.train_batch_size, t.seed,
-                                                                  e.total_steps, step - 1)}
-            if step > 1 and self.mesh.rank == 0:
-                n = self.ahead * t.train_batch_size * self.cfg.generator.n_samples_per_prompt
-                log.info("trainer.fully_async: resumed at step %d; the samples the stopped run had generated ahead "
-                         "(up to %d: %d batches) are not in the checkpoint and are discarded: steps %d.. are "
-                         "generated again from the resumed policy, none is used twice", step - 1, n, self.ahead,
-                         step)
-        if self.queue_order[step] != picked:
-            raise RuntimeError(f"asynchronous training: step {step}'s prompts differ from the queued schedule")
-        for s in range(step, min(step + self.ahead, e.total_steps) + 1):
-            if s not in self.queued and s in self.queue_order:
-                self.queued[s] = self.rollouts.submit([e.train[i] for i in self.queue_order[s]], self._sampling(e, s))
+    def _start_groups(self, step: int) -> None:
+        """Asynchronous training, the first step of this launch (a resumed run starts after its checkpoint): the
+        group schedule from this step on, each group's prompt as the synchronous loop orders them
+        (:func:`~mlora.rollout.data.epoch_batches` is deterministic)."""
+        e, t, f = self.experiments[0], self.cfg.trainer, self.cfg.trainer.fully_async
+        b = t.train_batch_size
+        for _, s, prompts in epoch_batches(len(e.train), b, t.seed, e.total_steps, step - 1):
+            self.group_prompts.update({(s - 1) * b + i: p for i, p in enumerate(prompts)})
+        self.groups = GroupSchedule(b, f.max_staleness_steps, f.num_parallel_generation_workers, (step - 1) * b,
+                                    e.total_steps * b)
+        if step > 1 and self.mesh.rank == 0 and f.max_staleness_steps:
+            n = async_groups_in_flight(self.cfg) - b
+            log.info("trainer.fully_async: resumed at step %d; the samples the stopped run had generated ahead (up "
+                     "to %d prompt groups) are not in the checkpoint and are discarded: steps %d.. are generated again "
+                     "from the resumed policy, none is used twice", step - 1, n, step)
+
+    def _admit(self, step: int) -> None:
+        """Submit every group the schedule admits at ``step``, one engine call per training batch they belong to
+        (a whole batch samples exactly as the synchronous loop's call: one config, prompt ``i`` seeded
+        ``+ i``), on the adapter the engines have now."""
+        e, b = self.experiments[0], self.cfg.trainer.train_batch_size
+        while (admitted := self.groups.admit(step)) is not None:
+            start, end = admitted
+            while start < end:
+                s = GroupSchedule.step_of(start, b)
+                stop = min(end, s * b)
+                sampling = self._sampling(e, s)
+                if stop - start < b:  # part of a batch: each prompt's own seed, as in its whole batch
+                    sampling = per_prompt_configs(sampling, [g - (s - 1) * b for g in range(start, stop)])
+                queued = self.rollouts.submit([e.train[self.group_prompts[g]] for g in range(start, stop)], sampling)
+                self.groups.add(Chunk(start, stop, queued.version, queued))
+                start = stop
+
+    def _collect_async(self, step: int, picked: list[int]) -> tuple[Collected, dict]:
+        """Collective: step ``step``'s groups, collecting finished chunks in order and admitting more as room
+        opens (generation goes on while the trainer waits and, for what is queued, while it trains)."""
+        e, b = self.experiments[0], self.cfg.trainer.train_batch_size
+        if self.groups is None:
+            self._start_groups(step)
+        groups = range((step - 1) * b, step * b)
+        if [self.group_prompts[g] for g in groups] != list(picked):
+            raise RuntimeError(f"asynchronous training: step {step}'s prompts differ from the group schedule")
+        self._admit(step)
+        t0, generated = time.perf_counter(), 0.0
+        while self.groups.accepted < groups.stop:
+            chunk = self.groups.next_chunk()
+            gens, rewards, seconds = self.rollouts.collect_queued(chunk.pending)
+            generated = max(generated, seconds)
+            for g in range(chunk.start, chunk.end):
+                self.finished[g] = (chunk.version, [], [])
+            for gen, reward in zip(gens, rewards):
+                _, own, scores = self.finished[chunk.start + gen.prompt_index]
+                own.append(gen)
+                scores.append(reward)
+            self._admit(step)  # a worker is free: the next groups start while this step waits or trains
+        wait = time.perf_counter() - t0
+        versions, gens, rewards = [], [], []
+        for k, g in enumerate(groups):
+            version, own, scores = self.finished.pop(g)
+            for gen in own:
+                gen.prompt_index = k
+            versions.append(version)
+            gens += own
+            rewards += scores
+        got = self.rollouts.assemble([e.train[i] for i in picked], gens, rewards, min(versions), self.pad_id)
+        trained = e.engine.global_step
+        staleness = [trained - v for v in versions]
+        got.metrics.update({
+            "timing/rollout_wait_s": wait,  # what the trainer waited for generation
+            "timing/generate_s": generated, "async/generation_version": min(versions), "async/trainer_version": trained,
+            "async/staleness_mean": sum(staleness) / len(staleness), "async/staleness_max": max(staleness),
+            "async/engine_version": self.rollouts.version,
+            "async/groups_in_flight": self.groups.submitted - self.groups.accepted,
+            "async/groups_waiting": len(self.finished)})
+        if max(staleness) > 0 and not self.warned_stale and not off_policy_corrected(self.cfg):
+            self.warned_stale = True
+            if self.mesh.rank == 0:
+                log.warning("trainer.fully_async: step %d trains samples up to %d policy versions old with no "
+                            "off-policy correction configured (trainer.algorithm.policy_loss_type=rollout_is, or "
+                            "off_policy_correction.tis_ratio_type / sequence_mask_metric / token_mask_is_threshold_*; "
+                            "SkyRL refuses such a run): the PPO ratio is taken to the trainer's π_old, not to the "
+                            "policy that sampled", step, max(staleness))
+        return got, {}
 
     def _collect(self, step: int, picked) -> tuple[list[tuple[Experiment, Collected]], dict]:
         """Collective: the rollouts of every experiment running at ``step``, and the run's shared metrics."""
         todo = [(self.experiments[0], picked)] if self.single else [(self.experiments[i], p) for i, p in picked.items()]
-        if self.ahead:  # runs without experiments
-            e = todo[0][0]
-            self._queue_ahead(step, picked)
-            t0 = time.perf_counter()
-            batch, metrics = self.rollouts.collect_queued(self.queued.pop(step), self.pad_id)
-            metrics["timing/rollout_wait_s"] = time.perf_counter() - t0  # what the trainer waited for generation
-            version, trained = self.rollouts.last_version, e.engine.global_step
-            metrics.update({"async/generation_version": version, "async/trainer_version": trained,
-                            "async/staleness": trained - version, "async/engine_version": self.rollouts.version,
-                            "async/queued_batches": len(self.queued)})
-            return [(e, Collected(batch, metrics, self.rollouts.last_rows, version))], {}
+        if self.asynchronous:  # runs without experiments
+            got, shared = self._collect_async(step, picked)
+            return [(todo[0][0], got)], shared
         jobs = [Job(e.cfg, e.served, [e.train[i] for i in p], self._sampling(e, e.step_of(step))) for e, p in todo]
         got = self.rollouts.collect_jobs(jobs, self.pad_id)
         shared = {k: got[0].metrics.pop(k) for k in list(got[0].metrics) if k.startswith("timing/")}
@@ -216,8 +277,8 @@ class RLStage:
 
         ``picked``: the prompts (a run without experiments), or each running experiment's by index
         (:func:`mlora.train.experiments.joint_schedule`). Asynchronous training (``trainer.fully_async``): the
-        rollouts are a batch queued up to ``ahead`` steps earlier, sampled by the adapter of that time; the next
-        batches generate while this one trains."""
+        rollouts are groups admitted by SkyRL's capacity rule (:mod:`mlora.train.async_schedule`), each sampled
+        by the adapter the engines had when it was submitted; later groups generate while this step trains."""
         collected, shared = self._collect(step, picked)
         own: list[dict] = []
         for e, got in collected:

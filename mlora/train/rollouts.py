@@ -22,14 +22,16 @@ import torch
 import torch.distributed as dist
 
 from mlora.config.schema import TrainConfig
+from mlora.config.validate import generates_while_training
 from mlora.parallel.small_collectives import all_flags, broadcast_json, gather_json, ranks_seeing_folder
 from mlora.plan.engines import DeviceMemory, EngineSizing
-from mlora.rollout.data import Prompt, prompt_text
+from mlora.rollout.data import Prompt, prompt_ids
 from mlora.rollout.envs import is_multi_turn, make_env
 from mlora.rollout.generator import Generation, SamplingConfig, per_prompt_configs
 from mlora.rollout.gym import make_text_env
 from mlora.rollout.multi_turn import (
     TURN_REWARDS,
+    FailureCount,
     TurnFormat,
     check_env_failures,
     end_reason_counts,
@@ -153,6 +155,7 @@ class Rollouts:
         self.configs = list(configs) or [cfg]
         # multi-turn environments (mlora.rollout.multi_turn) turn observations into tokens with the tokenizer
         self.tokenizer = tokenizer
+        self.turn_formats: dict[bool, TurnFormat] = {}
         e = cfg.generator.inference_engine
         self.total = e.num_engines
         if starts is None:
@@ -277,48 +280,78 @@ class Rollouts:
             raise ValueError(f"no adapter served as {adapter!r}; served: {sorted(self.adapters)}")
         return adapter
 
+    def _episode_parts(self, cfg: TrainConfig, sampling: SamplingConfig) -> dict:
+        """What :func:`~mlora.rollout.multi_turn.run_episodes` needs besides prompts and engines, for ``cfg``."""
+        g, settings = cfg.generator, dict(cfg.environment.skyrl_gym)
+
+        def make(prompt: Prompt):
+            extras = {**prompt.row, "max_turns": prompt.row.get("max_turns") or g.max_turns}
+            return make_text_env(prompt.env_class, settings.get(prompt.env_class), extras)
+
+        def ids_of(prompt: Prompt, conversation) -> list[int]:
+            return prompt_ids({**prompt.row, "prompt": conversation}, self.tokenizer)
+
+        # a next turn's input must leave the engine's context room for one more generation
+        bound = min(g.max_input_length or cfg.trainer.max_prompt_length,
+                    self.max_model_len - sampling.max_generate_length)
+        conversation = g.use_conversation_multi_turn is not False
+        if conversation not in self.turn_formats:  # one per run: it renders the chat template to learn its tokens
+            self.turn_formats[conversation] = TurnFormat(self.tokenizer, conversation)
+        return {"make_env": make, "fmt": self.turn_formats[conversation],
+                "max_turns": g.max_turns, "max_input_length": bound, "prompt_ids": ids_of,
+                "env_workers": int(settings.get("max_env_workers", 1))}
+
     def _episodes(self, prompts: list[Prompt], sampling: SamplingConfig, cfg: TrainConfig, adapter: str
                   ) -> tuple[list, list, float]:
         """Collective: multi-turn trajectories of ``prompts`` (:func:`mlora.rollout.multi_turn.run_episodes`)
         with the adapter served as ``adapter``, prompt ``i`` on the rank holding engine ``i mod total``, its
         environment steps beside it; every rank gets every trajectory and its total reward, in prompt order."""
-        g, env = cfg.generator, cfg.environment
         part: tuple = ([], [], 0.0)
         if self.generator is not None:
             t0 = time.perf_counter()
             mine = [i for i in range(len(prompts)) if i % self.total in self.slots]
-            settings = dict(env.skyrl_gym)
-            turns = TurnFormat(self.tokenizer, g.use_conversation_multi_turn is not False)
-
-            def make(prompt: Prompt):
-                extras = {**prompt.row, "max_turns": prompt.row.get("max_turns") or g.max_turns}
-                return make_text_env(prompt.env_class, settings.get(prompt.env_class), extras)
-
-            def ids_of(prompt: Prompt, conversation) -> list[int]:
-                text = prompt_text({**prompt.row, "prompt": conversation}, self.tokenizer)
-                return self.tokenizer(text, add_special_tokens=True)["input_ids"]
 
             def generate(sequences: list[list[int]], s: SamplingConfig) -> list[Generation]:
                 return self.generator.generate(sequences, s, adapters=[adapter] * len(sequences))
 
-            # a next turn's input must leave the engine's context room for one more generation
-            bound = min(g.max_input_length or cfg.trainer.max_prompt_length,
-                        self.max_model_len - sampling.max_generate_length)
-            gens = run_episodes(generate, [prompts[i] for i in mine], sampling, make, turns, g.max_turns, bound, ids_of,
-                                int(settings.get("max_env_workers", 1)))
+            gens = run_episodes(generate, [prompts[i] for i in mine], sampling, **self._episode_parts(cfg, sampling))
             for gen in gens:
                 gen.prompt_index = mine[gen.prompt_index]
-            if g.zero_reward_on_non_stop:  # SkyRL's: a trajectory whose last turn was cut scores nothing
+            if cfg.generator.zero_reward_on_non_stop:  # SkyRL's: a trajectory whose last turn was cut scores nothing
                 for gen in gens:
                     if gen.finish_reason != "stop":
                         gen.extra["turn_rewards"] = [0.0] * len(gen.extra["turn_rewards"])
             part = (gens, [sum(gen.extra["turn_rewards"]) for gen in gens], time.perf_counter() - t0)
         return gather_scored(part)
 
+    def _one_turn_episode(self, prompt: Prompt, gen: Generation, cfg: TrainConfig) -> float:
+        """The reward of a response generated ahead (``trainer.fully_async``) to a text environment's prompt: the
+        one-turn episode :meth:`_episodes` would have played with it (``gen`` becomes that trajectory: tokens,
+        ``extra``). ValueError when the environment's ``init`` changes the prompt the response answered."""
+        def answered(sequences: list[list[int]], s: SamplingConfig) -> list[Generation]:
+            if sequences != [list(prompt.token_ids)]:
+                raise ValueError(f"environment {prompt.env_class!r} changes the prompt in init(): with "
+                                 "trainer.fully_async.enabled=true responses are generated before the environment "
+                                 "starts; train it synchronously (trainer.fully_async.enabled=false)")
+            return [gen]
+
+        parts = {**self._episode_parts(cfg, SamplingConfig(max_generate_length=0)), "max_turns": 1, "env_workers": 1}
+        played = run_episodes(answered, [prompt], SamplingConfig(), **parts)[0]
+        gen.token_ids, gen.logprobs, gen.text, gen.extra = (played.token_ids, played.logprobs, played.text,
+                                                            played.extra)
+        return sum(played.extra["turn_rewards"])
+
     def score(self, prompt: Prompt, gen: Generation, cfg: TrainConfig | None = None) -> float:
-        """The reward of ``gen`` under the environment of ``prompt`` with ``cfg``'s settings (default the run's)."""
+        """The reward of ``gen`` under the environment of ``prompt`` with ``cfg``'s settings (default the run's);
+        a text environment's through a one-turn episode (:meth:`_one_turn_episode`)."""
         cfg = cfg or self.cfg
-        if cfg.generator.zero_reward_on_non_stop and gen.finish_reason != "stop":
+        zero = cfg.generator.zero_reward_on_non_stop and gen.finish_reason != "stop"
+        if is_multi_turn(prompt.env_class):
+            reward = self._one_turn_episode(prompt, gen, cfg)
+            if zero:
+                gen.extra["turn_rewards"] = [0.0] * len(gen.extra["turn_rewards"])
+            return 0.0 if zero else reward
+        if zero:
             return 0.0
         kwargs = env_kwargs(cfg, prompt.env_class)
         key = (prompt.env_class, tuple(sorted(kwargs.items())))
@@ -372,29 +405,32 @@ class Rollouts:
         out["timing/adapter_sync_s"] = time.perf_counter() - t0
         return out
 
-    def submit(self, prompts: list[Prompt], sampling: SamplingConfig) -> QueuedBatch:
-        """Queue a batch's generation on this rank's engines, behind what is queued already: it runs on the
-        adapter of the last hand-off (:attr:`version`). :meth:`collect_queued` waits for it. (Runs without
-        experiments: asynchronous training serves one adapter.)"""
+    def submit(self, prompts: list[Prompt], sampling: SamplingConfig | Sequence[SamplingConfig]) -> QueuedBatch:
+        """Queue the generation of ``prompts`` on this rank's engines, behind what is queued already: it runs on
+        the adapter of the last hand-off (:attr:`version`). :meth:`collect_queued` waits for it. ``sampling``:
+        one config (prompt ``i`` seeded ``+ i``) or one per prompt. (Runs without experiments: asynchronous
+        training serves one adapter.)"""
         return QueuedBatch(prompts, self.version, submit_generation(self.generator, self.slots, self.total,
                                                                     [p.token_ids for p in prompts], sampling))
 
     def collect(self, prompts: list[Prompt], sampling: SamplingConfig, pad_id: int) -> tuple[RolloutBatch, dict]:
         """Generate and score where the engines are with the one served adapter; every rank gets the batch."""
         got = self.collect_jobs([Job(self.cfg, self._served(None), prompts, sampling)], pad_id)[0]
-        self.last_rows, self.last_version = got.rows, got.version
         return got.batch, got.metrics
 
-    def collect_queued(self, queued: QueuedBatch, pad_id: int) -> tuple[RolloutBatch, dict]:
-        """Wait for a batch :meth:`submit` queued and score it where the engines are; every rank gets the batch."""
+    def collect_queued(self, queued: QueuedBatch) -> tuple[list[Generation], list[float], float]:
+        """Collective: wait for what :meth:`submit` queued; its generations (prompt indices within it), scored
+        where the engines are, their rewards and the slowest holder's seconds, on every rank."""
         prompts = queued.prompts
-        gens, rewards, seconds = collect_scored(self.generator, queued.pending, lambda i, g: self.score(prompts[i], g))
-        got = self._collected(Job(self.cfg, self._served(None), prompts, SamplingConfig()), gens, rewards, queued.version,
+        return collect_scored(self.generator, queued.pending, lambda i, g: self.score(prompts[i], g))
+
+    def assemble(self, prompts: list[Prompt], gens: list[Generation], rewards: list[float], version: int,
+                 pad_id: int) -> Collected:
+        """Scored generations of ``prompts`` (collected by :meth:`collect_queued`) as a training batch."""
+        got = self._collected(Job(self.cfg, self._served(None), prompts, SamplingConfig()), gens, rewards, version,
                               pad_id)
-        got.metrics["timing/generate_s"] = seconds
         self._sleep(got.metrics)
-        self.last_rows, self.last_version = got.rows, got.version
-        return got.batch, got.metrics
+        return got
 
     def collect_jobs(self, jobs: Sequence[Job], pad_id: int) -> list[Collected]:
         """Collective: every job's rollouts, scored where the engines are, on every rank. The single-turn jobs'
@@ -463,18 +499,25 @@ class Rollouts:
         (:func:`mlora.rollout.multi_turn.check_env_failures`; every rank holds the same batch, so every rank
         raises) unless ``environment.max_env_error_ratio`` tolerates them: then they are counted and the first
         is logged once per batch."""
-        failures = check_env_failures(gens, self.cfg.environment.max_env_error_ratio)
+        failures = self._env_failures(gens, self.cfg, "training")
         counts = end_reason_counts(gens)
         n = len(gens)
         out = {"multi_turn/turns_mean": sum(g.extra["turns"] for g in gens) / n,
                "multi_turn/env_tokens_mean": sum(len(g.token_ids) - sum(g.extra["model_mask"]) for g in gens) / n,
                **{f"multi_turn/ended_{k}": float(v) for k, v in counts.items()},
                "multi_turn/env_failure_ratio": failures.failed / n, **episode_metrics(gens)}
-        if self.mesh.rank == 0 and failures.first is not None:
-            log.warning("%d of %d trajectories ended by an environment fault (tolerated: "
-                        "environment.max_env_error_ratio=%s; they keep the rewards of their earlier turns); the first: %s",
-                        failures.failed, n, self.cfg.environment.max_env_error_ratio, failures.first)
         return out
+
+    def _env_failures(self, gens: list[Generation], cfg: TrainConfig, what: str) -> FailureCount:
+        """Environment faults of ``what`` (training or evaluation) trajectories: EnvironmentFailure with the report
+        beyond ``environment.max_env_error_ratio`` (:func:`mlora.rollout.multi_turn.check_env_failures`; every
+        rank holds the same trajectories, so every rank raises), else counted and the first logged."""
+        failures = check_env_failures(gens, cfg.environment.max_env_error_ratio)
+        if self.mesh.rank == 0 and failures.first is not None:
+            log.warning("%s: %d of %d trajectories ended by an environment fault (tolerated: "
+                        "environment.max_env_error_ratio=%s; they keep the rewards of their earlier turns); the first: %s",
+                        what, failures.failed, failures.total, cfg.environment.max_env_error_ratio, failures.first)
+        return failures
 
     def evaluate(self, prompts: list[Prompt], step: int, run_dir: Path, cfg: TrainConfig | None = None,
                  adapter: str | None = None, dump_dir: Path | None = None) -> dict[str, float]:
@@ -492,7 +535,9 @@ class Rollouts:
 
         def generate(chunk: list[Prompt], s: SamplingConfig, score_of) -> tuple[list, list]:
             if self.multi_turn(chunk):
-                return self._episodes(chunk, s, cfg, served)[:2]
+                gens, rewards, _ = self._episodes(chunk, s, cfg, served)
+                self._env_failures(gens, cfg, "evaluation")  # a failing environment would score 0 unseen
+                return gens, rewards
             return generate_scored(self.generator, self.slots, self.total, [p.token_ids for p in chunk], s, score_of,
                                    adapters=[served] * len(chunk))[:2]
 
@@ -544,13 +589,13 @@ def engine_max_model_len(cfg: TrainConfig, model_dir: str | os.PathLike) -> int:
 
 def engine_sequences(configs: Sequence[TrainConfig], num_engines: int) -> int:
     """The sequences one engine generates at once: a step's samples of every experiment (one generation call holds
-    them all; asynchronous training queues its batches ahead too) or an evaluation batch, split over the engines."""
-    from mlora.config.validate import async_batches_ahead
+    them all; asynchronous training: its prompt groups in flight) or an evaluation batch, split over the engines."""
+    from mlora.config.validate import async_groups_in_flight
 
-    def batches(c: TrainConfig) -> int:
-        return 1 + (async_batches_ahead(c) if c.trainer.fully_async.enabled else 0)
+    def groups(c: TrainConfig) -> int:
+        return async_groups_in_flight(c) if c.trainer.fully_async.enabled else c.trainer.train_batch_size
 
-    train = sum(c.trainer.train_batch_size * c.generator.n_samples_per_prompt * batches(c) for c in configs)
+    train = sum(groups(c) * c.generator.n_samples_per_prompt for c in configs)
     evals = max(c.trainer.eval_batch_size * c.generator.eval_n_samples_per_prompt for c in configs)
     return -(-max(train, evals) // num_engines)
 
@@ -640,7 +685,7 @@ def engine_options(cfg: TrainConfig, engine_base: str | os.PathLike, cuda: bool,
     return dict(num_engines=e.num_engines, tensor_parallel_size=e.tensor_parallel_size,
                 run_locally=e.run_engines_locally, ship_adapter=g.weight_sync == "memory",
                 tensor_lora=g.weight_sync == "tensors", sleep_mode=cuda and t.placement.colocate_all,
-                engine_cores=(local_engine_cores(e.num_engines, overlap=t.fully_async.enabled) if local_cpu
+                engine_cores=(local_engine_cores(e.num_engines, overlap=generates_while_training(cfg)) if local_cpu
                               else None),
                 max_lora_rank=max(c.trainer.policy.model.lora.rank for c in configs),
                 seed=t.seed, cuda=cuda, sizing=sizing, **extra)
