@@ -91,3 +91,22 @@ def test_chat_prompts_are_tokenized_once(tiny_models):
     assert ids.count(tok.bos_token_id) == 1 and ids[0] == tok.bos_token_id
     assert tok(prompt_text(row, tok), add_special_tokens=True)["input_ids"].count(tok.bos_token_id) == 2
     assert prompt_ids({"prompt": "plain text"}, tok)[0] == tok.bos_token_id  # text prompts: the tokenizer's BOS
+
+
+def test_arithmetic_demo_formats(tmp_path):
+    """The demo's two formats: the same split, scored by mlora's last-number ``arithmetic`` or by skyrl_gym's
+    strict ``gsm8k`` (the worked example turn's answer is no question's sum); an unknown format is refused."""
+    from mlora.demos.arithmetic import GSM8K_SHOT, build_arithmetic_data
+
+    lenient = load_prompts(build_arithmetic_data(tmp_path / "a") / "val.parquet")
+    strict = load_prompts(build_arithmetic_data(tmp_path / "g", format="gsm8k") / "val.parquet")
+    assert {r["env_class"] for r in lenient} == {"arithmetic"} and {r["env_class"] for r in strict} == {"gsm8k"}
+    assert [r["reward_spec"] for r in lenient] == [r["reward_spec"] for r in strict]
+    assert all(r["prompt"][:2] == GSM8K_SHOT for r in strict) and "40" not in {r["reward_spec"]["ground_truth"]
+                                                                              for r in strict}
+    row = strict[0]
+    truth = row["reward_spec"]["ground_truth"]
+    assert response_reward("gsm8k", row, f"x = {truth}\n#### {truth}", []) == 1.0
+    assert response_reward("gsm8k", row, f"x = {truth}", []) == 0.0
+    with pytest.raises(ValueError, match="unknown format 'json'; one of last_number, gsm8k"):
+        build_arithmetic_data(tmp_path / "j", format="json")

@@ -5,10 +5,11 @@ the held-out questions right) and can learn it on two CPU cores in minutes. Rows
 schema (chat ``prompt``, ``reward_spec.ground_truth``) with ``env_class=arithmetic``: the reward is 1 when
 the last number of the response is the sum.
 
-``--format gsm8k`` writes the same split asking for SkyRL's strict GSM8K answer format instead (a last line
-``#### N``, shown once in a worked example turn before the question; the zero-shot instruction alone is
-followed in about none of the base model's samples) with ``env_class=gsm8k``: skyrl_gym's ``GSM8kEnv``, reward
-1 only when ``#### N`` with exactly one space carries the sum.
+``--format gsm8k`` writes the same split asking for SkyRL's strict GSM8K answer format instead, a last line
+``#### N``, with ``env_class=gsm8k``: skyrl_gym's ``GSM8kEnv``, reward 1 only when ``#### N`` (exactly one
+space) carries the sum. The format is shown once, in a worked example turn before the question: asked in
+the question alone, the base model wrote ``#### N`` in at most 1 of 32 sampled answers (T = 1); with the
+example turn in about two thirds of them, and about half of the held-out questions are right greedily.
 
     python -m mlora.demos.arithmetic --out DIR     # writes DIR/train.parquet, DIR/val.parquet
     python -m mlora.demos.arithmetic --out DIR --format gsm8k
