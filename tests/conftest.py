@@ -48,7 +48,8 @@ def pytest_xdist_make_scheduler(config, log):
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> Path:
-    """A directory with tiny ``llama`` (sharded, llama3 RoPE), ``qwen2`` (tied, bias) and ``mistral`` (SWA)."""
+    """A directory with tiny ``llama`` (sharded, llama3 RoPE), ``qwen2`` (tied, bias), ``mistral`` (SWA), ``qwen3``
+    (q/k norm) and the mixtures of experts ``qwen3_moe``, ``mixtral`` and ``olmoe``."""
     from mlora.testing import TINY_ARCHS, build_tiny_model
 
     root = tmp_path_factory.mktemp("tiny_models")

@@ -139,7 +139,7 @@ def test_loader_checks_fp8_shapes_for_a_cuda_mesh_before_reading(tmp_path, monke
 
     _open_llama_3b_config(num_layers=2).save_pretrained(tmp_path)
     monkeypatch.setattr(quant, "require_scaled_mm", lambda device, dtype=torch.float32: None)  # no GPU here
-    mesh = types.SimpleNamespace(device=torch.device("cuda", 0), tp=8, pp=1, pp_rank=0, tp_rank=0)
+    mesh = types.SimpleNamespace(device=torch.device("cuda", 0), tp=8, pp=1, pp_rank=0, tp_rank=0, ep=1, ep_rank=0, sp=False)
     with pytest.raises(FP8ShapeError, match=r"(?s)linear_fc2.*K=1080.*1, 2, 4"):
         load_shard(tmp_path, mesh, dtype=torch.bfloat16, fp8="torch")
 

@@ -40,11 +40,12 @@ def peft_target_modules(modules: set[tuple[int, str]], num_layers: int) -> list[
 def peft_adapter_config(config: LoraConfig, modules: set[tuple[int, str]], num_layers: int,
                         base_model_name_or_path: str, architecture: str) -> dict:
     """The ``adapter_config.json`` PEFT 0.2x writes for a plain LoRA adapter on a causal LM."""
-    module = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}[architecture]
+    import transformers
+
     return {
         "alpha_pattern": {},
         "auto_mapping": {"base_model_class": architecture,
-                         "parent_library": f"transformers.models.{module}.modeling_{module}"},
+                         "parent_library": getattr(transformers, architecture).__module__},
         "base_model_name_or_path": base_model_name_or_path,
         "bias": "none",
         "exclude_modules": None,

@@ -89,7 +89,8 @@ class AdapterHost:
 
     def _lora_linears(self) -> Iterator[torch.nn.Module]:
         for module in self.gpt.modules():
-            if isinstance(module, LoraHost):  # the local spec's LoRA linears and the TE spec's (mlora.models.te)
+            # the local spec's LoRA linears and the TE spec's (mlora.models.te); experts have no site yet
+            if isinstance(module, LoraHost) and module.lora_site is not None:
                 yield module
 
     # ------------------------------------------------------------- creation
@@ -138,7 +139,8 @@ class AdapterHost:
         ``config.seed``; default ``name``. Experiments name their adapters ``e/policy`` but key them
         ``policy``, so that each starts exactly where a run of its own with the same seed would."""
         self._check_new_name(name)
-        modules = resolve_targets(config.target_modules, config.exclude_modules, self.spec.num_layers)
+        modules = resolve_targets(config.target_modules, config.exclude_modules, self.spec.num_layers,
+                                  self.spec.moe.sparse_layers if self.spec.moe else ())
         tp, tp_rank = self.mesh.tp, self.mesh.tp_rank
 
         def factors(site: LoraSite, sub: str):

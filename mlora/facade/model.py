@@ -356,16 +356,29 @@ class MLoraModel(AdapterHost, torch.nn.Module):
 
     # ------------------------------------------------------------------ export
     def _hf_tensors(self, adapters: list[str]) -> Iterable[tuple[str, torch.Tensor]]:
-        """This stage's HF tensors, gathered over TP one parameter at a time (collective over TP);
-        the weights of adapted linears come merged with ``adapters``."""
+        """This stage's HF tensors, gathered over TP one parameter at a time (collective over TP) and,
+        with EP, every expert of the stage gathered over the EP group (collective over EP); the weights of
+        adapted linears come merged with ``adapters``."""
         params = dict(self.gpt.named_parameters())
         modules = dict(self.gpt.named_modules())
         group = self.mesh.tp_group
-        for pm in stage_param_maps(self.spec, self.mesh.pp, self.mesh.pp_rank):
+        mesh = self.mesh
+        # each EP rank's maps, aligned: the same position holds the same local expert of every EP rank
+        per_ep = [stage_param_maps(self.spec, mesh.pp, mesh.pp_rank, mesh.ep, r) for r in range(mesh.ep)]
+        for i, pm in enumerate(per_ep[mesh.ep_rank]):
             if is_export_copy(pm, self.spec):
                 continue
             owner = modules.get(pm.megatron_name.rsplit(".", 1)[0])
-            if adapters and pm.megatron_name.endswith(".weight") and hasattr(owner, "lora_site"):
+            if pm.expert:  # whole on its EP rank (expert TP 1): no TP gather
+                local = params[pm.megatron_name].detach()
+                parts = [local]
+                if mesh.ep > 1:
+                    parts = [torch.empty_like(local) for _ in range(mesh.ep)]
+                    dist.all_gather(parts, local.contiguous(), group=mesh.ep_group)
+                for r, part in enumerate(parts):
+                    yield from per_ep[r][i].to_hf([part.cpu()], self.spec).items()
+                continue
+            if adapters and pm.megatron_name.endswith(".weight") and getattr(owner, "lora_site", None) is not None:
                 local = self.merged_weight(owner, adapters)
             elif pm.megatron_name.endswith(".weight") and getattr(owner, "weight_scale", None) is not None:
                 local = self.base_weight(owner)  # FP8: dequantized
@@ -379,8 +392,11 @@ class MLoraModel(AdapterHost, torch.nn.Module):
             yield from pm.to_hf([s.cpu() for s in shards], self.spec).items()
 
     def _hf_layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        layout = {}
-        for pm in stage_param_maps(self.spec, self.mesh.pp, self.mesh.pp_rank):
+        layout, mesh = {}, self.mesh
+        per_ep = [stage_param_maps(self.spec, mesh.pp, mesh.pp_rank, mesh.ep, r) for r in range(mesh.ep)]
+        # in _hf_tensors' order: each local expert position expands to that expert of every EP rank
+        for pm in (per_ep[r][i] if local.expert else local for i, local in enumerate(per_ep[0])
+                   for r in (range(mesh.ep) if local.expert else (0,))):
             if not is_export_copy(pm, self.spec):
                 for name, shape in pm.hf_shapes(self.spec).items():
                     layout[name] = (self.dtype, shape)
@@ -404,7 +420,7 @@ class MLoraModel(AdapterHost, torch.nn.Module):
         if self.mesh.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        if self.mesh.dp_rank == 0:
+        if self.mesh.dp_rank == 0 or self.mesh.ep > 1:  # EP groups span DP ranks: all gather the experts
             writer = SafetensorsWriter(out / file_name, layout) if writer_rank else None
             try:
                 for name, tensor in self._hf_tensors(adapters):

@@ -10,7 +10,39 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+# mixture-of-experts architectures: experts, router and their HF names (see MoESpec)
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
+                           *MOE_ARCHITECTURES)
+# q/k RMSNorm before RoPE: over each head's head_dim (Qwen3) or over all heads at once (OLMoE)
+QK_NORM = {"Qwen3ForCausalLM": "head", "Qwen3MoeForCausalLM": "head", "OlmoeForCausalLM": "full"}
+# MoE architectures people ask for that mlora does not build yet, with what they need
+MOE_NOT_YET = {"Qwen2MoeForCausalLM": "a shared expert with its sigmoid gate",
+               "DeepseekV3ForCausalLM": "multi-head latent attention and grouped top-k routing",
+               "GptOssForCausalLM": "attention sinks, biased experts and clamped SwiGLU",
+               "Qwen3NextForCausalLM": "linear-attention (gated delta net) layers, which megatron-core 0.16 has "
+                                       "no local layer for",
+               "Qwen3_5MoeForConditionalGeneration": "linear-attention (gated delta net) layers, which megatron-core "
+                                                     "0.16 has no local layer for"}
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The mixture-of-experts facts of a model: ``num_experts`` experts of FFN width ``ffn_size`` per sparse
+    layer, each token sent to ``top_k`` of them by a linear router (softmax over all experts, then top-k;
+    ``normalize_topk``: the k weights rescaled to sum to 1, which is Mixtral's top-k-then-softmax), and
+    the HF names of one expert's projections and of the block that holds them."""
+
+    num_experts: int
+    top_k: int
+    ffn_size: int
+    normalize_topk: bool
+    sparse_layers: tuple[int, ...]  # the others are dense MLPs of the model's intermediate_size
+    block: str  # HF module holding router and experts: "mlp" or Mixtral's "block_sparse_moe"
+    projections: tuple[str, str, str]  # HF names of an expert's gate, up and down projections
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer in self.sparse_layers
 # rope types whose inverse frequencies are static and whose cos/sin are not rescaled.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -34,6 +66,12 @@ class ModelSpec:
     max_position_embeddings: int
     sliding_window: int | None
     hf_config: Any  # the transformers PretrainedConfig
+    qk_norm: str | None = None  # None, "head" (RMSNorm over head_dim) or "full" (over all heads' width)
+    moe: MoESpec | None = None
+
+    def is_sparse(self, layer: int) -> bool:
+        """True when decoder layer ``layer`` (global index) is a mixture of experts."""
+        return self.moe is not None and self.moe.is_sparse(layer)
 
     @property
     def heads_per_group(self) -> int:
@@ -55,6 +93,9 @@ def load_hf_config(hf_dir: str | os.PathLike) -> Any:
             "(config.json and *.safetensors, as written by save_pretrained)")
     raw = json.loads((path / "config.json").read_text())
     archs = raw.get("architectures") or []
+    if archs and archs[0] in MOE_NOT_YET:
+        raise ValueError(f"architecture {archs[0]!r} in {path / 'config.json'} needs {MOE_NOT_YET[archs[0]]}, "
+                         f"which mlora does not build; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"unsupported architecture {archs[0] if archs else None!r} in {path / 'config.json'}; "
@@ -97,6 +138,12 @@ def model_spec(cfg: Any) -> ModelSpec:
     if num_heads % num_kv:
         raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv}")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+    if arch == "Qwen3ForCausalLM" or arch == "Qwen3MoeForCausalLM":
+        if getattr(cfg, "use_sliding_window", False):
+            raise ValueError(f"{arch} with use_sliding_window=True is not supported; supported: False")
+        sliding = None
+    if arch == "OlmoeForCausalLM" and getattr(cfg, "clip_qkv", None) is not None:
+        raise ValueError(f"OlmoeForCausalLM with clip_qkv={cfg.clip_qkv} is not supported; supported: None")
     return ModelSpec(
         architecture=arch,
         num_layers=cfg.num_hidden_layers,
@@ -113,11 +160,40 @@ def model_spec(cfg: Any) -> ModelSpec:
         max_position_embeddings=cfg.max_position_embeddings,
         sliding_window=sliding,
         hf_config=cfg,
+        qk_norm=QK_NORM.get(arch),
+        moe=_moe_spec(arch, cfg) if arch in MOE_ARCHITECTURES else None,
     )
 
 
-def check_layout(spec: ModelSpec, tp: int, pp: int) -> None:
-    """Raise a clear error when the model cannot be split ``tp`` × ``pp`` ways."""
+def _moe_spec(arch: str, cfg: Any) -> MoESpec:
+    """The MoE facts of an HF MoE config (transformers 5 names; older ones where they differ)."""
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    top_k = cfg.num_experts_per_tok
+    if not experts or not 1 <= top_k <= experts:
+        raise ValueError(f"{arch}: num_experts_per_tok={top_k} with {experts} experts; valid: 1..{experts}")
+    layers = range(cfg.num_hidden_layers)
+    if arch == "MixtralForCausalLM":
+        if getattr(cfg, "router_jitter_noise", 0.0):
+            raise ValueError(f"MixtralForCausalLM with router_jitter_noise={cfg.router_jitter_noise} is not supported "
+                             "(training-time noise on a frozen router); supported: 0.0")
+        return MoESpec(experts, top_k, cfg.intermediate_size, True, tuple(layers), "block_sparse_moe",
+                       ("w1", "w3", "w2"))
+    if arch == "Qwen3MoeForCausalLM":  # dense MLPs where mlp_only_layers or decoder_sparse_step say so
+        step, dense = getattr(cfg, "decoder_sparse_step", 1) or 1, set(getattr(cfg, "mlp_only_layers", None) or ())
+        sparse = tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
+        return MoESpec(experts, top_k, cfg.moe_intermediate_size, bool(cfg.norm_topk_prob), sparse, "mlp",
+                       ("gate_proj", "up_proj", "down_proj"))
+    return MoESpec(experts, top_k, cfg.intermediate_size, bool(getattr(cfg, "norm_topk_prob", False)), tuple(layers),
+                   "mlp", ("gate_proj", "up_proj", "down_proj"))
+
+
+def check_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> None:
+    """Raise a clear error when the model cannot be split ``tp`` × ``pp`` (× ``ep`` over its experts) ways."""
+    if ep != 1 and spec.moe is None:
+        raise ValueError(f"ep={ep} (expert parallelism) on {spec.architecture}, which has no experts; valid: ep=1")
+    if spec.moe is not None and spec.moe.num_experts % ep:
+        raise ValueError(f"ep={ep} does not divide the {spec.moe.num_experts} experts of {spec.architecture}; "
+                         f"valid ep: {[d for d in range(1, spec.moe.num_experts + 1) if spec.moe.num_experts % d == 0]}")
     if spec.num_heads % tp:
         raise ValueError(
             f"tp={tp} does not divide num_attention_heads={spec.num_heads}; "
@@ -126,7 +202,8 @@ def check_layout(spec: ModelSpec, tp: int, pp: int) -> None:
         raise ValueError(
             f"tp={tp} does not divide num_key_value_heads={spec.num_kv_heads}; "
             f"valid tp: {_divisors(spec.num_heads, spec.num_kv_heads)}")
-    if spec.intermediate_size % tp:
+    dense_mlp = spec.moe is None or len(spec.moe.sparse_layers) < spec.num_layers  # experts are not TP-split
+    if dense_mlp and spec.intermediate_size % tp:
         raise ValueError(f"tp={tp} does not divide intermediate_size={spec.intermediate_size}")
     if spec.num_layers % pp:
         raise ValueError(

@@ -57,6 +57,7 @@ class ParamMap:
     megatron_name: str
     hf_names: tuple[str, ...]
     kind: str
+    expert: bool = False  # an expert's linear: whole on its EP rank (expert TP is 1), FFN width moe.ffn_size
 
     def hf_shapes(self, spec: ModelSpec, reader_shapes: dict[str, tuple[int, ...]] | None = None
                   ) -> dict[str, tuple[int, ...]]:
@@ -67,22 +68,30 @@ class ParamMap:
             trail = (h,) if self.megatron_name.endswith("weight") else ()
             return {q: (spec.num_heads * hd, *trail), k: (spec.num_kv_heads * hd, *trail),
                     v: (spec.num_kv_heads * hd, *trail)}
+        ffn = spec.moe.ffn_size if self.expert else spec.intermediate_size
         if self.kind == FC1:
-            return {n: (spec.intermediate_size, h) for n in self.hf_names}
+            return {n: (ffn, h) for n in self.hf_names}
         if self.kind == VOCAB:
             return {self.hf_names[0]: (spec.vocab_size, h)}
         if self.kind == COLUMNS:
             out = h
-            inp = spec.num_heads * hd if "linear_proj" in self.megatron_name else spec.intermediate_size
+            inp = spec.num_heads * hd if "linear_proj" in self.megatron_name else ffn
             return {self.hf_names[0]: (out, inp)}
+        if self.megatron_name.endswith("router.weight"):
+            return {self.hf_names[0]: (spec.moe.num_experts, h)}
+        if "layernorm" in self.megatron_name and "self_attention" in self.megatron_name:  # q/k norm
+            heads = spec.num_heads if "q_layernorm" in self.megatron_name else spec.num_kv_heads
+            return {self.hf_names[0]: (hd * heads if spec.qk_norm == "full" else hd,)}
         return {self.hf_names[0]: (h,)}
 
     def load(self, reader: CheckpointReader, spec: ModelSpec, tp: int, tp_rank: int) -> torch.Tensor:
         """This TP rank's shard, reading only its slices."""
+        if self.expert:
+            tp, tp_rank = 1, 0
         if self.kind in (REPLICATED, ROWS, COLUMNS):
             return read_shard(reader, self.hf_names[0], self.kind, tp, tp_rank)
         if self.kind == FC1:
-            n = spec.intermediate_size // tp
+            n = (spec.moe.ffn_size if self.expert else spec.intermediate_size) // tp
             return torch.cat([reader.read(name, 0, tp_rank * n, (tp_rank + 1) * n) for name in self.hf_names])
         if self.kind == QKV:
             groups = spec.num_kv_heads // tp
@@ -108,7 +117,9 @@ class ParamMap:
         raise AssertionError(self.kind)
 
     def to_hf(self, shards: list[torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
-        """The HF tensors, from the shards of all TP ranks in rank order."""
+        """The HF tensors, from the shards of all TP ranks in rank order (an expert's: any one of them)."""
+        if self.expert:
+            shards = shards[:1]
         if self.kind in (REPLICATED, ROWS, COLUMNS):
             return {self.hf_names[0]: unshard(shards, self.kind)}
         if self.kind == VOCAB:
@@ -134,8 +145,15 @@ def stage_layers(spec: ModelSpec, pp: int, pp_rank: int) -> range:
     return range(pp_rank * per, (pp_rank + 1) * per)
 
 
-def stage_param_maps(spec: ModelSpec, pp: int, pp_rank: int) -> list[ParamMap]:
-    """Every Megatron parameter of one pipeline stage, in HF checkpoint order."""
+def local_experts(spec: ModelSpec, ep: int, ep_rank: int) -> range:
+    """Global indices of the experts EP rank ``ep_rank`` holds (megatron's contiguous split)."""
+    per = spec.moe.num_experts // ep
+    return range(ep_rank * per, (ep_rank + 1) * per)
+
+
+def stage_param_maps(spec: ModelSpec, pp: int, pp_rank: int, ep: int = 1, ep_rank: int = 0) -> list[ParamMap]:
+    """Every Megatron parameter of one pipeline stage (and, in sparse layers, of EP rank ``ep_rank``'s
+    experts), in HF checkpoint order."""
     maps: list[ParamMap] = []
     first, last = pp_rank == 0, pp_rank == pp - 1
     if first:
@@ -147,8 +165,16 @@ def stage_param_maps(spec: ModelSpec, pp: int, pp_rank: int) -> list[ParamMap]:
         maps.append(ParamMap(m + "self_attention.linear_qkv.weight", tuple(a + ".weight" for a in attn), QKV))
         if spec.qkv_bias:
             maps.append(ParamMap(m + "self_attention.linear_qkv.bias", tuple(a + ".bias" for a in attn), QKV))
+        if spec.qk_norm is not None:  # over all heads: each TP rank holds its heads' share of the weight
+            kind = ROWS if spec.qk_norm == "full" else REPLICATED
+            for q in "qk":
+                maps.append(ParamMap(m + f"self_attention.{q}_layernorm.weight", (h + f"self_attn.{q}_norm.weight",),
+                                     kind))
         maps.append(ParamMap(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), COLUMNS))
         maps.append(ParamMap(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), REPLICATED))
+        if spec.is_sparse(i):
+            maps += _expert_maps(spec, m, h, ep, ep_rank)
+            continue
         maps.append(ParamMap(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), FC1))
         maps.append(ParamMap(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), COLUMNS))
     if last:
@@ -159,6 +185,18 @@ def stage_param_maps(spec: ModelSpec, pp: int, pp_rank: int) -> list[ParamMap]:
             # Tied weights on a separate last stage: megatron keeps a copy in output_layer,
             # read from embed_tokens and never exported (the first stage exports it).
             maps.append(ParamMap("output_layer.weight", ("model.embed_tokens.weight",), VOCAB))
+    return maps
+
+
+def _expert_maps(spec: ModelSpec, m: str, h: str, ep: int, ep_rank: int) -> list[ParamMap]:
+    """The router and this EP rank's experts of one sparse layer (megatron prefix ``m``, HF prefix ``h``)."""
+    block = f"{h}{spec.moe.block}."
+    gate, up, down = spec.moe.projections
+    maps = [ParamMap(m + "mlp.router.weight", (block + "gate.weight",), REPLICATED)]
+    for j, e in enumerate(local_experts(spec, ep, ep_rank)):
+        x, hx = f"{m}mlp.experts.local_experts.{j}.", f"{block}experts.{e}."
+        maps.append(ParamMap(x + "linear_fc1.weight", (f"{hx}{gate}.weight", f"{hx}{up}.weight"), FC1, expert=True))
+        maps.append(ParamMap(x + "linear_fc2.weight", (f"{hx}{down}.weight",), COLUMNS, expert=True))
     return maps
 
 

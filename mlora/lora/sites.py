@@ -30,11 +30,12 @@ def model_sites(spec, tp: int) -> dict[tuple[int, str], LoraSite]:
                      placement=((0, hpg * hd), (hpg * hd, hd), ((hpg + 1) * hd, hd))),
             LoraSite(layer=i, parallel="row", subs=("o_proj",), in_local=spec.num_heads * hd // tp,
                      in_full=spec.num_heads * hd, out_full=(spec.hidden_size,)),
-            LoraSite(layer=i, parallel="column", subs=("gate_proj", "up_proj"), in_local=spec.hidden_size,
-                     in_full=spec.hidden_size, out_full=(inter, inter), groups=1, block=2 * inter // tp,
-                     placement=((0, inter // tp), (inter // tp, inter // tp))),
-            LoraSite(layer=i, parallel="row", subs=("down_proj",), in_local=inter // tp, in_full=inter,
-                     out_full=(spec.hidden_size,)),
+            *(() if spec.is_sparse(i) else (  # a MoE layer's MLP is its experts: no site of its own
+                LoraSite(layer=i, parallel="column", subs=("gate_proj", "up_proj"), in_local=spec.hidden_size,
+                         in_full=spec.hidden_size, out_full=(inter, inter), groups=1, block=2 * inter // tp,
+                         placement=((0, inter // tp), (inter // tp, inter // tp))),
+                LoraSite(layer=i, parallel="row", subs=("down_proj",), in_local=inter // tp, in_full=inter,
+                         out_full=(spec.hidden_size,)))),
         ):
             for sub in site.subs:
                 sites[(i, sub)] = site
@@ -48,5 +49,6 @@ def attach_lora_sites(gpt: torch.nn.Module, spec, tp: int) -> None:
         i = layer.layer_number - 1
         layer.self_attention.linear_qkv.lora_site = sites[(i, "q_proj")]
         layer.self_attention.linear_proj.lora_site = sites[(i, "o_proj")]
-        layer.mlp.linear_fc1.lora_site = sites[(i, "gate_proj")]
-        layer.mlp.linear_fc2.lora_site = sites[(i, "down_proj")]
+        if not spec.is_sparse(i):
+            layer.mlp.linear_fc1.lora_site = sites[(i, "gate_proj")]
+            layer.mlp.linear_fc2.lora_site = sites[(i, "down_proj")]

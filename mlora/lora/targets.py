@@ -63,8 +63,10 @@ def _expand(pattern: str, num_layers: int) -> set[tuple[int, str]]:
     return hits
 
 
-def resolve_targets(target_modules, exclude_modules, num_layers: int) -> set[tuple[int, str]]:
-    """The (layer, HF projection) pairs adapted by an adapter with these target/exclude specs."""
+def resolve_targets(target_modules, exclude_modules, num_layers: int,
+                    sparse_layers: Iterable[int] = ()) -> set[tuple[int, str]]:
+    """The (layer, HF projection) pairs adapted by an adapter with these target/exclude specs;
+    ``sparse_layers``: the MoE layers, whose experts adapters cannot target yet (a ValueError says so)."""
     targets = _patterns(target_modules)
     if not targets:
         raise ValueError(f"target_modules is empty; valid names: {', '.join(VALID_NAMES)}")
@@ -75,4 +77,9 @@ def resolve_targets(target_modules, exclude_modules, num_layers: int) -> set[tup
         chosen -= _expand(pattern, num_layers)
     if not chosen:
         raise ValueError(f"exclude_modules={exclude_modules!r} removes every target of {target_modules!r}")
+    sparse = sorted({i for i, p in chosen if PARENT[p] == "mlp"} & set(sparse_layers))
+    if sparse:
+        raise ValueError(f"target_modules={target_modules!r} reaches the experts of mixture-of-experts layers "
+                         f"{sparse}: LoRA on experts is not built yet; target the attention projections "
+                         "(q_proj, k_proj, v_proj, o_proj) or exclude those layers' mlp")
     return chosen

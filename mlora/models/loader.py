@@ -60,7 +60,17 @@ def load_shard(hf_dir: str | os.PathLike, mesh: Mesh, dtype: torch.dtype = torch
         require_scaled_mm(mesh.device, dtype)
     recompute_settings(recompute, recompute_method, recompute_num_layers, recompute_modules)  # before any I/O
     spec = model_spec(load_hf_config(hf_dir))
-    check_layout(spec, mesh.tp, mesh.pp)
+    check_layout(spec, mesh.tp, mesh.pp, mesh.ep)
+    if fp8 is not None and spec.moe is not None:
+        raise ValueError(f"fp8={fp8!r} on {spec.architecture}, a mixture of experts: FP8 experts are not built yet; "
+                         "use fp8=None")
+    if fp8 == "te" and spec.qk_norm is not None:
+        raise ValueError(f"fp8='te' on {spec.architecture}: the Transformer Engine spec has no q/k norm slot in mlora "
+                         "yet; use fp8='torch' or None")
+    if spec.moe is not None and mesh.tp > 1 and not mesh.sp:
+        raise ValueError(f"{spec.architecture} is a mixture of experts: at tp={mesh.tp} megatron's MoE layer needs "
+                         "sequence parallelism (init_parallel(..., sp=True); in a run "
+                         "trainer.policy.megatron_config.sequence_parallel=true)")
     if fp8 == "torch":  # CUDA's _scaled_mm refuses K or N off multiples of 16: say so now, not at the first forward
         check_fp8_shapes(spec, mesh.tp, mesh.device)
     settings = recompute_settings(recompute, recompute_method, recompute_num_layers, recompute_modules,
@@ -69,7 +79,7 @@ def load_shard(hf_dir: str | os.PathLike, mesh: Mesh, dtype: torch.dtype = torch
     quantized = fp8_quantization_config(json.loads((Path(hf_dir) / "config.json").read_text()))
     with CheckpointReader(hf_dir) as reader:  # validate the files before allocating anything
         source = reader if quantized is None else DequantizingReader(reader, quantized["weight_block_size"])
-        maps = stage_param_maps(spec, mesh.pp, mesh.pp_rank)
+        maps = stage_param_maps(spec, mesh.pp, mesh.pp_rank, mesh.ep, mesh.ep_rank)
         missing = [n for pm in maps for n in pm.hf_names if n not in reader]
         if missing:
             raise CheckpointError(f"{Path(hf_dir)} lacks tensors the model needs: {', '.join(missing[:5])}"

@@ -64,6 +64,14 @@ _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ggu
 
 
 # ----------------------------------------------------------------------------- shared helpers
+def check_mcore_dense(spec: ModelSpec) -> None:
+    """megatron torch_dist checkpoints of dense models only, for now: a ValueError for experts or q/k norms."""
+    if spec.moe is not None or spec.qk_norm is not None:
+        raise ValueError(f"{spec.architecture}: HF <-> megatron torch_dist conversion covers dense models without "
+                         "q/k norms (Llama, Qwen2, Mistral) for now; mlora loads and saves this model as an HF "
+                         "checkpoint (mlora.from_pretrained / save_merged, at any TP x PP x EP)")
+
+
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     """Megatron-LM's padding: ``vocab_size`` rounded up to a multiple of ``divisible_by × tp``."""
     if divisible_by < 1:
@@ -212,6 +220,7 @@ def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int =
             raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer")
     hf, out = Path(hf_dir), Path(out_dir)
     spec = model_spec(load_hf_config(hf))
+    check_mcore_dense(spec)
     check_layout(spec, tp, pp)
     if fp8_quantization_config(json.loads((hf / "config.json").read_text())) is not None:
         raise ValueError(f"{hf} is a block-quantized FP8 checkpoint (quantization_config); hf-to-mcore converts "
@@ -518,6 +527,7 @@ def mcore_to_hf(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike,
     out = Path(out_dir)
     ckpt = locate_mcore_checkpoint(mcore_dir, hf_config)
     spec = model_spec(load_hf_config(ckpt.config_dir))
+    check_mcore_dense(spec)
     metadata = _dcp_metadata(ckpt.directory)
     check_shard_files(ckpt.directory, metadata)
     tensors = _model_tensors(metadata)

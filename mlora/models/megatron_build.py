@@ -11,7 +11,7 @@ from mlora.formats.hf_config import ModelSpec, check_layout, hf_inv_freq
 from mlora.fp8.quant import SCALED_MM_MULTIPLE, FP8ShapeError, fp8_shape_problems
 from mlora.lora.sites import attach_lora_sites
 from mlora.models.attention import ATTENTION_CONFIG_ATTR, WINDOW_CONFIG_ATTR, SDPAttention, check_attention_arg
-from mlora.models.norm import RMSNorm
+from mlora.models.norm import QK_NORM_CONFIG_ATTR, RMSNorm
 from mlora.models.recompute import Recompute, prepare_for_recompute
 from mlora.parallel.mesh import Mesh
 
@@ -57,7 +57,36 @@ def transformer_config(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, recomput
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         calculate_per_token_loss=True,  # loss functions return their micro-batch's share; no rescaling
+        qk_layernorm=spec.qk_norm is not None,
         **recompute.config_kwargs(),
+        **moe_config_kwargs(spec, mesh),
+    )
+
+
+def moe_config_kwargs(spec: ModelSpec, mesh: Mesh) -> dict:
+    """megatron's MoE settings that reproduce ``spec.moe`` (none for a dense model): a frozen linear router
+    in float32 with HF's routing (softmax over all experts then top-k, or top-k then softmax when the k
+    weights are renormalised, Mixtral's and ``norm_topk_prob``), no load-balancing loss and no token drop,
+    experts as megatron's SequentialMLP split over EP ranks (expert TP 1), the all-to-all dispatcher."""
+    moe = spec.moe
+    if moe is None:
+        return {}
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_ffn_hidden_size=moe.ffn_size,
+        moe_router_topk=moe.top_k,
+        moe_router_pre_softmax=not moe.normalize_topk,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_router_dtype="fp32",
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        moe_layer_freq=[int(moe.is_sparse(i)) for i in range(spec.num_layers)],
+        expert_model_parallel_size=mesh.ep,
+        expert_tensor_parallel_size=1,
     )
 
 
@@ -138,25 +167,46 @@ def gpt_model(spec: ModelSpec, mesh, config, layer_spec, vocab_size: int):
     return model.to(mesh.device)
 
 def block_spec(config):
-    """megatron's local GPT layer spec with three swaps: mlora's RMSNorm (SP-capable) in every norm
-    slot, LoRA-capable parallel linears in every linear slot and, unless the config's
+    """megatron's local GPT layer spec (its MoE layer where the config's ``moe_layer_freq`` says so) with
+    three swaps: mlora's RMSNorm (SP-capable; the full-width q/k norms of OLMoE) in every norm slot,
+    LoRA-capable parallel linears in every linear slot, experts' included, and, unless the config's
     ``mlora_attention`` (set by :func:`build_gpt_model`) says ``"unfused"``, :class:`SDPAttention`
     (torch's fused scaled_dot_product_attention) in the core-attention slot."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from mlora.lora.layers import LoraColumnParallelLinear, LoraRowParallelLinear
+    from mlora.models.norm import FullWidthKNorm, FullWidthQNorm
 
-    layer = get_gpt_layer_local_spec(normalization="RMSNorm")
-    sub = layer.submodules
-    attention = {"linear_qkv": LoraColumnParallelLinear, "linear_proj": LoraRowParallelLinear}
-    if getattr(config, ATTENTION_CONFIG_ATTR, "sdpa") == "sdpa":  # "unfused" keeps megatron's DotProductAttention
-        attention["core_attention"] = SDPAttention
-    sub.self_attention.submodules = dataclasses.replace(sub.self_attention.submodules, **attention)
-    sub.mlp.submodules = dataclasses.replace(
-        sub.mlp.submodules, linear_fc1=LoraColumnParallelLinear, linear_fc2=LoraRowParallelLinear)
-    layer.submodules = dataclasses.replace(sub, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm)
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=RMSNorm)
+    def layer_spec(num_experts: int | None):
+        layer = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                         qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+        sub = layer.submodules
+        attention = {"linear_qkv": LoraColumnParallelLinear, "linear_proj": LoraRowParallelLinear}
+        if config.qk_layernorm:
+            full = getattr(config, QK_NORM_CONFIG_ATTR, "head") == "full"
+            attention.update(q_layernorm=FullWidthQNorm if full else RMSNorm,
+                             k_layernorm=FullWidthKNorm if full else RMSNorm)
+        if getattr(config, ATTENTION_CONFIG_ATTR, "sdpa") == "sdpa":  # "unfused" keeps megatron's DotProductAttention
+            attention["core_attention"] = SDPAttention
+        sub.self_attention.submodules = dataclasses.replace(sub.self_attention.submodules, **attention)
+        mlp = sub.mlp.submodules.experts.submodules if num_experts else sub.mlp.submodules
+        lora = dict(linear_fc1=LoraColumnParallelLinear, linear_fc2=LoraRowParallelLinear)
+        if num_experts:  # an expert is megatron's MLP with the same LoRA-capable linears (expert TP 1)
+            sub.mlp.submodules.experts.submodules = dataclasses.replace(mlp, **lora)
+            sub.mlp.submodules = dataclasses.replace(sub.mlp.submodules, shared_experts=None)
+        else:
+            sub.mlp.submodules = dataclasses.replace(mlp, **lora)
+        layer.submodules = dataclasses.replace(sub, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm)
+        return layer
+
+    dense = layer_spec(None)
+    sparse = layer_spec(config.num_moe_experts) if config.num_moe_experts else None
+    freq = config.moe_layer_freq if sparse is not None else None
+    offset = get_transformer_layer_offset(config)
+    layers = [sparse if freq is not None and freq[offset + j] else dense for j in range(get_num_layers_to_build(config))]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm)
 
 
 def build_gpt_model(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, fp8: str | None = None,
@@ -180,6 +230,7 @@ def build_gpt_model(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, fp8: str | 
     setattr(config, FP8_CONFIG_ATTR, fp8)
     setattr(config, ATTENTION_CONFIG_ATTR, check_attention_arg(attention))
     setattr(config, WINDOW_CONFIG_ATTR, spec.sliding_window)
+    setattr(config, QK_NORM_CONFIG_ATTR, spec.qk_norm)
     layer_spec = block_spec
     if fp8 == "te":
         from mlora.models.te import megatron_fp8_settings, te_block_spec

@@ -38,7 +38,22 @@ PATCHED_SITES: dict[str, tuple[str, ...]] = {
     # dist_checkpointing.save (torch_dist): the D2H preload syncs CUDA, the failure flag is a CUDA tensor.
     "megatron.core.dist_checkpointing.strategies.filesystem_async": ("torch.cuda.synchronize()",),
     "megatron.core.dist_checkpointing.strategies.state_dict_saver": ("torch.cuda.current_device()",),
+    # MoE: the router allocates on the current device; the all-to-all dispatcher copies
+    # its split sizes to the host on a side stream (a no-op stream here: they already are on the host)
+    "megatron.core.transformer.moe.router": ("torch.cuda.current_device()",),
+    "megatron.core.transformer.moe.token_dispatcher": ("torch.cuda.Stream()", "torch.cuda.current_stream()",
+                                                       "torch.cuda.stream(", ".record_event()"),
 }
+# module -> (function name it imported, source fragment): the function wrapped for CPU tensors. The
+# all-to-all dispatcher turns its split sizes into host lists through ``maybe_move_tensor_to_cpu``,
+# which converts only CUDA tensors: on the CPU they would stay tensors, which ``all_to_all_single`` refuses.
+FUNCTION_SITES: dict[str, tuple[str, str]] = {
+    "megatron.core.transformer.moe.token_dispatcher": ("maybe_move_tensor_to_cpu",
+                                                       "self.input_splits, as_numpy=True"),
+}
+# Names a module uses but only defines when Transformer Engine imports: set to None (what the module's own
+# code tests for) so that its pure-torch path runs. moe_utils' router GEMM reads ``te_general_gemm``.
+TE_ONLY_NAMES: dict[str, tuple[str, ...]] = {"megatron.core.transformer.moe.moe_utils": ("te_general_gemm",)}
 # Methods that move a tensor with ``Tensor.cuda()``: run with that call as the identity.
 TENSOR_CUDA_SITES: dict[str, tuple[str, str, str]] = {
     "megatron.core.models.common.language_module.language_module": (
@@ -77,6 +92,54 @@ class _CpuCuda(types.ModuleType):
     @staticmethod
     def synchronize(device: Any = None) -> None:
         return None
+
+    class Event:
+        """An event that is always complete: CPU work is already in program order."""
+
+        def record(self, stream: Any = None) -> None:
+            return None
+
+        def synchronize(self) -> None:
+            return None
+
+        def wait(self, stream: Any = None) -> None:
+            return None
+
+        def query(self) -> bool:
+            return True
+
+    class Stream:
+        """A stream that orders nothing; there is one (never a side stream)."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def wait_stream(self, stream: Any) -> None:
+            return None
+
+        def wait_event(self, event: Any) -> None:
+            return None
+
+        def record_event(self, event: Any = None) -> Any:
+            return _CpuCuda.Event()
+
+        def synchronize(self) -> None:
+            return None
+
+        def __eq__(self, other: Any) -> bool:
+            return isinstance(other, _CpuCuda.Stream)
+
+        __hash__ = object.__hash__
+
+    _default_stream = Stream()
+
+    @classmethod
+    def current_stream(cls, device: Any = None) -> Any:
+        return cls._default_stream
+
+    @staticmethod
+    def stream(stream: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     @staticmethod
     def is_available() -> bool:
@@ -183,6 +246,19 @@ def _without_tensor_cuda(fn):
     return wrapped
 
 
+def _host_split_sizes(fn):
+    """``maybe_move_tensor_to_cpu`` that also gives host tensors as numpy when asked (split sizes)."""
+
+    def wrapped(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy().copy()
+        return fn(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    wrapped.__name__ = fn.__name__
+    wrapped.__wrapped__ = fn
+    return wrapped
+
+
 def apply_cpu_shims() -> None:
     """Make megatron-core usable without CUDA. A no-op when CUDA is available."""
     global _applied
@@ -192,6 +268,14 @@ def apply_cpu_shims() -> None:
         cpu_torch = _CpuTorch()
         for module_name in PATCHED_SITES:
             importlib.import_module(module_name).torch = cpu_torch
+        for module_name, (fn_name, _) in FUNCTION_SITES.items():
+            module = importlib.import_module(module_name)
+            setattr(module, fn_name, _host_split_sizes(getattr(module, fn_name)))
+        for module_name, names in TE_ONLY_NAMES.items():
+            module = importlib.import_module(module_name)
+            for name in names:
+                if not hasattr(module, name):
+                    setattr(module, name, None)
         for module_name, (cls_name, method, _) in TENSOR_CUDA_SITES.items():
             cls = getattr(importlib.import_module(module_name), cls_name)
             setattr(cls, method, _without_tensor_cuda(getattr(cls, method)))
@@ -223,6 +307,15 @@ def check_patched_sites() -> list[str]:
         for fragment in fragments:
             if fragment not in source:
                 problems.append(f"{module_name}: no longer contains {fragment!r}")
+    for module_name, (fn_name, fragment) in FUNCTION_SITES.items():
+        module = importlib.import_module(module_name)
+        if not hasattr(module, fn_name):
+            problems.append(f"{module_name}: no longer imports {fn_name}")
+        elif fragment not in inspect.getsource(module):
+            problems.append(f"{module_name}: no longer contains {fragment!r}")
+    for module_name, names in TE_ONLY_NAMES.items():
+        source = inspect.getsource(importlib.import_module(module_name))
+        problems += [f"{module_name}: no longer uses {name}" for name in names if f"{name} is not None" not in source]
     for module_name, (cls_name, method, fragment) in TENSOR_CUDA_SITES.items():
         cls = getattr(importlib.import_module(module_name), cls_name, None)
         fn = getattr(cls, method, None)

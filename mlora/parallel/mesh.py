@@ -1,4 +1,5 @@
-"""The TP × PP × DP mesh over torchrun, built on megatron-core's parallel_state."""
+"""The TP × PP × DP mesh over torchrun (with EP over the experts of MoE layers), built on megatron-core's
+parallel_state."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ class Mesh:
     dp_rank: int
     device: torch.device
     backend: str
+    ep: int = 1  # expert parallelism: MoE layers' experts split ep ways (expert TP 1)
+    ep_rank: int = 0
 
     @property
     def is_first_stage(self) -> bool:
@@ -55,10 +58,29 @@ class Mesh:
 
         return ps.get_data_parallel_group()
 
+    @property
+    def expert_dp(self) -> int:
+        """How many ranks of a stage hold the same experts: ``world / (pp * ep)`` (expert TP is 1)."""
+        return self.world_size // (self.pp * self.ep)
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_expert_model_parallel_group()
+
+    @property
+    def expert_dp_group(self) -> dist.ProcessGroup:
+        """The ranks whose experts are copies of this rank's: where expert gradients are summed."""
+        from megatron.core import parallel_state as ps
+
+        return ps.get_expert_data_parallel_group()
+
     def __str__(self) -> str:
         return (
             f"rank {self.rank}/{self.world_size} (tp {self.tp_rank}/{self.tp}, pp {self.pp_rank}/{self.pp}, "
-            f"dp {self.dp_rank}/{self.dp}{', sp' if self.sp else ''}, {self.backend})"
+            f"dp {self.dp_rank}/{self.dp}{f', ep {self.ep_rank}/{self.ep}' if self.ep > 1 else ''}"
+            f"{', sp' if self.sp else ''}, {self.backend})"
         )
 
 
@@ -69,16 +91,19 @@ def _free_port() -> int:
 
 
 def init_parallel(tp: int = 1, pp: int = 1, sp: bool = False, seed: int = 1234,
-                  timeout_minutes: int = 30) -> Mesh:
+                  timeout_minutes: int = 30, ep: int = 1) -> Mesh:
     """Initialise torch.distributed and megatron's TP/PP/DP groups.
 
     Run under torchrun (``RANK``/``WORLD_SIZE`` in the environment); without it a
     single-process group is created, so ``init_parallel()`` also works in a notebook.
-    DP is ``world_size // (tp * pp)``. Uses NCCL when CUDA is available and gloo
+    DP is ``world_size // (tp * pp)``. ``ep``: expert parallelism for MoE models (expert tensor parallelism
+    1): the experts of each stage are split over ``ep`` ranks drawn from its TP × DP ranks, so ``ep`` must
+    divide ``world_size // pp``; expert gradients are summed over the ``world_size // (pp * ep)`` ranks that
+    hold the same experts. Uses NCCL when CUDA is available and gloo
     otherwise (with megatron's CPU gaps closed by :mod:`mlora.parallel.cpu_shims`).
     Calling it again with the same layout returns the existing mesh.
     """
-    for name, value in (("tp", tp), ("pp", pp)):
+    for name, value in (("tp", tp), ("pp", pp), ("ep", ep)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer")
     if sp and tp == 1:
@@ -99,6 +124,10 @@ def init_parallel(tp: int = 1, pp: int = 1, sp: bool = False, seed: int = 1234,
             f"world size {world} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; "
             f"valid world sizes are multiples of {tp * pp}"
         )
+    if (world // pp) % ep:
+        raise ValueError(f"ep={ep} does not divide the {world // pp} ranks of a pipeline stage (world size {world} / "
+                         f"pp={pp}): experts are split over ranks of the TP x DP plane; valid ep: "
+                         f"{[d for d in range(1, world // pp + 1) if (world // pp) % d == 0]}")
     if not dist.is_initialized():
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -110,14 +139,16 @@ def init_parallel(tp: int = 1, pp: int = 1, sp: bool = False, seed: int = 1234,
                                 timeout=datetime.timedelta(minutes=timeout_minutes))
 
     if ps.model_parallel_is_initialized():
-        if (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (tp, pp):
+        now = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+               ps.get_expert_model_parallel_world_size())
+        if now != (tp, pp, ep):
             raise RuntimeError(
-                f"the mesh is already initialised with tp={ps.get_tensor_model_parallel_world_size()}, "
-                f"pp={ps.get_pipeline_model_parallel_world_size()}; cannot switch to tp={tp}, pp={pp} "
-                "in the same process"
+                f"the mesh is already initialised with tp={now[0]}, pp={now[1]}, ep={now[2]}; cannot switch to "
+                f"tp={tp}, pp={pp}, ep={ep} in the same process"
             )
     else:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
                                      create_gloo_process_groups=use_cuda)
         # Same default stream on every rank, and megatron's per-TP-rank tracker for its own layers.
         # (LoRA dropout draws from its own keyed generators: mlora.lora.layers.dropout_mask.)
@@ -132,6 +163,8 @@ def init_parallel(tp: int = 1, pp: int = 1, sp: bool = False, seed: int = 1234,
         dp_rank=ps.get_data_parallel_rank(),
         device=torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu"),
         backend=backend,
+        ep=ep,
+        ep_rank=ps.get_expert_model_parallel_rank(),
     )
 
 

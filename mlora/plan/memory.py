@@ -124,7 +124,8 @@ def geometry(spec: ModelSpec, layout: Layout, workload: Workload, batch: int) ->
 
 
 def _layer_loras(spec: ModelSpec, workload: Workload, layers: range) -> list[LayerLora]:
-    modules = resolve_targets(workload.target_modules, workload.exclude_modules, spec.num_layers)
+    modules = resolve_targets(workload.target_modules, workload.exclude_modules, spec.num_layers,
+                              spec.moe.sparse_layers if spec.moe else ())
     out = []
     for i in layers:
         sites: dict[str, int] = {}

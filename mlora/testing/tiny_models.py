@@ -1,7 +1,8 @@
-"""Tiny random Llama / Qwen2 / Mistral checkpoints with a locally trained tokenizer.
+"""Tiny random Llama / Qwen2 / Mistral / Qwen3 and MoE (Qwen3-MoE, Mixtral, OLMoE) checkpoints with a locally
+trained tokenizer.
 
 They exercise what real checkpoints have: GQA, head_dim independent of hidden size,
-RoPE scaling, q/k/v bias, tied embeddings, sliding windows, sharded safetensors, and a
+RoPE scaling, q/k/v bias, q/k norms, experts, tied embeddings, sliding windows, sharded safetensors, and a
 vocabulary (1001) that no TP size > 1 divides and that is not a multiple of 64.
 """
 
@@ -34,6 +35,35 @@ TINY_ARCHS: dict[str, dict] = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=8,
+    ),
+    # q/k RMSNorm per head
+    "qwen3": dict(
+        architecture="Qwen3ForCausalLM", hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        rms_norm_eps=1e-6, tie_word_embeddings=True,
+    ),
+    # mixtures of experts: 8 experts, top-2; Qwen3-MoE renormalises the top-k weights and has a dense layer
+    "qwen3_moe": dict(
+        architecture="Qwen3MoeForCausalLM", hidden_size=128, intermediate_size=192, moe_intermediate_size=64,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
+    "mixtral": dict(
+        architecture="MixtralForCausalLM", hidden_size=128, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+        num_local_experts=8, num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None,
+    ),
+    # q/k RMSNorm over all heads at once; top-k weights not renormalised
+    "olmoe": dict(
+        architecture="OlmoeForCausalLM", hidden_size=128, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
     ),
 }
 
@@ -69,7 +99,7 @@ def train_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512):
 
 
 def build_tiny_model(arch: str, out_dir: str | os.PathLike, seed: int = 0, **overrides) -> Path:
-    """Write a tiny random HF checkpoint of ``arch`` ("llama", "qwen2", "mistral") to ``out_dir``."""
+    """Write a tiny random HF checkpoint of ``arch`` (a key of :data:`TINY_ARCHS`) to ``out_dir``."""
     import transformers
 
     if arch not in TINY_ARCHS:
@@ -90,6 +120,8 @@ def build_tiny_model(arch: str, out_dir: str | os.PathLike, seed: int = 0, **ove
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):  # non-trivial norms so their mapping is tested too
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):  # a MoE router: clear top-k choices, no near-ties
+                p.copy_(0.5 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
     kwargs = {"max_shard_size": shard_size} if shard_size else {}

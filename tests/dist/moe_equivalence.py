@@ -1,0 +1,160 @@
+"""torchrun worker: mixture-of-experts bases (and Qwen3's q/k norm) against transformers at several
+TP x PP x EP layouts: logits, the router's token-to-expert assignment and weights, and the gradients of an
+attention LoRA whose backward runs through the experts and their all-to-all dispatch; that adapter, one
+step on, saved in PEFT layout and run by transformers + PEFT; save_merged at EP > 1 against the source.
+
+Usage: torchrun --nproc_per_node N tests/dist/moe_equivalence.py MODELS_DIR OUT_JSON LAYOUTS
+LAYOUTS is "tp,pp,ep[,sp];..." (DP = world // (tp*pp)). Rank 0 writes one JSON record per check.
+Each DP rank takes its share of the gradient batch's rows: gradients are summed over DP, so every layout's
+equal the whole batch's on one rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from common import adapter_grads, masked_sum_loss, write_records_and_exit
+
+import mlora
+from mlora.lora.grads import finalize_grads
+from mlora.parallel import reset_parallel
+from mlora.testing import right_padded_batch
+
+MOE_MODELS = ("mixtral", "qwen3_moe", "olmoe")
+DENSE_MODELS = ("qwen3",)  # q/k norm per head, no experts: layouts without EP only
+LORA = dict(rank=4, alpha=8, seed=3, target_modules=["q_proj", "v_proj", "o_proj"], init_method="gaussian")
+
+
+def parse(spec: str) -> list[tuple[int, int, int, bool]]:
+    out = []
+    for layout in spec.split(";"):
+        f = layout.split(",")
+        out.append((int(f[0]), int(f[1]), int(f[2]), f[3:] == ["sp"]))
+    return out
+
+
+_hf: dict[Path, torch.nn.Module] = {}
+
+
+def hf_model(model_dir: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    if model_dir not in _hf:
+        _hf[model_dir] = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    return _hf[model_dir]
+
+
+def hf_routes(model_dir: Path, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Per sparse layer, HF's top-k weights scattered over the experts, ``[tokens, experts]`` with tokens
+    in megatron's order (sequence-major)."""
+    hf, out = hf_model(model_dir), []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: out.append(o)) for layer in hf.model.layers
+             if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")]
+    with torch.no_grad():
+        hf(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    b, s = ids.shape
+    routes = []
+    for logits, weights, index in out:
+        dense = torch.zeros_like(logits).scatter(1, index, weights)
+        routes.append(dense.view(b, s, -1).transpose(0, 1).reshape(b * s, -1))
+    return routes
+
+
+def mlora_routes(model, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Per sparse layer of this stage, megatron's router probabilities ``[tokens, experts]`` (zero off the
+    chosen experts)."""
+    out = []
+    hooks = [layer.mlp.router.register_forward_hook(lambda m, i, o: out.append(o[0].detach().clone()))
+             for layer in model.gpt.decoder.layers if hasattr(layer.mlp, "router")]
+    model.logits(ids)
+    for h in hooks:
+        h.remove()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("models_dir", type=Path)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("layouts")
+    args = ap.parse_args()
+    records = []
+    for tp, pp, ep, sp in parse(args.layouts):
+        mesh = mlora.init_parallel(tp=tp, pp=pp, sp=sp, ep=ep)
+        layout = dict(tp=tp, pp=pp, ep=ep, dp=mesh.dp, sp=sp, rank=mesh.rank)
+        for name in MOE_MODELS + (DENSE_MODELS if ep == 1 else ()):
+            model_dir = args.models_dir / name
+            model = mlora.from_pretrained(model_dir, mesh, dtype=torch.float32)
+            ids, mask = right_padded_batch(model.spec.vocab_size, (17, 11, 6, 17), seed=7)
+            out = model.logits(ids, attention_mask=mask)
+            if out is not None:
+                with torch.no_grad():
+                    ref = hf_model(model_dir)(input_ids=ids, attention_mask=mask).logits
+                valid = mask.bool()
+                records.append(dict(check="logits", model=name, **layout, shape=list(out.shape),
+                                    max_abs_diff=(out - ref)[valid].abs().max().item(),
+                                    rel=((out - ref)[valid].norm() / ref[valid].norm()).item()))
+            if model.spec.moe is not None and tp == 1:  # the router sees whole sequences (no SP split)
+                full, _ = right_padded_batch(model.spec.vocab_size, (13, 13), seed=11)
+                mine, ref = mlora_routes(model, full), hf_routes(model_dir, full)
+                layers = [i for i in model.spec.moe.sparse_layers if i in
+                          [layer.layer_number - 1 for layer in model.gpt.decoder.layers]]
+                ref = [ref[model.spec.moe.sparse_layers.index(i)] for i in layers]
+                records.append(dict(check="routes", model=name, **layout, layers=layers,
+                                    same_experts=all(torch.equal(a != 0, b != 0) for a, b in zip(mine, ref)),
+                                    max_weight_diff=max((a - b).abs().max().item() for a, b in zip(mine, ref))))
+            # LoRA on attention: its gradient flows back through the frozen experts
+            # (B = 0: B's gradient is the layer input's projection times the output gradient, which
+            # reaches the lower layers only back through the experts of the layers above)
+            model.add_adapter("a", mlora.LoraConfig(**LORA))
+            rows = slice(mesh.dp_rank, None, mesh.dp)
+            batch = {"input_ids": ids[rows], "attention_mask": mask[rows]}
+            model.forward_backward([batch], masked_sum_loss(model, mask[rows], scale=1e-3))
+            finalize_grads(model.trainable_parameters())
+            grads = adapter_grads(model, "a")
+            if mesh.rank == 0:
+                records.append(dict(check="grads", model=name, **layout,
+                                    grads={k: v.flatten().tolist() for k, v in sorted(grads.items())}))
+            # one gradient step makes B non-zero (the same on every layout); the adapter saved in PEFT layout
+            # loads in transformers + PEFT on the MoE model and gives mlora's logits
+            with torch.no_grad():
+                for p in model.adapter_parameters("a"):
+                    p -= 0.5 * p.grad
+            out = model.logits(ids, attention_mask=mask)
+            peft_dir = args.models_dir.parent / f"adapter_{tp}{pp}{ep}{int(sp)}" / name
+            model.save_adapter("a", peft_dir)
+            if out is not None and mesh.rank == mesh.world_size - 1:  # a last-stage rank
+                from peft import PeftModel
+
+                base = hf_model(model_dir)
+                valid = mask.bool()
+                with torch.no_grad():
+                    plain = base(input_ids=ids, attention_mask=mask).logits
+                    peft = PeftModel.from_pretrained(base, str(peft_dir)).eval()
+                    ref = peft(input_ids=ids, attention_mask=mask).logits
+                _hf[model_dir] = peft.unload()  # the base model back, without LoRA layers
+                records.append(dict(check="peft", model=name, **layout,
+                                    rel=((out - ref)[valid].norm() / ref[valid].norm()).item(),
+                                    adapter_effect=(ref - plain)[valid].abs().max().item()))
+            if ep > 1 and name in MOE_MODELS:  # every expert gathered over EP: the checkpoint back, bit for bit
+                out_dir = args.models_dir.parent / f"roundtrip_{tp}{pp}{ep}" / name
+                model.save_merged(out_dir)
+                if mesh.rank == 0:
+                    from mlora.testing import load_checkpoint_tensors
+
+                    src, dst = load_checkpoint_tensors(model_dir), load_checkpoint_tensors(out_dir)
+                    records.append(dict(check="roundtrip", model=name, **layout, same_names=sorted(src) == sorted(dst),
+                                        bit_identical=sorted(src) == sorted(dst) and all(
+                                            torch.equal(src[k], dst[k]) for k in src)))
+            del model
+        reset_parallel()
+    write_records_and_exit(records, args.out)
+
+
+if __name__ == "__main__":
+    main()
