@@ -179,12 +179,15 @@ def block_spec(config):
     from mlora.lora.layers import LoraColumnParallelLinear, LoraRowParallelLinear
     from mlora.models.norm import FullWidthKNorm, FullWidthQNorm
 
+    qk_norm = bool(getattr(config, "qk_layernorm", False))
+    num_experts = getattr(config, "num_moe_experts", None)
+
     def layer_spec(num_experts: int | None):
-        layer = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
-                                         qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+        layer = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_norm,
+                                         normalization="RMSNorm")
         sub = layer.submodules
         attention = {"linear_qkv": LoraColumnParallelLinear, "linear_proj": LoraRowParallelLinear}
-        if config.qk_layernorm:
+        if qk_norm:
             full = getattr(config, QK_NORM_CONFIG_ATTR, "head") == "full"
             attention.update(q_layernorm=FullWidthQNorm if full else RMSNorm,
                              k_layernorm=FullWidthKNorm if full else RMSNorm)
@@ -201,11 +204,11 @@ def block_spec(config):
         layer.submodules = dataclasses.replace(sub, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm)
         return layer
 
-    dense = layer_spec(None)
-    sparse = layer_spec(config.num_moe_experts) if config.num_moe_experts else None
-    freq = config.moe_layer_freq if sparse is not None else None
-    offset = get_transformer_layer_offset(config)
-    layers = [sparse if freq is not None and freq[offset + j] else dense for j in range(get_num_layers_to_build(config))]
+    dense, count = layer_spec(None), get_num_layers_to_build(config)
+    if not num_experts:
+        return TransformerBlockSubmodules(layer_specs=[dense] * count, layer_norm=RMSNorm)
+    sparse, offset = layer_spec(num_experts), get_transformer_layer_offset(config)
+    layers = [sparse if config.moe_layer_freq[offset + j] else dense for j in range(count)]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm)
 
 
