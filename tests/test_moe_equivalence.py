@@ -127,20 +127,20 @@ def test_moe_errors(tiny_models, tmp_path):
     assert resolve_targets("all-linear", "layers.0.mlp.gate_proj", 4, sparse_layers=()) >= {(1, "down_proj")}
     resolve_targets(["q_proj", "o_proj"], None, 4, sparse_layers=(0, 1, 2, 3))
     # MoE families that need more than mlora builds: named with what they need
-    qwen2_moe = tmp_path / "qwen2_moe"
-    shutil.copytree(tiny_models / "qwen3_moe", qwen2_moe)
-    cfg = json.loads((qwen2_moe / "config.json").read_text())
-    cfg["architectures"] = ["Qwen2MoeForCausalLM"]
-    (qwen2_moe / "config.json").write_text(json.dumps(cfg))
+    qwen2_moe = _with_config(tiny_models / "qwen3_moe", tmp_path / "qwen2_moe", architectures=["Qwen2MoeForCausalLM"])
     with pytest.raises(ValueError, match="'Qwen2MoeForCausalLM' .* needs a shared expert"):
         mlora.from_pretrained(qwen2_moe, fake_mesh())
-    jitter = tmp_path / "mixtral"
-    shutil.copytree(tiny_models / "mixtral", jitter)
-    cfg = json.loads((jitter / "config.json").read_text())
-    cfg["router_jitter_noise"] = 0.1
-    (jitter / "config.json").write_text(json.dumps(cfg))
+    jitter = _with_config(tiny_models / "mixtral", tmp_path / "mixtral", router_jitter_noise=0.1)
     with pytest.raises(ValueError, match="router_jitter_noise=0.1 is not supported"):
         mlora.from_pretrained(jitter, fake_mesh())
+
+
+def _with_config(src, dst, **changes):
+    """A copy of model directory ``src`` at ``dst`` whose config.json has ``changes``."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, **changes}))
+    return dst
 
 
 def test_moe_spec_of_each_family(tiny_models):

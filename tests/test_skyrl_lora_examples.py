@@ -1070,9 +1070,20 @@ MODEL_KEYS = ("trainer.policy.model.path", "trainer.critic.model.path")
 
 
 def rl_overrides(name: str, root: Path | str, model: str | None = None, drop: tuple[str, ...] = (),
-                 **values: str) -> list[str]:
+                 literals: dict[str, str] | None = None, **values: str) -> list[str]:
+    """Script ``name``'s overrides with its variables' CPU values; ``literals``: CPU values of keys the script
+    writes literally (its model names always get the tiny model's path)."""
     merged = {**paths(root, model), **CPU, **SCRIPT_VALUES[name], **values}
-    return script_overrides(name, merged, {k: merged["MODEL_NAME"] for k in MODEL_KEYS}, drop)
+    return script_overrides(name, merged, {**{k: merged["MODEL_NAME"] for k in MODEL_KEYS}, **(literals or {})}, drop)
+
+
+def train_steps(args: list[str], nproc: int, cwd: Path, run_dir: Path) -> list[dict]:
+    """Run ``mlora-train args`` on ``nproc`` ranks (failing the test with its output if it fails); its
+    metrics rows."""
+    proc = mlora_train(args, nproc, cwd=cwd)
+    if proc.returncode != 0:
+        pytest.fail(f"mlora-train failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _compose(args: list[str], config: str = "ppo", world_size: int = 4):
@@ -1303,10 +1314,7 @@ def test_dapo_script_trains_two_steps(gsm8k):  # noqa: F811
     assert "environment.env_class=aime" in args  # skyrl_gym's AIMEEnv, as the script says
     args += ["trainer.total_steps=2", f"trainer.run_dir={run_dir}", "generator.kv_cache_memory_bytes=67108864",
              "trainer.hf_save_interval=1", "trainer.dump_data_batch=true", "trainer.eval_before_train=false"]
-    proc = mlora_train(args, 4, cwd=root)
-    if proc.returncode != 0:
-        pytest.fail(f"mlora-train failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = train_steps(args, 4, root, run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert -1.0 <= r["reward/overlong_penalty_mean"] <= 0 and 0 <= r["response/overlong_filtered_ratio"] <= 1
@@ -1340,16 +1348,13 @@ def test_qwen3_6_27b_script_trains_two_steps(gsm8k):  # noqa: F811
              "EVAL_N_SAMPLES_PER_PROMPT": "1", "TRAIN_FILE": str(aime["train"]), "TEST_FILE": str(aime["validation"]),
              "TEST_FILE_2024": str(aime["validation"]), "TEST_FILE_2026": str(aime["validation"]),
              "ENGINE_INIT_KWARGS": "{}"}
-    args = rl_overrides("RUN_MEGATRON_DAPO_QWEN3_6_27B_LORA", root, gsm8k["MODEL"], **sizes)
-    assert "trainer.algorithm.policy_loss_type=dual_clip" in args and "environment.env_class=aime" in args
     # its 100 steps, evaluation every 5 steps of 1024 prompts: 2 steps, one evaluation at the last, 2 prompts
     cpu = {"trainer.max_training_steps": "2", "trainer.eval_interval": "2", "trainer.eval_batch_size": "2"}
-    args = [f"{a.split('=', 1)[0]}={cpu[a.split('=', 1)[0]]}" if a.split("=", 1)[0] in cpu else a for a in args]
+    args = rl_overrides("RUN_MEGATRON_DAPO_QWEN3_6_27B_LORA", root, gsm8k["MODEL"], literals=cpu, **sizes)
+    assert "trainer.algorithm.policy_loss_type=dual_clip" in args and "environment.env_class=aime" in args
+    assert "trainer.max_training_steps=2" in args
     args += [f"trainer.run_dir={run_dir}", "generator.kv_cache_memory_bytes=67108864"]
-    proc = mlora_train(args, 4, cwd=root)
-    if proc.returncode != 0:
-        pytest.fail(f"mlora-train failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = train_steps(args, 4, root, run_dir)
     steps = [r for r in rows if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
@@ -1378,13 +1383,10 @@ def test_sql_script_trains_two_steps(tmp_path):
              "MEGATRON_PP": "1", "NUM_GPUS": "2"}
     # the script's literal sizes (and its W&B logger: no account here) for 2 cores
     cpu = {"trainer.max_prompt_length": "800", "trainer.policy_mini_batch_size": "2", "trainer.logger": "console"}
-    args = [f"{a.split('=', 1)[0]}={cpu[a.split('=', 1)[0]]}" if a.split("=", 1)[0] in cpu else a
-            for a in rl_overrides("RUN_SKYRL_SQL_MEGATRON_LORA", tmp_path, str(model), **sizes)]
+    args = rl_overrides("RUN_SKYRL_SQL_MEGATRON_LORA", tmp_path, str(model), literals=cpu, **sizes)
+    assert "trainer.max_prompt_length=800" in args
     args += ["trainer.total_steps=2", f"trainer.run_dir={run_dir}", "generator.kv_cache_memory_bytes=67108864"]
-    proc = mlora_train(args, 2, cwd=tmp_path)
-    if proc.returncode != 0:
-        pytest.fail(f"mlora-train failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = train_steps(args, 2, tmp_path, run_dir)
     steps = [r for r in rows if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2] and "eval/spider/reward_mean" in rows[0]
     for r in steps:
@@ -1404,13 +1406,10 @@ def test_fully_async_script_trains_two_steps(gsm8k):  # noqa: F811
     # the script's literal micro-batches (8 sequences) and response length (1024) sized for 2 cores
     cpu = {"trainer.micro_forward_batch_size_per_gpu": "2", "trainer.micro_train_batch_size_per_gpu": "2",
            "generator.sampling_params.max_generate_length": "8"}
-    args = [f"{a.split('=', 1)[0]}={cpu[a.split('=', 1)[0]]}" if a.split("=", 1)[0] in cpu else a
-            for a in rl_overrides("FULLY_ASYNC_RUN_GSM8K_MEGATRON_LORA", root, gsm8k["MODEL"], **sizes)]
+    args = rl_overrides("FULLY_ASYNC_RUN_GSM8K_MEGATRON_LORA", root, gsm8k["MODEL"], literals=cpu, **sizes)
+    assert "generator.sampling_params.max_generate_length=8" in args
     args += ["trainer.total_steps=2", f"trainer.run_dir={run_dir}", "generator.kv_cache_memory_bytes=67108864"]
-    proc = mlora_train(args, 2, cwd=root)
-    if proc.returncode != 0:
-        pytest.fail(f"mlora-train failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = train_steps(args, 2, root, run_dir)
     steps = [r for r in rows if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2]
     assert [(r["async/trainer_version"], r["async/generation_version"]) for r in steps] == [(0, 0), (1, 0)]

@@ -55,7 +55,7 @@ def plan_adapter(spec: ModelSpec, tp: int, pp: int, lora: LoraConfig, dtype: tor
     """The export plan of ``lora`` on the model ``spec`` split ``tp`` × ``pp`` ways."""
     check_layout(spec, tp, pp)
     modules = resolve_targets(lora.target_modules, lora.exclude_modules, spec.num_layers,
-                              spec.moe.sparse_layers if spec.moe else ())
+                              spec.sparse_layers)
     sites = model_sites(spec, tp)
     plan = AdapterPlan(spec, tp, pp, lora, dtype)
     per_stage = spec.num_layers // pp

@@ -140,7 +140,7 @@ class AdapterHost:
         ``policy``, so that each starts exactly where a run of its own with the same seed would."""
         self._check_new_name(name)
         modules = resolve_targets(config.target_modules, config.exclude_modules, self.spec.num_layers,
-                                  self.spec.moe.sparse_layers if self.spec.moe else ())
+                                  self.spec.sparse_layers)
         tp, tp_rank = self.mesh.tp, self.mesh.tp_rank
 
         def factors(site: LoraSite, sub: str):

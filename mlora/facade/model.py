@@ -8,7 +8,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,7 @@ from mlora.facade.adapters import AdapterHost
 from mlora.formats.checkpoint_reader import SIDE_FILES  # copied verbatim from the source by save_merged
 from mlora.formats.hf_config import ModelSpec
 from mlora.formats.safetensors_writer import SafetensorsWriter
-from mlora.formats.weight_map import is_export_copy, stage_param_maps
+from mlora.formats.weight_map import ParamMap, is_export_copy, stage_param_maps
 from mlora.lora.config import master_dtype
 from mlora.lora.routing import Route, check_rows, routed, row_route, sequence_route
 from mlora.models.attention import SDPAttention, is_right_padded, sdpa_mask
@@ -361,13 +361,8 @@ class MLoraModel(AdapterHost, torch.nn.Module):
         adapted linears come merged with ``adapters``."""
         params = dict(self.gpt.named_parameters())
         modules = dict(self.gpt.named_modules())
-        group = self.mesh.tp_group
-        mesh = self.mesh
-        # each EP rank's maps, aligned: the same position holds the same local expert of every EP rank
-        per_ep = [stage_param_maps(self.spec, mesh.pp, mesh.pp_rank, mesh.ep, r) for r in range(mesh.ep)]
-        for i, pm in enumerate(per_ep[mesh.ep_rank]):
-            if is_export_copy(pm, self.spec):
-                continue
+        group, mesh = self.mesh.tp_group, self.mesh
+        for pm, sources in self._export_maps():
             owner = modules.get(pm.megatron_name.rsplit(".", 1)[0])
             if pm.expert:  # whole on its EP rank (expert TP 1): no TP gather
                 local = params[pm.megatron_name].detach()
@@ -375,8 +370,8 @@ class MLoraModel(AdapterHost, torch.nn.Module):
                 if mesh.ep > 1:
                     parts = [torch.empty_like(local) for _ in range(mesh.ep)]
                     dist.all_gather(parts, local.contiguous(), group=mesh.ep_group)
-                for r, part in enumerate(parts):
-                    yield from per_ep[r][i].to_hf([part.cpu()], self.spec).items()
+                for source, part in zip(sources, parts):
+                    yield from source.to_hf([part.cpu()], self.spec).items()
                 continue
             if adapters and pm.megatron_name.endswith(".weight") and getattr(owner, "lora_site", None) is not None:
                 local = self.merged_weight(owner, adapters)
@@ -391,16 +386,19 @@ class MLoraModel(AdapterHost, torch.nn.Module):
                 shards = [local]
             yield from pm.to_hf([s.cpu() for s in shards], self.spec).items()
 
-    def _hf_layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        layout, mesh = {}, self.mesh
+    def _export_maps(self) -> Iterator[tuple[ParamMap, list[ParamMap]]]:
+        """This rank's exported parameters in file order, each with the maps its HF tensors come from: itself,
+        or for an expert that expert position on every EP rank, in EP rank order (the all-gather's)."""
+        mesh = self.mesh
+        # each EP rank's maps, aligned: the same position holds the same local expert of every EP rank
         per_ep = [stage_param_maps(self.spec, mesh.pp, mesh.pp_rank, mesh.ep, r) for r in range(mesh.ep)]
-        # in _hf_tensors' order: each local expert position expands to that expert of every EP rank
-        for pm in (per_ep[r][i] if local.expert else local for i, local in enumerate(per_ep[0])
-                   for r in (range(mesh.ep) if local.expert else (0,))):
+        for i, pm in enumerate(per_ep[mesh.ep_rank]):
             if not is_export_copy(pm, self.spec):
-                for name, shape in pm.hf_shapes(self.spec).items():
-                    layout[name] = (self.dtype, shape)
-        return layout
+                yield pm, [maps[i] for maps in per_ep] if pm.expert else [pm]
+
+    def _hf_layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        return {name: (self.dtype, shape) for _, sources in self._export_maps() for source in sources
+                for name, shape in source.hf_shapes(self.spec).items()}
 
     def save_merged(self, out_dir: str | os.PathLike, adapters: Iterable[str] = ()) -> None:
         """Write an HF checkpoint from the shards, with ``W + s·B·A`` of ``adapters`` merged in

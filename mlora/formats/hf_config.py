@@ -40,9 +40,6 @@ class MoESpec:
     sparse_layers: tuple[int, ...]  # the others are dense MLPs of the model's intermediate_size
     block: str  # HF module holding router and experts: "mlp" or Mixtral's "block_sparse_moe"
     projections: tuple[str, str, str]  # HF names of an expert's gate, up and down projections
-
-    def is_sparse(self, layer: int) -> bool:
-        return layer in self.sparse_layers
 # rope types whose inverse frequencies are static and whose cos/sin are not rescaled.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -69,9 +66,14 @@ class ModelSpec:
     qk_norm: str | None = None  # None, "head" (RMSNorm over head_dim) or "full" (over all heads' width)
     moe: MoESpec | None = None
 
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """Global indices of the mixture-of-experts layers (none for a dense model)."""
+        return self.moe.sparse_layers if self.moe is not None else ()
+
     def is_sparse(self, layer: int) -> bool:
         """True when decoder layer ``layer`` (global index) is a mixture of experts."""
-        return self.moe is not None and self.moe.is_sparse(layer)
+        return layer in self.sparse_layers
 
     @property
     def heads_per_group(self) -> int:
@@ -138,7 +140,7 @@ def model_spec(cfg: Any) -> ModelSpec:
     if num_heads % num_kv:
         raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv}")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-    if arch == "Qwen3ForCausalLM" or arch == "Qwen3MoeForCausalLM":
+    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         if getattr(cfg, "use_sliding_window", False):
             raise ValueError(f"{arch} with use_sliding_window=True is not supported; supported: False")
         sliding = None

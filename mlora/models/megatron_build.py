@@ -84,7 +84,7 @@ def moe_config_kwargs(spec: ModelSpec, mesh: Mesh) -> dict:
         moe_grouped_gemm=False,
         moe_permute_fusion=False,
         moe_router_fusion=False,
-        moe_layer_freq=[int(moe.is_sparse(i)) for i in range(spec.num_layers)],
+        moe_layer_freq=[int(spec.is_sparse(i)) for i in range(spec.num_layers)],
         expert_model_parallel_size=mesh.ep,
         expert_tensor_parallel_size=1,
     )

@@ -59,22 +59,10 @@ class Mesh:
         return ps.get_data_parallel_group()
 
     @property
-    def expert_dp(self) -> int:
-        """How many ranks of a stage hold the same experts: ``world / (pp * ep)`` (expert TP is 1)."""
-        return self.world_size // (self.pp * self.ep)
-
-    @property
     def ep_group(self) -> dist.ProcessGroup:
         from megatron.core import parallel_state as ps
 
         return ps.get_expert_model_parallel_group()
-
-    @property
-    def expert_dp_group(self) -> dist.ProcessGroup:
-        """The ranks whose experts are copies of this rank's: where expert gradients are summed."""
-        from megatron.core import parallel_state as ps
-
-        return ps.get_expert_data_parallel_group()
 
     def __str__(self) -> str:
         return (

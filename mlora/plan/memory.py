@@ -125,7 +125,7 @@ def geometry(spec: ModelSpec, layout: Layout, workload: Workload, batch: int) ->
 
 def _layer_loras(spec: ModelSpec, workload: Workload, layers: range) -> list[LayerLora]:
     modules = resolve_targets(workload.target_modules, workload.exclude_modules, spec.num_layers,
-                              spec.moe.sparse_layers if spec.moe else ())
+                              spec.sparse_layers)
     out = []
     for i in layers:
         sites: dict[str, int] = {}
