@@ -3,6 +3,7 @@
     mlora plan --model HF_DIR --tp 8 --pp 4 --rank 32 [--list]
     mlora plan --memory --model HF_DIR_OR_CONFIG --tp 8 --pp 1 --seq 4096 [--recompute full] [--json]
     mlora plan --memory --model HF_DIR_OR_CONFIG --fit 80 --gpus 8
+    mlora plan --memory --model MOE_CONFIG --tp 4 --pp 2 --dp 4 --ep 8 --sp   (experts split over 8 ranks)
     mlora merge --base HF_DIR --adapter PEFT_DIR --out DIR
     mlora export-adapter CHECKPOINT_DIR --out DIR [--adapter policy] [--base HF_DIR]
 """
@@ -57,7 +58,7 @@ def _plan_memory(args: argparse.Namespace, spec) -> int:
         dtype=getattr(torch, args.dtype), fp8=args.fp8, attention=args.attention, recompute=args.recompute,
         lora_compute_dtype=getattr(torch, args.lora_compute_dtype) if args.lora_compute_dtype else None,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
-        recompute_modules=tuple(args.recompute_modules), experiments=args.experiments)
+        recompute_modules=tuple(args.recompute_modules), experiments=args.experiments, expert_load=args.expert_load)
     engine = None
     if args.engine_tp is not None or args.kv_tokens:
         engine = Engine(tp=args.engine_tp or 1, kv_tokens=args.kv_tokens or 0, dtype=getattr(torch, args.dtype),
@@ -73,11 +74,12 @@ def _plan_memory(args: argparse.Namespace, spec) -> int:
         if args.gpus is None:
             raise ValueError("--fit GPU_GIB needs --gpus N (the GPUs to lay the model out on)")
         gpu, reserve = int(args.fit * GIB), int(args.reserve_gib * GIB)
-        fits = fit_layouts(spec, workload, args.gpus, gpu, reserve, colocated, sp=args.sp)
+        fits = fit_layouts(spec, workload, args.gpus, gpu, reserve, colocated, sp=args.sp, ep=args.ep)
         good = require_fit(fits, args.gpus, gpu, reserve)
         print(fit_json(good, args.gpus, gpu, reserve) if args.json else fit_table(fits, args.gpus, gpu, reserve))
     else:
-        plan = plan_memory(spec, Layout(tp=args.tp, pp=args.pp, dp=args.dp, sp=args.sp), workload, colocated)
+        plan = plan_memory(spec, Layout(tp=args.tp, pp=args.pp, dp=args.dp, sp=args.sp, ep=args.ep), workload,
+                           colocated)
         print(memory_json(plan) if args.json else memory_table(plan))
     if engine is not None and not args.json:
         print(engine_line(spec, engine, workload, separate=args.engine_separate))
@@ -117,7 +119,7 @@ def _export_adapter(args: argparse.Namespace) -> int:
             from mlora.lora.sites import model_sites
 
             spec = model_spec(load_hf_config(args.base))
-            modules = peft_modules(reader.entries, spec.num_layers, src)
+            modules = peft_modules(reader.entries, spec.num_layers, src, spec.moe)
             check_peft_shapes(reader, modules, model_sites(spec, 1), cfg.rank, src)
             config["base_model_name_or_path"] = str(args.base)
     if args.dtype:
@@ -150,6 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--memory", action="store_true", help="plan memory instead of the adapter export")
     m.add_argument("--dp", type=int, default=1)
     m.add_argument("--sp", action="store_true", help="megatron sequence parallelism over TP")
+    m.add_argument("--ep", type=int, default=1,
+                   help="expert parallelism (mixtures of experts): each stage's experts split over EP of its TP x DP "
+                        "ranks, whole experts per rank (expert TP 1); must divide the experts and TP x DP")
+    m.add_argument("--expert-load", type=float, default=1.0, metavar="X",
+                   help="token copies an EP rank's experts receive, relative to balanced routing (default 1; the "
+                        "table's last line gives the worst case's peak)")
     m.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (train)")
     m.add_argument("--forward-micro-batch", type=int, default=None, help="for the log-prob passes (default: --micro-batch)")
     m.add_argument("--micro-batches", type=int, default=None,

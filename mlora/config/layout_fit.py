@@ -62,7 +62,8 @@ def _layout(cfg: TrainConfig, world_size: int):
 
     mc = cfg.trainer.policy.megatron_config
     tp, pp = mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size
-    return Layout(tp=tp, pp=pp, dp=world_size // (tp * pp), sp=bool(mc.sequence_parallel))
+    return Layout(tp=tp, pp=pp, dp=world_size // (tp * pp), sp=bool(mc.sequence_parallel),
+                  ep=mc.expert_model_parallel_size or 1)
 
 
 def _context(cfg: TrainConfig) -> int:
@@ -120,7 +121,7 @@ def check_layout_fits(cfg: TrainConfig, world_size: int, gpu_memory_bytes: int) 
     peak = plan_memory(spec, layout, workload, engine).peak
     if peak <= gpu_memory_bytes:
         return
-    fits = fit_layouts(spec, workload, world_size, gpu_memory_bytes, engine=engine)
+    fits = fit_layouts(spec, workload, world_size, gpu_memory_bytes, engine=engine, ep=layout.ep)
     head = (f"trainer.strategy={cfg.trainer.strategy}: the {layout} mesh needs {peak / GIB:.1f} GiB per GPU at the "
             f"peak of a PPO step" + (" with its colocated vLLM engines" if engine else "") + " (the memory planner, "
             f"before any weight loads), the GPUs have {gpu_memory_bytes / GIB:.1f} GiB")
@@ -129,7 +130,9 @@ def check_layout_fits(cfg: TrainConfig, world_size: int, gpu_memory_bytes: int) 
         raise ConfigError(
             f"{head}. The {world_size} GPUs hold it as {best} ({fits[0].need / GIB:.1f} GiB): use "
             f"trainer.strategy=megatron trainer.policy.megatron_config.tensor_model_parallel_size={best.tp} "
-            f"trainer.policy.megatron_config.pipeline_model_parallel_size={best.pp}")
+            f"trainer.policy.megatron_config.pipeline_model_parallel_size={best.pp}"
+            + (f" trainer.policy.megatron_config.expert_model_parallel_size={best.ep} "
+               f"trainer.policy.megatron_config.sequence_parallel={str(best.sp).lower()}" if spec.moe else ""))
     raise ConfigError(
         f"{head}. No layout of {world_size} GPUs holds it (closest: {fits[0].plan.layout}, "
         f"{fits[0].need / GIB:.1f} GiB): use more GPUs, trainer.fp8=torch, recompute (trainer.recompute=full) or "

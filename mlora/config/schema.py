@@ -389,6 +389,9 @@ class DemoSection:
     prepare: bool = False  # build the CPU demo's tiny model and prompts in `dir` if missing
     dir: str = "runs/cpu_demo_assets"
     task: str = "target_token"  # the prompts: target_token, or calculator | guess_number (multi-turn)
+    # the tiny base built at `dir`/tiny-<model>: llama (the README demo), or a mixture of experts (qwen3_moe,
+    # mixtral, olmoe); the prompts' targets follow the model last built there
+    model: str = "llama"
 
 
 @dataclass

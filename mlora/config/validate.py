@@ -170,11 +170,28 @@ def _resolve_generator(cfg: TrainConfig) -> None:
             raise ConfigError(f"generator.{key}.top_p={s.top_p} must be in (0, 1]")
 
 
+def _is_moe(model_path: str | None) -> bool:
+    """Whether the HF model at ``model_path`` is a mixture of experts mlora builds (False when unreadable: the
+    loader says what is wrong with it)."""
+    import json
+
+    from mlora.formats.hf_config import MOE_ARCHITECTURES
+
+    try:
+        config = json.loads((Path(str(model_path)).expanduser() / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+    return any(a in MOE_ARCHITECTURES for a in config.get("architectures") or ())
+
+
 def _resolve_mesh(cfg: TrainConfig, world_size: int) -> None:
     t = cfg.trainer
     pm, rm = t.policy.megatron_config, t.ref.megatron_config
+    if pm.sequence_parallel is None and (pm.tensor_model_parallel_size or 1) > 1 and _is_moe(t.policy.model.path):
+        # megatron's MoE layer needs sequence parallelism at TP > 1 in training; SkyRL has it on at any TP > 1
+        pm.sequence_parallel = True
     defaults = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
-                "sequence_parallel": False}
+                "sequence_parallel": False, "expert_model_parallel_size": 1}
     for name, default in defaults.items():
         if getattr(pm, name) is None:
             setattr(pm, name, default)
@@ -184,8 +201,8 @@ def _resolve_mesh(cfg: TrainConfig, world_size: int) -> None:
             raise ConfigError(f"trainer.ref.megatron_config.{name}={getattr(rm, name)!r} differs from "
                               f"trainer.policy.megatron_config.{name}={getattr(pm, name)!r}: the reference is the "
                               "policy's own base with the adapters off, so it lives on the same mesh")
-    _check_positive(pm, "trainer.policy.megatron_config", ("tensor_model_parallel_size",
-                                                           "pipeline_model_parallel_size", "context_parallel_size"))
+    _check_positive(pm, "trainer.policy.megatron_config", ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                                           "context_parallel_size", "expert_model_parallel_size"))
     if t.strategy in DATA_PARALLEL_STRATEGIES and (pm.tensor_model_parallel_size, pm.pipeline_model_parallel_size,
                                                    pm.sequence_parallel) != (1, 1, False):
         raise ConfigError(f"trainer.strategy={t.strategy} runs as a data-parallel mesh (TP1 x PP1 x DP=world), but "
@@ -520,9 +537,9 @@ def _check_resume(t) -> None:
         raise ConfigError("trainer.max_ckpts_to_keep=0 would delete every checkpoint; valid: -1 (keep all) or N >= 1")
 
 
-MOE_ISSUE = ("training runs on mixture-of-experts bases are not built yet: MoE models load and match transformers at "
-             "any TP x PP x EP through the library (mlora.init_parallel(ep=...)), but LoRA on experts and the MoE "
-             "hand-off to the engines are still to come")
+# expert tensor parallelism: mlora's experts are whole on their EP rank (megatron's expert_tensor_parallel_size 1)
+ETP_UNPROVEN = ("expert tensor parallelism (experts split over TP ranks) is not built: mlora's experts are whole on "
+                "their expert-parallel rank; valid: 1 or null (expert_model_parallel_size splits the experts)")
 # megatron_config.optimizer_config_kwargs entries for a full-model optimizer's memory (offloading its states to the
 # CPU, keeping them in lower precision): an adapter-only run's states are tiny and stay float32 on the device
 _ADAPTER_STATE = ("the adapter optimizer state is small and stays on device in float32 (SkyRL sets it to save the GPU "
@@ -595,10 +612,9 @@ def _check_skyrl_keys(cfg: TrainConfig) -> list[str]:
     t, g, e, notes = cfg.trainer, cfg.generator, cfg.generator.inference_engine, []
     for role in ("policy", "ref"):
         mc = getattr(t, role).megatron_config
-        for name in ("expert_model_parallel_size", "expert_tensor_parallel_size"):
-            value = getattr(mc, name)
-            if value not in (None, 1):
-                raise ConfigError(f"trainer.{role}.megatron_config.{name}={value}: {MOE_ISSUE}. Valid now: 1 or null")
+        if mc.expert_tensor_parallel_size not in (None, 1):
+            raise ConfigError(f"trainer.{role}.megatron_config.expert_tensor_parallel_size="
+                              f"{mc.expert_tensor_parallel_size}: {ETP_UNPROVEN}")
         if mc.lora_config.merge_lora:
             raise ConfigError(f"trainer.{role}.megatron_config.lora_config.merge_lora=true: mlora hands the adapter "
                               "to the engines as LoRA (vLLM applies it), never merged into their base; valid: false")
@@ -606,7 +622,7 @@ def _check_skyrl_keys(cfg: TrainConfig) -> list[str]:
     if qat and qat != {"enabled": False}:
         key = "enabled" if "enabled" in qat else next(iter(qat))
         raise ConfigError(f"trainer.policy.model.fake_int4_qat.{key}={qat[key]!r}: INT4 fake-quant QAT (of MoE "
-                          f"expert GEMMs, for an INT4 engine checkpoint) is not supported; {MOE_ISSUE}. mlora's "
+                          "expert GEMMs, for an INT4 engine checkpoint) is not supported. mlora's "
                           "quantized base is trainer.fp8")
     notes += _check_multi_turn(cfg)
     if g.vision_language_generator:

@@ -63,7 +63,7 @@ def merge_adapter(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike, o
     if not (adapter / ADAPTER_WEIGHTS).is_file():
         raise FileNotFoundError(f"{adapter} has no {ADAPTER_WEIGHTS}")
     with CheckpointReader(base) as reader, CheckpointReader(adapter) as lora:
-        modules = peft_modules(lora.entries, spec.num_layers, adapter)
+        modules = peft_modules(lora.entries, spec.num_layers, adapter, spec.moe)
         check_peft_shapes(lora, modules, model_sites(spec, 1), cfg.rank, adapter)
         targets = {f"{hf_module_name(layer, proj)}.weight": (layer, proj) for layer, proj in modules}
         missing = sorted(set(targets) - set(reader.entries))

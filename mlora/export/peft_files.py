@@ -14,7 +14,7 @@ from mlora.formats.checkpoint_reader import CheckpointError, CheckpointReader
 from mlora.formats.safetensors_writer import Layout, SafetensorsWriter, TensorShard
 from mlora.lora.config import LoraConfig
 from mlora.lora.sites import factor_shapes
-from mlora.lora.targets import HF_PROJECTIONS, hf_module_name
+from mlora.lora.targets import HF_PROJECTIONS, hf_module_name, model_projections
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -25,21 +25,28 @@ def peft_tensor_name(layer: int, proj: str, factor: str) -> str:
     return f"base_model.model.{hf_module_name(layer, proj)}.lora_{factor}.weight"
 
 
-def peft_target_modules(modules: set[tuple[int, str]], num_layers: int) -> list[str]:
+def peft_target_modules(modules: set[tuple[int, str]], num_layers: int, moe=None) -> list[str]:
     """PEFT ``target_modules`` naming exactly the adapted modules.
 
-    Projection names when each adapted projection is adapted in every layer (what PEFT itself
-    writes for ``target_modules=["q_proj", ...]``), otherwise full module paths.
+    Module names (``q_proj``; an expert's ``gate_proj`` or ``w1``) when every module of the model with each
+    adapted name is adapted (what PEFT itself writes for ``target_modules=["q_proj", ...]``), otherwise
+    full module paths. transformers 5 stacks experts into 3-D parameters; PEFT maps these per-expert
+    names onto them when it loads the adapter (``peft.utils.transformers_weight_conversion``).
     """
-    projs = sorted({p for _, p in modules}, key=HF_PROJECTIONS.index)
-    if all((i, p) in modules for p in projs for i in range(num_layers)):
-        return projs
+    def leaf(proj: str) -> str:
+        return proj.rsplit(".", 1)[-1]
+
+    leaves = {leaf(p) for _, p in modules}
+    if all(key in modules for key in model_projections(num_layers, moe) if leaf(key[1]) in leaves):
+        return sorted(leaves, key=lambda n: HF_PROJECTIONS.index(n) if n in HF_PROJECTIONS
+                      else len(HF_PROJECTIONS) + moe.projections.index(n))
     return sorted(hf_module_name(i, p) for i, p in modules)
 
 
 def peft_adapter_config(config: LoraConfig, modules: set[tuple[int, str]], num_layers: int,
-                        base_model_name_or_path: str, architecture: str) -> dict:
-    """The ``adapter_config.json`` PEFT 0.2x writes for a plain LoRA adapter on a causal LM."""
+                        base_model_name_or_path: str, architecture: str, moe=None) -> dict:
+    """The ``adapter_config.json`` PEFT 0.2x writes for a plain LoRA adapter on a causal LM (``moe``: the
+    model's MoESpec, whose expert names ``target_modules`` may use)."""
     import transformers
 
     return {
@@ -67,7 +74,7 @@ def peft_adapter_config(config: LoraConfig, modules: set[tuple[int, str]], num_l
         "r": config.rank,
         "rank_pattern": {},
         "revision": None,
-        "target_modules": peft_target_modules(modules, num_layers),
+        "target_modules": peft_target_modules(modules, num_layers, moe),
         "task_type": "CAUSAL_LM",
         "use_dora": False,
         "use_rslora": config.use_rslora,
@@ -173,22 +180,28 @@ def read_peft_config(path: Path, modules_to_save: tuple[str, ...] = ()) -> LoraC
                       use_rslora=bool(raw.get("use_rslora", False)), extra=raw)
 
 
-def peft_modules(names, num_layers: int, path: Path) -> set[tuple[int, str]]:
-    """(layer, projection) pairs present in a PEFT weights file."""
-    pattern = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+def peft_modules(names, num_layers: int, path: Path, moe=None) -> set[tuple[int, str]]:
+    """(layer, projection) pairs present in a PEFT weights file (``moe``: the base's MoESpec, whose
+    per-expert modules ``mlp.experts.{e}.gate_proj`` ... an adapter may hold)."""
+    pattern = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.([\w.]+)\.lora_([AB])\.weight$")
+    valid = model_projections(num_layers, moe)
     found: dict[tuple[int, str], set[str]] = {}
     for name in names:
         m = pattern.match(name)
         if m is None:
             raise CheckpointError(f"{path / ADAPTER_WEIGHTS}: tensor {name!r} is not a LoRA factor of a "
                                   "supported decoder layer")
-        layer, proj, factor = int(m.group(1)), m.group(3), m.group(4)
-        if proj not in HF_PROJECTIONS:
-            raise CheckpointError(f"{path / ADAPTER_WEIGHTS}: unknown projection {proj!r} in {name!r}; "
-                                  f"valid: {', '.join(HF_PROJECTIONS)}")
+        layer, module, factor = int(m.group(1)), m.group(2), m.group(3)
         if layer >= num_layers:
             raise CheckpointError(f"{path / ADAPTER_WEIGHTS}: adapter has layer {layer}, the base has only "
                                   f"{num_layers} layers: an adapter for another base?")
+        parent, _, proj = module.partition(".")
+        if not (parent in ("self_attn", "mlp") and (layer, proj) in valid):
+            proj = module  # an expert's projection is keyed by its whole path below the layer
+        if (layer, proj) not in valid:
+            examples = sorted({hf_module_name(layer, p) for (i, p) in valid if i == layer}, key=len)[:8]
+            raise CheckpointError(f"{path / ADAPTER_WEIGHTS}: {name!r} adapts no module of this base's layer "
+                                  f"{layer}; its modules include {', '.join(examples)}: an adapter for another base?")
         found.setdefault((layer, proj), set()).add(factor)
     incomplete = [f"{hf_module_name(*k)}" for k, v in found.items() if v != {"A", "B"}]
     if incomplete:

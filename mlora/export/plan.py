@@ -14,8 +14,8 @@ from mlora.export.peft_files import peft_tensor_name
 from mlora.formats.hf_config import ModelSpec, check_layout
 from mlora.formats.weight_map import shard
 from mlora.lora.config import LoraConfig
-from mlora.lora.sites import FACTOR_KINDS, factor_shapes, model_sites
-from mlora.lora.targets import HF_PROJECTIONS, resolve_targets
+from mlora.lora.sites import factor_kinds, factor_shapes, model_sites
+from mlora.lora.targets import projection_order, resolve_targets
 
 
 @dataclass
@@ -54,15 +54,14 @@ def plan_adapter(spec: ModelSpec, tp: int, pp: int, lora: LoraConfig, dtype: tor
                  ) -> AdapterPlan:
     """The export plan of ``lora`` on the model ``spec`` split ``tp`` × ``pp`` ways."""
     check_layout(spec, tp, pp)
-    modules = resolve_targets(lora.target_modules, lora.exclude_modules, spec.num_layers,
-                              spec.sparse_layers)
+    modules = resolve_targets(lora.target_modules, lora.exclude_modules, spec.num_layers, spec.moe)
     sites = model_sites(spec, tp)
     plan = AdapterPlan(spec, tp, pp, lora, dtype)
     per_stage = spec.num_layers // pp
-    order = sorted(modules, key=lambda m: (m[0], HF_PROJECTIONS.index(m[1])))
+    order = sorted(modules, key=lambda m: (m[0], projection_order(m[1], spec.moe)))
     for layer, proj in order:
         site = sites[(layer, proj)]
-        for factor, shape, kind in zip("AB", factor_shapes(site, proj, lora.rank), FACTOR_KINDS[site.parallel]):
+        for factor, shape, kind in zip("AB", factor_shapes(site, proj, lora.rank), factor_kinds(site)):
             full = torch.empty(shape, device="meta", dtype=dtype)
             plan.tensors[peft_tensor_name(layer, proj, factor)] = tuple(full.shape)
             for tp_rank in range(tp):

@@ -42,7 +42,7 @@ from mlora.export.peft_files import (
 )
 from mlora.formats.checkpoint_reader import CheckpointError, CheckpointReader
 from mlora.formats.weight_map import read_shard
-from mlora.lora.sites import FACTOR_KINDS, model_sites
+from mlora.lora.sites import factor_kinds, model_sites
 
 SCORE_MODULE = "score"
 PEFT_SEQ_CLS_HEADS = ("classifier", "score")  # what PEFT adds to modules_to_save for SEQ_CLS
@@ -222,12 +222,12 @@ def load_reward_adapter(model, path: str | os.PathLike, adapter_name: str = "rew
                                   f"this base has hidden size {hidden} and needs (1, {hidden}): a reward adapter "
                                   "for another base, or a head with num_labels != 1?")
         lora_names = [n for n in reader.entries if n != SCORE_TENSOR]
-        modules = peft_modules(lora_names, model.spec.num_layers, path)
+        modules = peft_modules(lora_names, model.spec.num_layers, path, model.spec.moe)
         check_peft_shapes(reader, modules, model_sites(model.spec, tp), cfg.rank, path)
         score = reader.read(SCORE_TENSOR)
 
         def factors(site, sub):
-            a_kind, b_kind = FACTOR_KINDS[site.parallel]
+            a_kind, b_kind = factor_kinds(site)
             return (read_shard(reader, peft_tensor_name(site.layer, sub, "A"), a_kind, tp, tp_rank),
                     read_shard(reader, peft_tensor_name(site.layer, sub, "B"), b_kind, tp, tp_rank))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -32,9 +33,17 @@ from mlora.formats.checkpoint_reader import CheckpointReader
 from mlora.formats.safetensors_writer import TensorShard
 from mlora.formats.weight_map import REPLICATED, read_shard, shard, unshard
 from mlora.lora.config import INIT_METHODS, LoraConfig, derive_seed, master_dtype
-from mlora.lora.layers import DropoutKey, LoraBranch, LoraHost, LoraSite, has_tp_partial_grad, stacked_b
-from mlora.lora.sites import FACTOR_KINDS, factor_shapes, model_sites
-from mlora.lora.targets import HF_PROJECTIONS, resolve_targets
+from mlora.lora.layers import (
+    DropoutKey,
+    LoraBranch,
+    LoraHost,
+    LoraSite,
+    has_tp_partial_grad,
+    is_expert_param,
+    stacked_b,
+)
+from mlora.lora.sites import factor_kinds, factor_shapes, model_sites
+from mlora.lora.targets import MLP_PROJECTIONS, expert_of, projection_order, resolve_targets
 
 
 @dataclass
@@ -71,6 +80,30 @@ def _init_factors(cfg: LoraConfig, name: str, site: LoraSite, sub: str) -> tuple
     return _draw_a(cfg.init_method, a_shape, g), torch.zeros(b_shape, dtype=torch.float64)
 
 
+def _check_expert_dropout(config: LoraConfig, modules) -> None:
+    """Dropout masks are keyed by token rows, and the MoE dispatcher reorders an expert's tokens by routing
+    and EP rank, so masks on experts would change with the mesh; PEFT's expert LoRA (``target_parameters``)
+    refuses dropout too."""
+    if config.dropout > 0 and any(expert_of(proj) is not None for _, proj in modules):
+        raise ValueError(f"LoRA dropout={config.dropout} on mixture-of-experts experts is not supported (PEFT "
+                         "refuses it on experts too): use dropout 0, or exclude the experts (exclude_modules "
+                         "gate_proj/up_proj/down_proj of the MoE layers)")
+
+
+def _warn_dense_mlp_of_moe(name: str, modules, moe) -> None:
+    """PEFT 0.21 on transformers 5 maps every gate/up/down target of a Qwen-MoE-family adapter onto the stacked
+    experts (``peft.utils.transformers_weight_conversion``), so the dense MLP layers of such a model
+    (``mlp_only_layers``) cannot carry LoRA there: say so when an adapter has them."""
+    if moe is None:
+        return
+    dense = sorted({i for i, proj in modules if proj in MLP_PROJECTIONS})
+    if dense:
+        warnings.warn(f"adapter {name!r} adapts the dense MLP of layers {dense} of a mixture-of-experts model: mlora "
+                      "and its merged export apply it, but PEFT 0.21 with transformers 5 maps gate_proj/up_proj/"
+                      "down_proj onto the experts and drops it when loading the adapter; exclude those layers' mlp "
+                      "to get an adapter PEFT loads", stacklevel=3)
+
+
 class AdapterHost:
     """Adapter management for a model that has ``gpt``, ``spec``, ``mesh``, ``dtype``, ``lora_compute_dtype``
     and ``base_weight``.
@@ -89,7 +122,7 @@ class AdapterHost:
 
     def _lora_linears(self) -> Iterator[torch.nn.Module]:
         for module in self.gpt.modules():
-            # the local spec's LoRA linears and the TE spec's (mlora.models.te); experts have no site yet
+            # the local spec's LoRA linears (this EP rank's experts' included) and the TE spec's (mlora.models.te)
             if isinstance(module, LoraHost) and module.lora_site is not None:
                 yield module
 
@@ -118,7 +151,7 @@ class AdapterHost:
             branch = LoraBranch(subs, cfg.rank, cfg.scaling, cfg.dropout,
                                 torch.cat(a_parts).to(device=device, dtype=self.adapter_dtype),
                                 [b.to(device=device, dtype=self.adapter_dtype) for b in b_parts], trainable,
-                                parallel=site.parallel, dropout_key=self._dropout_key(key or name, cfg, site),
+                                parallel="expert" if site.expert is not None else site.parallel, dropout_key=self._dropout_key(key or name, cfg, site),
                                 compute_dtype=self.lora_compute_dtype)
             branch.train(self.training)
             linear.lora[name] = branch
@@ -128,7 +161,7 @@ class AdapterHost:
     def _dropout_key(self, name: str, cfg: LoraConfig, site: LoraSite) -> DropoutKey:
         """Mesh-independent dropout masks: keyed by the module, not the rank; a row-parallel rank
         applies its TP slice of the full-input mask."""
-        offset = self.mesh.tp_rank * site.in_local if site.parallel == "row" else 0
+        offset = self.mesh.tp_rank * site.in_local if site.parallel == "row" and site.expert is None else 0
         return DropoutKey(seed=cfg.seed, adapter=name, layer=site.layer, stream=self.mesh.dp_rank,
                           in_full=site.in_full, in_offset=offset)
 
@@ -140,12 +173,13 @@ class AdapterHost:
         ``policy``, so that each starts exactly where a run of its own with the same seed would."""
         self._check_new_name(name)
         modules = resolve_targets(config.target_modules, config.exclude_modules, self.spec.num_layers,
-                                  self.spec.sparse_layers)
+                                  self.spec.moe)
+        _check_expert_dropout(config, modules)
         tp, tp_rank = self.mesh.tp, self.mesh.tp_rank
 
         def factors(site: LoraSite, sub: str):
             a, b = _init_factors(config, key or name, site, sub)
-            a_kind, b_kind = FACTOR_KINDS[site.parallel]
+            a_kind, b_kind = factor_kinds(site)
             return shard(a, a_kind, tp, tp_rank), shard(b, b_kind, tp, tp_rank)
 
         self._install(name, config, modules, trainable, factors, key)
@@ -165,11 +199,11 @@ class AdapterHost:
                                     f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
         tp, tp_rank = self.mesh.tp, self.mesh.tp_rank
         with CheckpointReader(path) as reader:
-            modules = peft_modules(reader.entries, self.spec.num_layers, path)
+            modules = peft_modules(reader.entries, self.spec.num_layers, path, self.spec.moe)
             check_peft_shapes(reader, modules, model_sites(self.spec, self.mesh.tp), cfg.rank, path)
 
             def factors(site: LoraSite, sub: str):
-                a_kind, b_kind = FACTOR_KINDS[site.parallel]
+                a_kind, b_kind = factor_kinds(site)
                 return (read_shard(reader, peft_tensor_name(site.layer, sub, "A"), a_kind, tp, tp_rank),
                         read_shard(reader, peft_tensor_name(site.layer, sub, "B"), b_kind, tp, tp_rank))
 
@@ -194,7 +228,7 @@ class AdapterHost:
                              "same alpha and use_rslora (in a run: trainer.policy|critic.model.lora.alpha)")
         tp, tp_rank = self.mesh.tp, self.mesh.tp_rank
         with CheckpointReader(path) as reader:
-            modules = peft_modules(reader.entries, self.spec.num_layers, path)
+            modules = peft_modules(reader.entries, self.spec.num_layers, path, self.spec.moe)
             if modules != set(info.modules):
                 raise ValueError(f"{path} adapts {len(modules)} modules, adapter {name!r} {len(info.modules)}: "
                                  "not the same target modules")
@@ -277,10 +311,18 @@ class AdapterHost:
         """
         self._require(name)
         out: dict[str, torch.Tensor] = {}
+        experts: dict[str, torch.Tensor] = {}
         for peft_name, kind, branch, k, is_a in self._factors(name):
             local = branch.a_of(k, grad=grads) if is_a else (branch.lora_B[k].grad if grads else branch.lora_B[k])
-            out[peft_name] = self._gather_tp(local, kind)
-        return out
+            if is_expert_param(branch.lora_A):  # whole on this EP rank; the other experts are on the others
+                experts[peft_name] = None if local is None else local.detach().cpu().clone()
+            else:
+                out[peft_name] = self._gather_tp(local, kind)
+        if self.mesh.ep > 1:
+            parts: list = [None] * self.mesh.ep
+            dist.all_gather_object(parts, experts, group=self.mesh.ep_group)
+            experts = {n: t for part in parts for n, t in part.items()}
+        return {**out, **experts}
 
     def adapter_layout(self, name: str, dtype: torch.dtype | None = None, order: str = "name"
                        ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -292,7 +334,7 @@ class AdapterHost:
         self._require(name)
         info, sites = self.adapters[name], model_sites(self.spec, self.mesh.tp)
         dtype = dtype or self.adapter_dtype
-        modules = sorted(info.modules, key=lambda m: (m[0], HF_PROJECTIONS.index(m[1])))
+        modules = sorted(info.modules, key=lambda m: (m[0], projection_order(m[1], self.spec.moe)))
         layout = {}
         for layer, sub in modules:
             a_shape, b_shape = factor_shapes(sites[(layer, sub)], sub, info.config.rank)
@@ -309,7 +351,7 @@ class AdapterHost:
         self._require(name)
         info = self.adapters[name]
         return peft_adapter_config(info.config, set(info.modules), self.spec.num_layers, str(self.hf_dir),
-                                   self.spec.architecture)
+                                   self.spec.architecture, self.spec.moe)
 
     def _factors(self, name: str) -> Iterator[tuple[str, str, object, int, bool]]:
         """``(PEFT name, TP kind, branch, k, is_A)`` of every factor of ``name`` on this rank, in the order of
@@ -318,15 +360,17 @@ class AdapterHost:
             if name not in linear.lora:
                 continue
             site, branch = linear.lora_site, linear.lora[name]
-            a_kind, b_kind = FACTOR_KINDS[site.parallel]
+            a_kind, b_kind = factor_kinds(site)
             for k, sub in enumerate(branch.subs):
                 yield peft_tensor_name(site.layer, sub, "A"), a_kind, branch, k, True
                 yield peft_tensor_name(site.layer, sub, "B"), b_kind, branch, k, False
 
-    def _factor_shards(self, name: str) -> Iterator[tuple[str, torch.Tensor, str]]:
-        """(PEFT name, this rank's factor, TP kind) of every factor of ``name`` on this rank (:meth:`_factors`)."""
+    def _factor_shards(self, name: str, experts: bool) -> Iterator[tuple[str, torch.Tensor, str]]:
+        """(PEFT name, this rank's factor, TP kind) of every factor of ``name`` on this rank (:meth:`_factors`):
+        the experts' (whole on their EP rank) or the others'."""
         for peft_name, kind, branch, k, is_a in self._factors(name):
-            yield peft_name, (branch.a_of(k) if is_a else branch.lora_B[k]).detach(), kind
+            if is_expert_param(branch.lora_A) == experts:
+                yield peft_name, (branch.a_of(k) if is_a else branch.lora_B[k]).detach(), kind
 
     def adapter_shards(self, name: str) -> Iterator[TensorShard]:
         """This rank's part of adapter ``name``'s PEFT file, one factor at a time, nothing gathered: what
@@ -335,11 +379,16 @@ class AdapterHost:
         DP rank 0 of each stage writes; the other DP replicas hold the same values and write nothing.
         A TP-sharded factor (B of column layers, A of row layers) is written by every TP rank, its own
         chunk; a replicated factor by one TP rank, taken in turn so the TP ranks write alike
-        (:func:`mlora.export.sharded_write.select_shards`).
+        (:func:`mlora.export.sharded_write.select_shards`). An expert's factors, whole on the ranks holding
+        the expert, are written by the first rank of its expert-data-parallel group.
         """
         self._require(name)
         mesh = self.mesh
-        yield from select_shards(self._factor_shards(name), mesh.tp, mesh.tp_rank, mesh.dp_rank)
+        yield from select_shards(self._factor_shards(name, experts=False), mesh.tp, mesh.tp_rank, mesh.dp_rank)
+        if self.spec.moe is None or mesh.expert_dp_rank != 0:
+            return  # no experts, or another rank holding the same experts writes them
+        for peft_name, local, _ in self._factor_shards(name, experts=True):
+            yield TensorShard(peft_name, local)
 
     def save_adapter(self, name: str, out_dir: str | os.PathLike) -> None:
         """Write adapter ``name`` as a PEFT directory (collective: call on every rank).
@@ -355,6 +404,8 @@ class AdapterHost:
         """
         self._require(name)
         config = self.adapter_peft_config(name) if self.mesh.rank == 0 else None
+        if config is not None:
+            _warn_dense_mlp_of_moe(name, self.adapters[name].modules, self.spec.moe)
         write_peft_adapter_sharded(out_dir, self.adapter_layout(name), self.adapter_shards(name), config, root=0)
 
     def merged_weight(self, linear: torch.nn.Module, names: list[str]) -> torch.Tensor:

@@ -355,25 +355,29 @@ class MLoraModel(AdapterHost, torch.nn.Module):
         return dequantize_rows(linear.weight.detach(), scale, self.dtype)
 
     # ------------------------------------------------------------------ export
-    def _hf_tensors(self, adapters: list[str]) -> Iterable[tuple[str, torch.Tensor]]:
+    def _hf_tensors(self, adapters: list[str], only: set[str] | None = None) -> Iterable[tuple[str, torch.Tensor]]:
         """This stage's HF tensors, gathered over TP one parameter at a time (collective over TP) and,
         with EP, every expert of the stage gathered over the EP group (collective over EP); the weights of
-        adapted linears come merged with ``adapters``."""
+        adapted linears come merged with ``adapters``. ``only``: the HF names wanted (None: all); a parameter
+        none of whose names is wanted is not gathered at all."""
         params = dict(self.gpt.named_parameters())
         modules = dict(self.gpt.named_modules())
         group, mesh = self.mesh.tp_group, self.mesh
         for pm, sources in self._export_maps():
+            if only is not None and not any(n in only for source in sources for n in source.hf_shapes(self.spec)):
+                continue  # the same answer on every rank that gathers it: every EP rank's maps are in sources
             owner = modules.get(pm.megatron_name.rsplit(".", 1)[0])
+            merge = adapters and pm.megatron_name.endswith(".weight") and getattr(owner, "lora_site", None) is not None
             if pm.expert:  # whole on its EP rank (expert TP 1): no TP gather
-                local = params[pm.megatron_name].detach()
+                local = self.merged_weight(owner, adapters) if merge else params[pm.megatron_name].detach()
                 parts = [local]
                 if mesh.ep > 1:
                     parts = [torch.empty_like(local) for _ in range(mesh.ep)]
                     dist.all_gather(parts, local.contiguous(), group=mesh.ep_group)
                 for source, part in zip(sources, parts):
-                    yield from source.to_hf([part.cpu()], self.spec).items()
+                    yield from _wanted(source.to_hf([part.cpu()], self.spec), only)
                 continue
-            if adapters and pm.megatron_name.endswith(".weight") and getattr(owner, "lora_site", None) is not None:
+            if merge:
                 local = self.merged_weight(owner, adapters)
             elif pm.megatron_name.endswith(".weight") and getattr(owner, "weight_scale", None) is not None:
                 local = self.base_weight(owner)  # FP8: dequantized
@@ -384,7 +388,7 @@ class MLoraModel(AdapterHost, torch.nn.Module):
                 dist.all_gather(shards, local.contiguous(), group=group)
             else:
                 shards = [local]
-            yield from pm.to_hf([s.cpu() for s in shards], self.spec).items()
+            yield from _wanted(pm.to_hf([s.cpu() for s in shards], self.spec), only)
 
     def _export_maps(self) -> Iterator[tuple[ParamMap, list[ParamMap]]]:
         """This rank's exported parameters in file order, each with the maps its HF tensors come from: itself,
@@ -396,17 +400,31 @@ class MLoraModel(AdapterHost, torch.nn.Module):
             if not is_export_copy(pm, self.spec):
                 yield pm, [maps[i] for maps in per_ep] if pm.expert else [pm]
 
-    def _hf_layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    def _hf_layout(self, only: set[str] | None = None) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         return {name: (self.dtype, shape) for _, sources in self._export_maps() for source in sources
-                for name, shape in source.hf_shapes(self.spec).items()}
+                for name, shape in source.hf_shapes(self.spec).items() if only is None or name in only}
 
-    def save_merged(self, out_dir: str | os.PathLike, adapters: Iterable[str] = ()) -> None:
+    def adapted_weight_names(self, adapters: Iterable[str]) -> set[str]:
+        """The HF weight names of the attention projections of every layer where one of ``adapters`` adapts one,
+        and of the MLP's linears (every expert's) where it adapts one of those: whole blocks, because an engine
+        fuses q/k/v, gate/up and a layer's experts into one weight each and reloads such a weight whole
+        (:mod:`mlora.rollout.vllm_weights`)."""
+        from mlora.lora.targets import PARENT, hf_module_name, model_projections
+
+        blocks = {(layer, PARENT.get(proj, "mlp")) for name in adapters for layer, proj in self.adapters[name].modules}
+        return {f"{hf_module_name(layer, proj)}.weight" for layer, proj in model_projections(self.spec.num_layers,
+                                                                                                self.spec.moe)
+                if (layer, PARENT.get(proj, "mlp")) in blocks}
+
+    def save_merged(self, out_dir: str | os.PathLike, adapters: Iterable[str] = (), only_adapted: bool = False) -> None:
         """Write an HF checkpoint from the shards, with ``W + s·B·A`` of ``adapters`` merged in
         (collective: call on every rank).
 
         One safetensors file per pipeline stage (``model.safetensors`` when PP is 1) plus
         ``model.safetensors.index.json``, config and tokenizer files copied from the source.
-        Each stage streams its tensors, gathered over TP one at a time.
+        Each stage streams its tensors, gathered over TP one at a time. ``only_adapted``: only the weights
+        of the linears ``adapters`` adapt (what the engines of a base they cannot serve LoRA on reload after
+        each update, :mod:`mlora.rollout.vllm_weights`); nothing else is gathered.
         """
         adapters = list(adapters)
         self._require(*adapters)
@@ -414,14 +432,15 @@ class MLoraModel(AdapterHost, torch.nn.Module):
         pp, stage = self.mesh.pp, self.mesh.pp_rank
         file_name = "model.safetensors" if pp == 1 else f"model-{stage + 1:05d}-of-{pp:05d}.safetensors"
         writer_rank = self.mesh.tp_rank == 0 and self.mesh.dp_rank == 0
-        layout = self._hf_layout()
+        only = self.adapted_weight_names(adapters) if only_adapted else None
+        layout = self._hf_layout(only)
         if self.mesh.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         if self.mesh.dp_rank == 0 or self.mesh.ep > 1:  # EP groups span DP ranks: all gather the experts
             writer = SafetensorsWriter(out / file_name, layout) if writer_rank else None
             try:
-                for name, tensor in self._hf_tensors(adapters):
+                for name, tensor in self._hf_tensors(adapters, only):
                     if writer is not None:
                         writer.write(name, tensor.to(self.dtype))
             except BaseException:
@@ -451,6 +470,10 @@ class MLoraModel(AdapterHost, torch.nn.Module):
                 if (self.hf_dir / name).is_file():
                     shutil.copyfile(self.hf_dir / name, out / name)
         dist.barrier()
+
+
+def _wanted(tensors: dict[str, torch.Tensor], only: set[str] | None) -> Iterable[tuple[str, torch.Tensor]]:
+    return ((n, t) for n, t in tensors.items() if only is None or n in only)
 
 
 def from_pretrained(hf_dir: str | os.PathLike, mesh: Mesh, dtype: torch.dtype = torch.float32,

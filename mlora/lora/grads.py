@@ -2,10 +2,14 @@
 
 - Parameters with partial gradients per TP rank (A of column layers, B of row layers) are
   summed over TP *and* DP in one all-reduce over the TP×DP group.
+- An expert's factors (MoE layers; whole on the ranks holding the expert) are summed over the expert-
+  data-parallel group: the ranks that hold the same experts and routed other tokens through them.
 - Every other trainable parameter (TP-sharded factors, heads) is summed over DP.
 Losses are normalised by global counts, so a plain sum gives the gradient of the global loss.
 The global grad norm counts each distinct parameter once: TP-replicated ones on TP rank 0 only,
-sharded ones on every TP rank, every PP stage; DP replicas are identical after reduction.
+sharded ones on every TP rank, every PP stage, experts on one rank of each expert-data-parallel group
+(megatron's rule: their squares are summed over the expert-model-parallel ranks); DP replicas are
+identical after reduction.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from mlora.lora.layers import has_tp_partial_grad, is_tp_replicated
+from mlora.lora.layers import has_tp_partial_grad, is_expert_param, is_tp_replicated
 
 
 def all_reduce_grads(params: Iterable[torch.nn.Parameter], group) -> None:
@@ -47,11 +51,16 @@ def all_reduce_grads(params: Iterable[torch.nn.Parameter], group) -> None:
 
 
 def finalize_grads(params: list[torch.nn.Parameter]) -> None:
-    """Reduce gradients of one optimizer's parameters: TP-partial ones over TP×DP, the rest over DP."""
+    """Reduce gradients of one optimizer's parameters: TP-partial ones over TP×DP, experts' over expert-DP, the
+    rest over DP."""
     from megatron.core import parallel_state as ps
 
+    experts = [p for p in params if is_expert_param(p)]
+    params = [p for p in params if not is_expert_param(p)]
     all_reduce_grads([p for p in params if has_tp_partial_grad(p)], ps.get_tensor_and_data_parallel_group())
     all_reduce_grads([p for p in params if not has_tp_partial_grad(p)], ps.get_data_parallel_group())
+    if experts:
+        all_reduce_grads(experts, ps.get_expert_data_parallel_group())
 
 
 def global_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -60,14 +69,29 @@ def global_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
 
     tp_rank = ps.get_tensor_model_parallel_rank()
     sq = torch.zeros((), dtype=torch.float64)
+    expert_sq = torch.zeros((), dtype=torch.float64)
     for p in params:
-        if p.grad is not None and (tp_rank == 0 or not is_tp_replicated(p)):
+        if p.grad is None:
+            continue
+        if is_expert_param(p):
+            expert_sq += p.grad.detach().double().pow(2).sum().cpu()
+        elif tp_rank == 0 or not is_tp_replicated(p):
             sq += p.grad.detach().double().pow(2).sum().cpu()
-    group = ps.get_model_parallel_group()
-    if dist.get_world_size(group) > 1:
-        sq = sq.to(params[0].device) if params else sq
-        dist.all_reduce(sq, group=group)
+    device = params[0].device if params else sq.device
+    sq = _sum_over(sq, ps.get_model_parallel_group(), device)
+    # on every rank, experts or not (a pipeline stage of dense layers has none): a collective of all
+    expert_group = ps.get_expert_tensor_model_pipeline_parallel_group(check_initialized=False)
+    if expert_group is not None:
+        sq = sq + _sum_over(expert_sq, expert_group, device)
     return sq.sqrt().float().cpu()
+
+
+def _sum_over(value: torch.Tensor, group, device) -> torch.Tensor:
+    """``value`` summed over ``group`` (a scalar; on ``device`` for the collective, back on the CPU)."""
+    if dist.get_world_size(group) > 1:
+        value = value.to(device)
+        dist.all_reduce(value, group=group)
+    return value.cpu()
 
 
 def clip_grads(params: list[torch.nn.Parameter], max_norm: float | None) -> torch.Tensor:

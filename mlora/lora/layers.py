@@ -73,11 +73,15 @@ class LoraSite:
     groups: int = 1
     block: int = 0
     placement: tuple[tuple[int, int], ...] = ()
+    expert: int | None = None  # a MoE expert's linear (global index): whole on its EP rank, never TP-split
 
 
 # Attributes on parameters that every TP rank holds whole:
 TP_REPLICATED = "_mlora_tp_replicated"  # same value on every TP rank: counted once in norms
 TP_PARTIAL_GRAD = "_mlora_tp_partial_grad"  # and its gradient is partial per TP rank: summed over TP
+# A factor of an expert's adapter: held by the ranks of its expert-data-parallel group, each of which routed
+# other tokens through the expert, so its gradient is summed over that group (not over TP or DP).
+EXPERT = "_mlora_expert"
 
 
 def mark_tp_replicated(param: torch.nn.Parameter, partial_grad: bool = True) -> torch.nn.Parameter:
@@ -98,6 +102,10 @@ def is_tp_replicated(param: torch.Tensor) -> bool:
 
 def has_tp_partial_grad(param: torch.Tensor) -> bool:
     return getattr(param, TP_PARTIAL_GRAD, False)
+
+
+def is_expert_param(param: torch.Tensor) -> bool:
+    return getattr(param, EXPERT, False)
 
 
 @dataclass(frozen=True)
@@ -149,7 +157,8 @@ DROPOUT_CALLS: list[int] = []
 class LoraBranch(torch.nn.Module):
     """One adapter on one parallel linear: stacked A ``[n·r, in_local]`` and one B per projection.
 
-    Column-parallel sites replicate A, row-parallel sites replicate B (marked TP-replicated).
+    Column-parallel sites replicate A, row-parallel sites replicate B (marked TP-replicated); an expert's
+    factors are whole on their EP rank and marked as expert parameters instead (``parallel="expert"``).
     ``dropout_key`` keys the dropout masks and places this rank's input in the full input
     (default: seed 0, no adapter name, layer 0, the input whole).
     """
@@ -169,8 +178,12 @@ class LoraBranch(torch.nn.Module):
         DROPOUT_CALLS.append(0)
         self.lora_A = torch.nn.Parameter(lora_a, requires_grad=trainable)
         self.lora_B = torch.nn.ParameterList([torch.nn.Parameter(b, requires_grad=trainable) for b in lora_b])
-        for p in ([self.lora_A] if parallel == "column" else list(self.lora_B)):
-            mark_tp_replicated(p)
+        if parallel == "expert":
+            for p in self.parameters():
+                setattr(p, EXPERT, True)
+        else:
+            for p in ([self.lora_A] if parallel == "column" else list(self.lora_B)):
+                mark_tp_replicated(p)
 
     @property
     def dropout_calls(self) -> int:
@@ -301,7 +314,7 @@ def _b_grads(site: LoraSite, groups: int, g: torch.Tensor, h: torch.Tensor, bs, 
     gradient ``g`` of the tokens of ``h`` (a 2-D view with unit column stride: the whole gradient or a
     routed branch's token slice of it), both scaled by ``s``."""
     n, tokens = len(subs), g.shape[0]
-    g3 = g.view(tokens, groups, -1)
+    g3 = g.view(tokens, groups, -1) if groups > 1 else None  # (an expert may get no token: no view of 0 rows)
     grad_h = [None] * n
     grad_bs = [None] * n
     for k, offset, size in _placements(site, subs, g.shape[-1]):
@@ -561,6 +574,13 @@ class LoraHost:
         None)``, the unrouted path."""
         if not ROUTES:
             return list(self._branches()), None
+        if self.lora_site is not None and self.lora_site.expert is not None and any(self._branches()):
+            # the dispatcher permutes tokens and sends them to other EP ranks: row routes no longer index them
+            raise NotImplementedError(
+                f"mixed-adapter micro-batches route adapters by rows, but adapters {sorted(ROUTES)} reach the "
+                f"experts of MoE layer {self.lora_site.layer}, whose tokens the MoE dispatcher reorders (routes "
+                "through the dispatcher are not built): give mixed experiments on a MoE base attention targets "
+                "(q_proj, k_proj, v_proj, o_proj), or run them one at a time")
         branches, routes = [], []
         for name in self.active_adapters:
             route = ROUTES.get(name)
@@ -582,7 +602,8 @@ class LoraColumnParallelLinear(LoraHost, tensor_parallel.ColumnParallelLinear):
     def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
                 runtime_gather_output: bool | None = None):
         weight = self.weight if weight is None else weight
-        x = column_input(input_, self.sequence_parallel, self.tp_group)
+        # an expert's input comes from the MoE token dispatcher, which did the collectives (megatron's rule)
+        x = input_ if self.explicit_expert_comm else column_input(input_, self.sequence_parallel, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
         branches, routes = self._routed_branches()
         out = lora_linear(x, weight, bias, branches, self.lora_site,
@@ -608,7 +629,8 @@ class LoraRowParallelLinear(LoraHost, tensor_parallel.RowParallelLinear):
         group = self.tp_group if self.weight_scale is not None and self.tp_group.size() > 1 else None
         branches, routes = self._routed_branches()
         out = lora_linear(input_, self.weight, None, branches, self.lora_site, self.weight_scale, group, routes)
-        out = row_output(out, self.sequence_parallel, self.tp_group)
+        if not self.explicit_expert_comm:  # an expert's output goes back through the dispatcher unreduced
+            out = row_output(out, self.sequence_parallel, self.tp_group)
         if self.skip_bias_add:
             return out, self.bias
         return (out + self.bias if self.bias is not None else out), None

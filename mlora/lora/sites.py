@@ -6,10 +6,16 @@ import torch
 
 from mlora.formats.weight_map import COLUMNS, REPLICATED, ROWS
 from mlora.lora.layers import LoraSite
+from mlora.lora.targets import expert_projection
 
 # How each factor is split over TP (see mlora.lora.layers): column: A replicated, B like W;
 # row: A split on the input dim, B replicated.
 FACTOR_KINDS = {"column": (REPLICATED, ROWS), "row": (COLUMNS, REPLICATED)}
+
+
+def factor_kinds(site: LoraSite) -> tuple[str, str]:
+    """How TP splits the A and B of ``site``: an expert's are whole (expert TP 1) on the ranks holding it."""
+    return (REPLICATED, REPLICATED) if site.expert is not None else FACTOR_KINDS[site.parallel]
 
 
 def factor_shapes(site: LoraSite, sub: str, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -36,10 +42,26 @@ def model_sites(spec, tp: int) -> dict[tuple[int, str], LoraSite]:
                          placement=((0, inter // tp), (inter // tp, inter // tp))),
                 LoraSite(layer=i, parallel="row", subs=("down_proj",), in_local=inter // tp, in_full=inter,
                          out_full=(spec.hidden_size,)))),
+            *(expert_sites(spec, i) if spec.is_sparse(i) else ()),
         ):
             for sub in site.subs:
                 sites[(i, sub)] = site
     return sites
+
+
+def expert_sites(spec, layer: int) -> list[LoraSite]:
+    """The fc1 (gate, up) and fc2 (down) sites of every expert of MoE layer ``layer``: whole on their EP rank
+    (expert TP 1), so their local and full widths agree whatever the TP size."""
+    moe, hidden = spec.moe, spec.hidden_size
+    ffn = moe.ffn_size
+    out = []
+    for e in range(moe.num_experts):
+        gate, up, down = (expert_projection(moe, e, k) for k in range(3))
+        out += [LoraSite(layer=layer, parallel="column", subs=(gate, up), in_local=hidden, in_full=hidden,
+                         out_full=(ffn, ffn), groups=1, block=2 * ffn, placement=((0, ffn), (ffn, ffn)), expert=e),
+                LoraSite(layer=layer, parallel="row", subs=(down,), in_local=ffn, in_full=ffn, out_full=(hidden,),
+                         expert=e)]
+    return out
 
 
 def attach_lora_sites(gpt: torch.nn.Module, spec, tp: int) -> None:
@@ -52,3 +74,8 @@ def attach_lora_sites(gpt: torch.nn.Module, spec, tp: int) -> None:
         if not spec.is_sparse(i):
             layer.mlp.linear_fc1.lora_site = sites[(i, "gate_proj")]
             layer.mlp.linear_fc2.lora_site = sites[(i, "down_proj")]
+            continue
+        # this EP rank's experts: megatron places global experts [ep_rank·E/EP, (ep_rank+1)·E/EP) here
+        for e, expert in zip(layer.mlp.local_expert_indices, layer.mlp.experts.local_experts):
+            expert.linear_fc1.lora_site = sites[(i, expert_projection(spec.moe, e, 0))]
+            expert.linear_fc2.lora_site = sites[(i, expert_projection(spec.moe, e, 2))]

@@ -2,6 +2,11 @@
 
 Projections are named the HF way. Megatron's fused layers stand for several:
 ``linear_qkv`` = q, k, v; ``linear_proj`` = o; ``linear_fc1`` = gate, up; ``linear_fc2`` = down.
+
+An expert's projection is keyed by its HF path below the layer, ``mlp.experts.{e}.gate_proj`` (Mixtral:
+``block_sparse_moe.experts.{e}.w1``), the per-expert name HF checkpoints and PEFT adapters use: one
+adapter per expert and projection. ``gate_proj``/``up_proj``/``down_proj`` (and ``linear_fc1``/``linear_fc2``,
+``all-linear``) reach every expert of a MoE layer as they reach a dense MLP; the router is not a target.
 """
 
 from __future__ import annotations
@@ -17,14 +22,53 @@ MEGATRON_MODULES = {
 }
 PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # Megatron path components -> HF ones, for layer-indexed Megatron patterns.
 _PATH_ALIASES = {"decoder": "model", "self_attention": "self_attn"}
 VALID_NAMES = ("all-linear", *HF_PROJECTIONS, *MEGATRON_MODULES)
 
 
+def expert_projection(moe, expert: int, k: int) -> str:
+    """The key of projection ``k`` (0 gate, 1 up, 2 down) of expert ``expert``: its HF path below the layer."""
+    return f"{moe.block}.experts.{expert}.{moe.projections[k]}"
+
+
+def expert_of(proj: str) -> int | None:
+    """The expert index of an expert projection's key, None for a dense projection."""
+    parts = proj.split(".")
+    return int(parts[-2]) if len(parts) == 4 and parts[1] == "experts" else None
+
+
+def projection_order(proj: str, moe=None) -> tuple[int, int, int]:
+    """Sort key of projections within a layer: attention, dense MLP, then experts by index, gate/up/down."""
+    expert = expert_of(proj)
+    if expert is None:
+        return HF_PROJECTIONS.index(proj), 0, 0
+    leaf = proj.rsplit(".", 1)[1]
+    return len(HF_PROJECTIONS), expert, (moe.projections.index(leaf) if moe is not None else 0)
+
+
 def hf_module_name(layer: int, proj: str) -> str:
-    """``model.layers.{layer}.self_attn.q_proj`` and friends."""
-    return f"model.layers.{layer}.{PARENT[proj]}.{proj}"
+    """``model.layers.{layer}.self_attn.q_proj`` and friends (``model.layers.{layer}.mlp.experts.{e}.gate_proj``)."""
+    return f"model.layers.{layer}.{proj if '.' in proj else PARENT[proj] + '.' + proj}"
+
+
+def model_projections(num_layers: int, moe=None) -> dict[tuple[int, str], str]:
+    """Every adaptable (layer, projection) of the model -> its canonical HF projection (an expert's gate is
+    ``gate_proj`` whatever its family calls it)."""
+    sparse = set(moe.sparse_layers) if moe is not None else set()
+    out: dict[tuple[int, str], str] = {}
+    for i in range(num_layers):
+        for p in HF_PROJECTIONS[:4]:
+            out[(i, p)] = p
+        if i not in sparse:
+            for p in MLP_PROJECTIONS:
+                out[(i, p)] = p
+            continue
+        for e in range(moe.num_experts):
+            for k, p in enumerate(MLP_PROJECTIONS):
+                out[(i, expert_projection(moe, e, k))] = p
+    return out
 
 
 def _patterns(spec: str | Iterable[str] | None) -> list[str]:
@@ -35,51 +79,52 @@ def _patterns(spec: str | Iterable[str] | None) -> list[str]:
     return list(spec)
 
 
-def _expand(pattern: str, num_layers: int) -> set[tuple[int, str]]:
+def _expand(pattern: str, universe: dict[tuple[int, str], str], moe) -> set[tuple[int, str]]:
     """The (layer, projection) pairs one pattern names; raises on unknown names."""
     pattern = pattern.strip()
     if pattern in ("all-linear", "all_linear"):
-        return {(i, p) for i in range(num_layers) for p in HF_PROJECTIONS}
+        return set(universe)
     prefix, _, last = pattern.rpartition(".")
+    leaves = MLP_PROJECTIONS if moe is None else tuple(dict.fromkeys((*MLP_PROJECTIONS, *moe.projections)))
     if last in MEGATRON_MODULES:
-        projs = MEGATRON_MODULES[last]
+        projs = set(MEGATRON_MODULES[last])
         prefix = ".".join(_PATH_ALIASES.get(part, part) for part in prefix.split(".")) if prefix else ""
         if "mlp" in prefix.split(".") and last in ("linear_qkv", "linear_proj"):
-            projs = ()
-    elif last in HF_PROJECTIONS:
-        projs = (last,)
+            projs = set()
+    elif last in HF_PROJECTIONS or last in leaves:
+        projs = {last}
     else:
-        raise ValueError(f"unknown target module {pattern!r}; valid names: {', '.join(VALID_NAMES)} "
+        valid = (*VALID_NAMES, *(n for n in leaves if n not in VALID_NAMES))
+        raise ValueError(f"unknown target module {pattern!r}; valid names: {', '.join(valid)} "
                          "(optionally with a layer path such as layers.0.self_attn.q_proj)")
     hits = set()
-    for i in range(num_layers):
-        for p in projs:
-            full = hf_module_name(i, p)
-            if not prefix or full.endswith("." + prefix + "." + p) or full == prefix + "." + p:
-                hits.add((i, p))
+    for (i, proj), canonical in universe.items():
+        leaf = proj.rsplit(".", 1)[-1]
+        named = projs & {canonical, leaf}  # an expert's gate answers to gate_proj and to its own name (w1)
+        if not named:
+            continue
+        stem = hf_module_name(i, proj)[:-len(leaf)]
+        if not prefix or any((stem + p).endswith("." + prefix + "." + p) or stem + p == prefix + "." + p
+                             for p in named):
+            hits.add((i, proj))
     if not hits:
-        raise ValueError(f"target module pattern {pattern!r} matches no module of this {num_layers}-layer model; "
-                         f"module names look like {hf_module_name(0, 'q_proj')}")
+        raise ValueError(f"target module pattern {pattern!r} matches no module of this {len({i for i, _ in universe})}"
+                         f"-layer model; module names look like {hf_module_name(0, 'q_proj')}")
     return hits
 
 
-def resolve_targets(target_modules, exclude_modules, num_layers: int,
-                    sparse_layers: Iterable[int] = ()) -> set[tuple[int, str]]:
-    """The (layer, HF projection) pairs adapted by an adapter with these target/exclude specs;
-    ``sparse_layers``: the MoE layers, whose experts adapters cannot target yet (a ValueError says so)."""
+def resolve_targets(target_modules, exclude_modules, num_layers: int, moe=None) -> set[tuple[int, str]]:
+    """The (layer, projection) pairs adapted by an adapter with these target/exclude specs; ``moe``: the
+    model's :class:`mlora.formats.hf_config.MoESpec` (None: dense), whose experts the MLP names reach."""
     targets = _patterns(target_modules)
     if not targets:
         raise ValueError(f"target_modules is empty; valid names: {', '.join(VALID_NAMES)}")
+    universe = model_projections(num_layers, moe)
     chosen: set[tuple[int, str]] = set()
     for pattern in targets:
-        chosen |= _expand(pattern, num_layers)
+        chosen |= _expand(pattern, universe, moe)
     for pattern in _patterns(exclude_modules):
-        chosen -= _expand(pattern, num_layers)
+        chosen -= _expand(pattern, universe, moe)
     if not chosen:
         raise ValueError(f"exclude_modules={exclude_modules!r} removes every target of {target_modules!r}")
-    sparse = sorted({i for i, p in chosen if PARENT[p] == "mlp"} & set(sparse_layers))
-    if sparse:
-        raise ValueError(f"target_modules={target_modules!r} reaches the experts of mixture-of-experts layers "
-                         f"{sparse}: LoRA on experts is not built yet; target the attention projections "
-                         "(q_proj, k_proj, v_proj, o_proj) or exclude those layers' mlp")
     return chosen

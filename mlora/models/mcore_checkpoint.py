@@ -1,11 +1,13 @@
 """HF safetensors <-> megatron-core distributed checkpoint (``torch_dist``), tensor by tensor.
 
-``hf_to_mcore`` runs on ``tp × pp`` ranks (one process when both are 1). Each rank builds a plain
-megatron ``GPTModel`` (megatron's local layer spec) for its pipeline stage, fills it with only its TP
-slices of the HF tensors (read slice by slice: :class:`~mlora.formats.checkpoint_reader.CheckpointReader`),
-and megatron-core's own ``dist_checkpointing.save`` writes the model's ``sharded_state_dict()``. A rank
-holds its shard of the model, 1/(tp·pp) of it, plus one tensor being read: megatron's save takes a
-built model's tensors, as Megatron-LM's and Megatron-Bridge's converters do.
+``hf_to_mcore`` runs on ``pp × lcm(tp, ep)`` ranks (one process when all are 1). Each rank builds a
+megatron ``GPTModel`` for its pipeline stage (dense models without q/k norms: megatron's plain local
+layer spec; q/k norms or experts: the layer spec mlora builds, megatron's local spec with its MoE layer and
+mlora's norms), fills it with only its TP slices and its EP rank's experts of the HF tensors (read slice by
+slice: :class:`~mlora.formats.checkpoint_reader.CheckpointReader`), and megatron-core's own
+``dist_checkpointing.save`` writes the model's ``sharded_state_dict()``. A rank holds its shard of the
+model plus one tensor being read: megatron's save takes a built model's tensors, as Megatron-LM's and
+Megatron-Bridge's converters do.
 
 The directory is what Megatron-LM's ``--load`` (``--ckpt-format torch_dist``) and Megatron-Bridge read::
 
@@ -14,24 +16,40 @@ The directory is what Megatron-LM's ``--load`` (``--ckpt-format torch_dist``) an
     OUT/release/mlora_hf/config.json, tokenizer files                      (the HF side files)
     OUT/release/mlora_convert.json            source layout: HF files, tensor order, dtypes, vocab padding
 
-Tensor keys are the local spec's TE-compatible ones (``...linear_qkv.layer_norm_weight`` for the input
-norm, ``...linear_fc1.layer_norm_weight`` for the pre-MLP norm), decoder layers stacked on a leading axis,
-QKV grouped per query group ``[q; k; v]``, ``linear_fc1`` as ``[gate; up]``, and the vocabulary padded as
-Megatron-LM pads it: up to a multiple of ``make_vocab_size_divisible_by × tp`` (default 128 × tp). A
-dist checkpoint is layout-free: any TP×PP loads it (same padded vocabulary); ``tp``/``pp`` choose the
-padding and how many ranks write.
+Tensor keys are the local spec's, TE-compatible in dense layers (``...linear_qkv.layer_norm_weight`` for
+the input norm, ``...linear_fc1.layer_norm_weight`` for the pre-MLP norm; see the limit below), QKV
+grouped per query group ``[q; k; v]``, ``linear_fc1`` as ``[gate; up]``, and the vocabulary padded as
+Megatron-LM pads it: up to a multiple of ``make_vocab_size_divisible_by × tp`` (default 128 × tp).
+Dense models stack the decoder layers on a leading axis (``decoder.layers.<name>`` ``[L, ...]``).
+Mixtures of experts are what megatron writes for a model whose ``moe_layer_freq`` is a list (Megatron-LM's
+``--moe-layer-freq '([1]*L)'``, as mlora builds them): one key per layer, ``decoder.layers.<i>.<name>``, with
+the experts of a layer stacked on a leading axis in global order,
+``decoder.layers.<i>.mlp.experts.experts.linear_fc1.weight`` ``[E, 2·ffn, hidden]`` (each ``[gate; up]``) and
+``...linear_fc2.weight`` ``[E, hidden, ffn]``, ``decoder.layers.<i>.mlp.router.weight`` ``[E, hidden]``; q/k
+norms are ``...self_attention.{q,k}_layernorm.weight``, ``[head_dim]`` per head or the full width of all heads
+(OLMoE; split over TP with the heads). A dist checkpoint is layout-free: any TP×PP×EP loads it (same padded
+vocabulary); ``tp``/``pp``/``ep`` choose the padding and how many ranks write.
 
-``mcore_to_hf`` needs one process and no process group: it reads one megatron tensor (one layer's slice
-of a stacked key) at a time through torch.distributed.checkpoint, the storage layer of ``torch_dist``,
-turns it into the HF tensors and streams them into safetensors files laid out as the source was, so
-HF -> mcore -> HF is bit-identical. A checkpoint written elsewhere (Megatron-LM, Bridge) converts too
+``mcore_to_hf`` needs one process and no process group: it reads one megatron tensor (one layer's or one
+expert's slice of a stacked key) at a time through torch.distributed.checkpoint, the storage layer of
+``torch_dist``, turns it into the HF tensors and streams them into safetensors files laid out as the source
+was, so HF -> mcore -> HF is bit-identical. A checkpoint written elsewhere (Megatron-LM, Bridge) converts too
 given the HF ``config.json`` it corresponds to (``hf_config=``); it is checked tensor by tensor against it.
+It reads either layer layout (stacked or one key per layer, as an integer or a list ``--moe-layer-freq``
+gives) and the pre-MLP norm of MoE layers under the local spec's name or Transformer Engine's
+(``pre_mlp_layernorm.weight``, which megatron's TE spec stores for MoE layers).
+
+Limit: ``hf_to_mcore`` writes the local spec's keys, the ones a model built by mlora (and megatron's local
+spec) asks for. They are the TE spec's too except in MoE layers, where megatron's TE spec keeps the pre-MLP
+norm apart (``decoder.layers.<i>.pre_mlp_layernorm.weight``): a Megatron-LM run on the TE spec (its default)
+loads a converted dense model as it is, a converted MoE model with ``--transformer-impl local``.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import shutil
 import warnings
@@ -58,18 +76,126 @@ HF_SHARD_BYTES = 5 * 1024**3  # transformers' default max_shard_size, for checkp
 # megatron's local layer spec stores the two norms under the TE spec's names (sharded_state_dict_keys_map).
 _NORM_KEYS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
               "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+_TE_MOE_NORM = "pre_mlp_layernorm.weight"  # megatron's TE spec: MoE layers keep their pre-MLP norm separate
+_LAYERS = "decoder.layers."
+_LOCAL_EXPERTS = "mlp.experts.local_experts."  # SequentialMLP's parameters ...
+_EXPERTS = "mlp.experts.experts."  # ... and its sharded keys (TEGroupedMLP's too: megatron keeps them interchangeable)
 # weights and their indexes: not copied with the side files (config, tokenizer, generation config, ...)
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", INDEX_FILE,
                  "pytorch_model.bin.index.json")
 
 
 # ----------------------------------------------------------------------------- shared helpers
-def check_mcore_dense(spec: ModelSpec) -> None:
-    """megatron torch_dist checkpoints of dense models only, for now: a ValueError for experts or q/k norms."""
-    if spec.moe is not None or spec.qk_norm is not None:
-        raise ValueError(f"{spec.architecture}: HF <-> megatron torch_dist conversion covers dense models without "
-                         "q/k norms (Llama, Qwen2, Mistral) for now; mlora loads and saves this model as an HF "
-                         "checkpoint (mlora.from_pretrained / save_merged, at any TP x PP x EP)")
+def ranks_needed(tp: int, pp: int, ep: int = 1) -> int:
+    """Ranks that write a ``tp × pp`` checkpoint with the experts split ``ep`` ways: ``pp × lcm(tp, ep)``.
+    megatron draws the EP ranks of a stage from its TP × DP ranks, so EP beyond TP needs DP replicas
+    (they hold the same dense shards and megatron's save writes each shard once)."""
+    return pp * math.lcm(tp, ep)
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """How a dist checkpoint names the parameters of a GPTModel.
+
+    ``per_layer``: one key per decoder layer, ``decoder.layers.<i>.<name>`` (what megatron writes for a
+    model with heterogeneous layers: a list ``moe_layer_freq``, as mlora's MoE models have), else the
+    layers stacked on a leading axis of ``decoder.layers.<name>``. Experts are stacked on the next axis.
+    ``te_moe_norm``: the pre-MLP norm of MoE layers is stored as ``pre_mlp_layernorm.weight`` (megatron's
+    Transformer Engine spec) rather than the local spec's ``mlp.linear_fc1.layer_norm_weight``.
+    ``sparse_layers``: the MoE layers (global indices)."""
+
+    per_layer: bool = False
+    te_moe_norm: bool = False
+    sparse_layers: frozenset[int] = frozenset()
+
+    @classmethod
+    def written(cls, spec: ModelSpec) -> "KeyLayout":
+        """What :func:`hf_to_mcore` writes for ``spec``: megatron's keys for mlora's model config."""
+        return cls(per_layer=spec.moe is not None, sparse_layers=frozenset(spec.sparse_layers))
+
+    @classmethod
+    def stored(cls, spec: ModelSpec, keys: Iterable[str]) -> "KeyLayout":
+        """The layout of a checkpoint holding tensor ``keys`` (per layer or stacked; TE's MoE norm name)."""
+        keys = list(keys)
+        layered = [k.split(".", 3) for k in keys if k.startswith(_LAYERS)]
+        per_layer = any(part[2].isdigit() for part in layered if len(part) > 3)
+        te_norm = any(k.startswith(_LAYERS) and k.endswith("." + _TE_MOE_NORM) for k in keys)
+        return cls(per_layer, te_norm and spec.moe is not None, frozenset(spec.sparse_layers))
+
+    def key(self, megatron_name: str, layer_offset: int = 0, expert_offset: int = 0) -> tuple[str, tuple[int, ...]]:
+        """The dist-checkpoint key of a ``GPTModel`` parameter name and the indices of its slice on the
+        stacked leading axes (global layer, then global expert; ``layer_offset``/``expert_offset``: the
+        first layer of the stage and first expert of the EP rank, 0 for a TP1/PP1/EP1 model's names)::
+
+            decoder.layers.3.input_layernorm.weight (stacked)
+                -> ("decoder.layers.self_attention.linear_qkv.layer_norm_weight", (3,))
+            decoder.layers.3.mlp.experts.local_experts.5.linear_fc2.weight (per layer)
+                -> ("decoder.layers.3.mlp.experts.experts.linear_fc2.weight", (5,))
+        """
+        if not megatron_name.startswith(_LAYERS):
+            return megatron_name, ()
+        local, rest = megatron_name[len(_LAYERS):].split(".", 1)
+        layer = int(local) + layer_offset
+        if not (self.te_moe_norm and rest == _TE_MOE_NORM and layer in self.sparse_layers):
+            rest = _NORM_KEYS.get(rest, rest)  # else TE's name, which is the module's own
+        index: tuple[int, ...] = ()
+        if rest.startswith(_LOCAL_EXPERTS):  # SequentialMLP's sharded_state_dict: local j -> global expert
+            j, tail = rest[len(_LOCAL_EXPERTS):].split(".", 1)
+            rest, index = f"{_EXPERTS}{tail}", (int(j) + expert_offset,)
+        if self.per_layer:
+            return f"{_LAYERS}{layer}.{rest}", index
+        return _LAYERS + rest, (layer, *index)
+
+
+def _megatron_shape(pm: ParamMap, spec: ModelSpec, padded_vocab: int) -> tuple[int, ...]:
+    """The unsharded (TP1) shape of one parameter: its HF tensors concatenated on dim 0."""
+    if pm.kind == VOCAB:
+        return (padded_vocab, spec.hidden_size)
+    shapes = list(pm.hf_shapes(spec).values())
+    return (sum(s[0] for s in shapes), *shapes[0][1:])
+
+
+def expected_shapes(spec: ModelSpec, padded_vocab: int, layout: KeyLayout | None = None) -> dict[str, tuple[int, ...]]:
+    """Global shape of every model tensor a dist checkpoint of ``spec`` holds in ``layout`` (default: the
+    one :func:`hf_to_mcore` writes), stacked axes first."""
+    layout = layout or KeyLayout.written(spec)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for pm in stage_param_maps(spec, 1, 0):
+        if is_export_copy(pm, spec):
+            continue
+        key, index = layout.key(pm.megatron_name)
+        stacked = (spec.num_layers,) if index and not layout.per_layer else ()
+        if pm.expert:
+            stacked += (spec.moe.num_experts,)
+        shapes[key] = (*stacked, *_megatron_shape(pm, spec, padded_vocab))
+    return shapes
+
+
+def model_sharded_state_dict(model: torch.nn.Module, spec: ModelSpec, metadata: dict | None = None) -> dict:
+    """``model.sharded_state_dict(metadata=...)`` as a dist checkpoint of ``spec`` stores it: what
+    :func:`hf_to_mcore` saves, and what to give ``dist_checkpointing.load`` for a model built by mlora.
+
+    One fix over the module's own: OLMoE's full-width q/k norm weights (``spec.qk_norm == "full"``) are
+    split over TP with the heads, and mlora's norm module leaves them to megatron's default, which takes
+    every TP rank's slice for a replica of the whole; here they are TP-sharded on their last axis."""
+    sharded = model.sharded_state_dict(metadata=metadata)
+    if spec.qk_norm != "full":
+        return sharded
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    if tp == 1:
+        return sharded
+    for name, item in sharded.items():
+        if not (name.endswith(("q_layernorm.weight", "k_layernorm.weight")) and isinstance(item, ShardedTensor)):
+            continue
+        stacked = item.prepend_axis_num
+        offsets = [(axis, item.global_offset[axis], item.axis_fragmentations[axis]) for axis in range(stacked)]
+        sharded[name] = ShardedTensor.from_rank_offsets(
+            item.key, item.data, *offsets, (stacked, tp_rank, tp),
+            replica_id=(item.replica_id[0], 0, item.replica_id[2]), prepend_axis_num=stacked)
+    return sharded
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
@@ -78,36 +204,6 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
         raise ValueError(f"make_vocab_size_divisible_by={divisible_by} is invalid: it must be >= 1")
     multiple = divisible_by * tp
     return -(-vocab_size // multiple) * multiple
-
-
-def mcore_key(megatron_name: str) -> tuple[str, int | None]:
-    """The dist-checkpoint key of a TP1/PP1 ``GPTModel`` parameter name and its layer index (None when
-    the key is not stacked over layers): ``decoder.layers.3.input_layernorm.weight`` ->
-    ``("decoder.layers.self_attention.linear_qkv.layer_norm_weight", 3)``."""
-    prefix = "decoder.layers."
-    if not megatron_name.startswith(prefix):
-        return megatron_name, None
-    index, rest = megatron_name[len(prefix):].split(".", 1)
-    return prefix + _NORM_KEYS.get(rest, rest), int(index)
-
-
-def expected_shapes(spec: ModelSpec, padded_vocab: int) -> dict[str, tuple[int, ...]]:
-    """Global shape of every model tensor a dist checkpoint of ``spec`` holds (layers stacked first)."""
-    h, hd, L = spec.hidden_size, spec.head_dim, spec.num_layers
-    qkv = (spec.num_heads + 2 * spec.num_kv_heads) * hd
-    shapes = {"embedding.word_embeddings.weight": (padded_vocab, h),
-              "decoder.layers.self_attention.linear_qkv.layer_norm_weight": (L, h),
-              "decoder.layers.self_attention.linear_qkv.weight": (L, qkv, h),
-              "decoder.layers.self_attention.linear_proj.weight": (L, h, spec.num_heads * hd),
-              "decoder.layers.mlp.linear_fc1.layer_norm_weight": (L, h),
-              "decoder.layers.mlp.linear_fc1.weight": (L, 2 * spec.intermediate_size, h),
-              "decoder.layers.mlp.linear_fc2.weight": (L, h, spec.intermediate_size),
-              "decoder.final_layernorm.weight": (h,)}
-    if spec.qkv_bias:
-        shapes["decoder.layers.self_attention.linear_qkv.bias"] = (L, qkv)
-    if not spec.tied_embeddings:
-        shapes["output_layer.weight"] = (padded_vocab, h)
-    return shapes
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -174,14 +270,28 @@ def _read_vocab_shard(reader: CheckpointReader, name: str, spec: ModelSpec, padd
 
 
 def build_plain_gpt(spec: ModelSpec, mesh: Any, dtype: torch.dtype, vocab_size: int):
-    """This rank's shard of a plain megatron ``GPTModel`` for ``spec`` (megatron's local layer spec, no
-    LoRA), parameters allocated but not initialised, with transformers' RoPE inverse frequencies."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    """This rank's shard of a megatron ``GPTModel`` for ``spec`` with ``vocab_size`` rows, no adapters,
+    parameters allocated but not initialised, with transformers' RoPE inverse frequencies.
 
+    A dense model without q/k norms gets megatron's plain local layer spec. One with q/k norms or experts
+    gets the layer spec mlora builds (:func:`mlora.models.megatron_build.block_spec`: megatron's local spec
+    with its MoE layer where ``moe_layer_freq`` says, SequentialMLP experts, and mlora's norms in the norm
+    slots, OLMoE's full-width q/k norm included, which megatron has no module for); its parameter names
+    and dist-checkpoint keys are megatron's."""
     from mlora.models.megatron_build import gpt_model, transformer_config
 
-    return gpt_model(spec, mesh, transformer_config(spec, mesh, dtype),
-                     get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size)
+    config = transformer_config(spec, mesh, dtype)
+    if spec.moe is None and spec.qk_norm is None:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    else:
+        from mlora.models.megatron_build import block_spec
+        from mlora.models.norm import QK_NORM_CONFIG_ATTR
+
+        setattr(config, QK_NORM_CONFIG_ATTR, spec.qk_norm)
+        layer_spec = block_spec(config)
+    return gpt_model(spec, mesh, config, layer_spec, vocab_size)
 
 
 def _hf_dtype(reader: CheckpointReader, hf_dir: Path) -> torch.dtype:
@@ -201,27 +311,27 @@ def _copy_side_files(src: Path, dst: Path) -> None:
 
 def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, pp: int = 1,
                 dtype: str | torch.dtype | None = None, make_vocab_size_divisible_by: int = 128,
-                progress: bool = True) -> Path:
+                progress: bool = True, ep: int = 1) -> Path:
     """Convert the HF checkpoint in ``hf_dir`` into a megatron-core dist checkpoint in ``out_dir``.
 
-    Collective over ``tp × pp`` ranks (torchrun; one plain process when ``tp == pp == 1``): the world
-    size must equal ``tp × pp``. ``dtype`` (default: the HF tensors' own) is the stored dtype; keep it
-    for a bit-identical way back. Returns the dist checkpoint directory (``out_dir/release``).
-    Raises ValueError/CheckpointError, on every rank, for a layout that does not divide the model, a
-    non-empty ``out_dir`` or an HF checkpoint that does not match its config."""
+    Collective over :func:`ranks_needed` ``(tp, pp, ep)`` ranks (torchrun; one plain process when all are
+    1): the world size must equal it. ``ep`` splits a mixture of experts' experts over ranks (each writes
+    its own). ``dtype`` (default: the HF tensors' own) is the stored dtype; keep it for a bit-identical
+    way back. Returns the dist checkpoint directory (``out_dir/release``). Raises ValueError/CheckpointError,
+    on every rank, for a layout that does not divide the model, a non-empty ``out_dir`` or an HF checkpoint
+    that does not match its config."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
     from mlora.formats.fp8_checkpoint import fp8_quantization_config
     from mlora.parallel.mesh import init_parallel
 
-    for name, value in (("tp", tp), ("pp", pp)):
+    for name, value in (("tp", tp), ("pp", pp), ("ep", ep)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer")
     hf, out = Path(hf_dir), Path(out_dir)
     spec = model_spec(load_hf_config(hf))
-    check_mcore_dense(spec)
-    check_layout(spec, tp, pp)
+    check_layout(spec, tp, pp, ep)
     if fp8_quantization_config(json.loads((hf / "config.json").read_text())) is not None:
         raise ValueError(f"{hf} is a block-quantized FP8 checkpoint (quantization_config); hf-to-mcore converts "
                          "unquantized checkpoints (bfloat16, float16, float32) only")
@@ -229,22 +339,24 @@ def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int =
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"--out {out} exists and is not an empty directory; choose a new directory")
     world = int(os.environ.get("WORLD_SIZE", "1")) if not dist.is_initialized() else dist.get_world_size()
-    if world != tp * pp:
-        raise ValueError(f"tp={tp} × pp={pp} needs {tp * pp} ranks, this run has {world}: launch it with "
-                         f"torchrun --nproc_per_node={tp * pp} (a dist checkpoint is written by one rank per shard)")
+    needed = ranks_needed(tp, pp, ep)
+    if world != needed:
+        with_ep = f" with ep={ep}" if ep > 1 else ""
+        raise ValueError(f"tp={tp} × pp={pp}{with_ep} needs {needed} ranks, this run has {world}: launch it with "
+                         f"torchrun --nproc_per_node={needed} (a dist checkpoint is written by one rank per shard)")
     with CheckpointReader(hf) as reader:
         check_hf_checkpoint(reader, spec, hf)  # every rank checks the whole model: headers only
         dtype = _dtype_from_name(dtype) if isinstance(dtype, str) else dtype or _hf_dtype(reader, hf)
         layout = _source_layout(reader, hf)
-        mesh = init_parallel(tp=tp, pp=pp)
+        mesh = init_parallel(tp=tp, pp=pp, ep=ep)
         model = build_plain_gpt(spec, mesh, dtype, padded)
         _fill_from_hf(model, reader, spec, mesh, padded, progress and mesh.rank == 0)
     ckpt = out / RELEASE_DIR
     if mesh.rank == 0:
         ckpt.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    sharded = model.sharded_state_dict(metadata=dict(CONTENT_METADATA))
-    _check_sharded_keys(sharded, spec, mesh)
+    sharded = model_sharded_state_dict(model, spec, metadata=dict(CONTENT_METADATA))
+    _check_sharded_keys(sharded, spec, mesh, padded)
     if mesh.rank == 0 and progress:
         print(f"hf-to-mcore: saving with megatron-core dist_checkpointing to {ckpt}", flush=True)
     dist_checkpointing.save({"model": sharded, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0},
@@ -256,6 +368,7 @@ def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int =
         _copy_side_files(hf, ckpt / HF_SIDE_DIR)
         info = {"format": INFO_FORMAT, "source": str(hf.resolve()), "architecture": spec.architecture,
                 "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                "expert_model_parallel_size": ep,
                 "dtype": str(dtype).removeprefix("torch."), "vocab_size": spec.vocab_size,
                 "padded_vocab_size": padded, "make_vocab_size_divisible_by": make_vocab_size_divisible_by,
                 "megatron_core": megatron.core.__version__, **layout}
@@ -273,7 +386,7 @@ def _fill_from_hf(model: torch.nn.Module, reader: CheckpointReader, spec: ModelS
     if local_layers != expected:  # our HF mapping and megatron must agree on who holds which layer
         raise RuntimeError(f"megatron placed layers {local_layers} on stage {mesh.pp_rank}, expected {expected}")
     params = dict(model.named_parameters())
-    maps = stage_param_maps(spec, mesh.pp, mesh.pp_rank)
+    maps = stage_param_maps(spec, mesh.pp, mesh.pp_rank, mesh.ep, mesh.ep_rank)
     bar = _progress(len(maps), "hf-to-mcore (rank 0's shard)", progress)
     for pm in maps:
         param = params.pop(pm.megatron_name)
@@ -293,20 +406,30 @@ def _fill_from_hf(model: torch.nn.Module, reader: CheckpointReader, spec: ModelS
         raise RuntimeError(f"GPTModel parameters without an HF mapping: {sorted(params)}")
 
 
-def _check_sharded_keys(sharded: dict, spec: ModelSpec, mesh: Any) -> None:
-    """The keys megatron gives this stage's parameters must be the ones export reads (fails loudly if a
-    megatron-core release renames them)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+def _check_sharded_keys(sharded: dict, spec: ModelSpec, mesh: Any, padded: int) -> None:
+    """The keys, offsets and global shapes megatron gives this rank's parameters must be the ones export
+    reads (fails loudly if a megatron-core release renames or restacks them)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
+    from mlora.formats.weight_map import local_experts
+
+    layout = KeyLayout.written(spec)
+    shapes = expected_shapes(spec, padded, layout)
     first = stage_layers(spec, mesh.pp, mesh.pp_rank).start
-    for pm in stage_param_maps(spec, mesh.pp, mesh.pp_rank):
+    first_expert = local_experts(spec, mesh.ep, mesh.ep_rank).start if spec.moe is not None else 0
+    for pm in stage_param_maps(spec, mesh.pp, mesh.pp_rank, mesh.ep, mesh.ep_rank):
         item = sharded.get(pm.megatron_name)
-        if is_export_copy(pm, spec) or not isinstance(item, ShardedTensor):
-            continue  # tied copy (stored as the embedding) or a factory (linear_fc1: checked on export)
-        key, layer = mcore_key(pm.megatron_name)
-        if item.key != key or (layer is not None and item.global_offset[0] != first + layer):
-            raise RuntimeError(f"megatron-core stores {pm.megatron_name} as {item.key!r} at offset "
-                               f"{item.global_offset}, mlora expects {key!r} at layer {first + (layer or 0)}")
+        if is_export_copy(pm, spec):
+            continue  # tied copy, stored as the embedding
+        key, index = layout.key(pm.megatron_name, first, first_expert)
+        if isinstance(item, ShardedTensorFactory) and item.key == key:
+            continue  # linear_fc1 ([gate; up] split on save): its stored shape is checked on export
+        if (not isinstance(item, ShardedTensor) or item.key != key or item.global_shape != shapes[key]
+                or tuple(item.global_offset[:len(index)]) != index):
+            found = (f"{item.key!r}, global shape {item.global_shape} at offset {item.global_offset}"
+                     if isinstance(item, ShardedTensor) else repr(item))
+            raise RuntimeError(f"megatron-core stores {pm.megatron_name} as {found}; mlora expects {key!r}, "
+                               f"global shape {shapes[key]} at index {index}")
 
 
 # ----------------------------------------------------------------------------- mcore -> HF
@@ -388,9 +511,11 @@ def _model_tensors(metadata: Any) -> dict[str, Any]:
             if isinstance(md, TensorStorageMetadata) and not k.startswith(("optimizer.", "rng_state"))}
 
 
-def check_against_config(ckpt: McoreCheckpoint, spec: ModelSpec, tensors: dict[str, Any]) -> int:
-    """Raise unless the checkpoint's tensors are exactly those of ``spec``'s GPTModel; returns the
-    padded vocabulary size. Names the config and the first mismatches."""
+def check_against_config(ckpt: McoreCheckpoint, spec: ModelSpec, tensors: dict[str, Any],
+                         layout: KeyLayout | None = None) -> int:
+    """Raise unless the checkpoint's tensors are exactly those of ``spec``'s GPTModel in ``layout``
+    (default: the one its keys show); returns the padded vocabulary size. Names the config and the first
+    mismatches."""
     where = f"the HF config in {ckpt.config_dir} ({spec.architecture})"
     info = ckpt.info or {}
     if info and info.get("architecture") != spec.architecture:
@@ -407,7 +532,7 @@ def check_against_config(ckpt: McoreCheckpoint, spec: ModelSpec, tensors: dict[s
     if info and info.get("padded_vocab_size", padded) != padded:
         raise CheckpointError(f"{ckpt.directory} has {padded} vocabulary rows, {CONVERT_INFO} recorded "
                               f"{info['padded_vocab_size']}")
-    expected = expected_shapes(spec, padded)
+    expected = expected_shapes(spec, padded, layout or KeyLayout.stored(spec, tensors))
     unexpected = sorted(set(tensors) - set(expected))
     missing = sorted(set(expected) - set(tensors))
     wrong = [f"{k} is {tuple(tensors[k].size)} in the checkpoint, the config implies {shape}"
@@ -467,23 +592,22 @@ class DistCheckpointReader:
         self.tensors = tensors
         self._reader = CachedMetadataFileSystemReader(str(directory))  # the index is parsed once
 
-    def read(self, reads: dict[str, int | None]) -> dict[str, torch.Tensor]:
-        """``{key: layer}`` -> ``{key: tensor}``: the whole tensor (layer None) or layer ``layer`` of a
-        stacked one, in the stored dtype."""
+    def read(self, reads: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+        """``{key: index}`` -> ``{key: tensor}``: the slice ``key[index]`` of a stored tensor (``index`` on
+        its leading, stacked axes: layer, expert; ``()`` for the whole tensor), in the stored dtype."""
         import torch.distributed.checkpoint as dcp
 
         requests = {}
-        for key, layer in reads.items():
+        for key, index in reads.items():
             md = self.tensors[key]
-            shape = tuple(md.size) if layer is None else tuple(md.size)[1:]
-            offsets = (0,) * len(shape) if layer is None else (layer,) + (0,) * len(shape)
-            buffer = torch.empty(shape if layer is None else (1, *shape), dtype=md.properties.dtype)
-            requests[key] = (buffer, offsets)
+            inner = tuple(md.size)[len(index):]
+            buffer = torch.empty((1,) * len(index) + inner, dtype=md.properties.dtype)
+            requests[key] = (buffer, tuple(index) + (0,) * len(inner))
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
             dcp.load({k: b for k, (b, _) in requests.items()}, storage_reader=self._reader,
                      planner=_slice_planner_class()(requests), no_dist=True)
-        return {k: b if reads[k] is None else b[0] for k, (b, _) in requests.items()}
+        return {k: b.reshape(b.shape[len(reads[k]):]) for k, (b, _) in requests.items()}
 
 
 def _hf_sources(spec: ModelSpec) -> dict[str, ParamMap]:
@@ -527,11 +651,11 @@ def mcore_to_hf(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike,
     out = Path(out_dir)
     ckpt = locate_mcore_checkpoint(mcore_dir, hf_config)
     spec = model_spec(load_hf_config(ckpt.config_dir))
-    check_mcore_dense(spec)
     metadata = _dcp_metadata(ckpt.directory)
     check_shard_files(ckpt.directory, metadata)
     tensors = _model_tensors(metadata)
-    check_against_config(ckpt, spec, tensors)
+    layout = KeyLayout.stored(spec, tensors)
+    check_against_config(ckpt, spec, tensors, layout)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"--out {out} exists and is not an empty directory; choose a new directory")
     if out.resolve() == ckpt.config_dir.resolve():
@@ -556,18 +680,18 @@ def mcore_to_hf(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike,
     bar = _progress(len(sources), "mcore-to-hf", progress)
     for file, names in files.items():
         shapes = {n: s for pm in {sources[n] for n in names} for n, s in pm.hf_shapes(spec).items()}
-        layout = {}
+        file_layout = {}
         for name in names:
-            key, _ = mcore_key(sources[name].megatron_name)
-            layout[name] = (dtypes.get(name, tensors[key].properties.dtype), shapes[name])
-            total_bytes += torch.Size(shapes[name]).numel() * torch.empty((), dtype=layout[name][0]).element_size()
-        writer = SafetensorsWriter(out / file, layout, metadata={"format": "pt"})
+            key, _ = layout.key(sources[name].megatron_name)
+            file_layout[name] = (dtypes.get(name, tensors[key].properties.dtype), shapes[name])
+            total_bytes += torch.Size(shapes[name]).numel() * file_layout[name][0].itemsize
+        writer = SafetensorsWriter(out / file, file_layout, metadata={"format": "pt"})
         try:
             for name in names:
                 if name not in pending:
-                    pending.update(_convert(sources[name], reader, spec))
+                    pending.update(_convert(sources[name], reader, spec, layout))
                 tensor = pending.pop(name)
-                writer.write(name, tensor.to(layout[name][0]))
+                writer.write(name, tensor.to(file_layout[name][0]))
                 del tensor  # hold no written tensor while the next one is read
                 bar.update(1)
         except BaseException:
@@ -585,10 +709,11 @@ def mcore_to_hf(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike,
     return out
 
 
-def _convert(pm: ParamMap, reader: DistCheckpointReader, spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """The HF tensors of one megatron parameter, read as its TP1 form (one layer's slice)."""
-    key, layer = mcore_key(pm.megatron_name)
-    full = reader.read({key: layer})[key]
+def _convert(pm: ParamMap, reader: DistCheckpointReader, spec: ModelSpec, layout: KeyLayout
+             ) -> dict[str, torch.Tensor]:
+    """The HF tensors of one megatron parameter, read as its TP1 form (one layer's or expert's slice)."""
+    key, index = layout.key(pm.megatron_name)
+    full = reader.read({key: index})[key]
     if pm.kind == VOCAB:  # drop the padding rows without a copy (to_hf concatenates TP shards first)
         return {pm.hf_names[0]: full[: spec.vocab_size]}
     return pm.to_hf([full], spec)

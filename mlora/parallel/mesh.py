@@ -64,6 +64,19 @@ class Mesh:
 
         return ps.get_expert_model_parallel_group()
 
+    @property
+    def expert_dp_group(self) -> dist.ProcessGroup:
+        """The ranks holding the same experts (routing other tokens through them): expert gradients sum here."""
+        from megatron.core import parallel_state as ps
+
+        return ps.get_expert_data_parallel_group()
+
+    @property
+    def expert_dp_rank(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_expert_data_parallel_rank()
+
     def __str__(self) -> str:
         return (
             f"rank {self.rank}/{self.world_size} (tp {self.tp_rank}/{self.tp}, pp {self.pp_rank}/{self.pp}, "

@@ -20,6 +20,8 @@ that count), so they change when the layer code does. Assumptions, per term:
   and token: memory linear in the sequence. The unfused path keeps the ``[b, heads, s, s]`` float32
   softmax (plus its dtype copy when the dtype is narrower) and K/V repeated to every query head under
   GQA; every micro-batch of a call also holds its ``[b, 1, s, s]`` boolean mask.
+- q/k RMSNorms (Qwen3, OLMoE) keep float32 copies of q (and of k where it is not a view of the QKV
+  output already kept) and their ``rsqrt``.
 - Sequence parallelism divides the residual stream (norm inputs, stage boundaries) by TP; the
   gathered inputs of LoRA column layers and everything inside attention and the MLP are whole.
 - Recompute is megatron's: ``full`` keeps the input of each checkpointed group of layers and, while
@@ -28,14 +30,61 @@ that count), so they change when the layer code does. Assumptions, per term:
 
 Transients (working memory beyond what is kept) are bounded per layer: the largest intermediate
 set of a forward (no-grad passes) and of a backward (the gradients of one sublayer in flight).
+
+Mixture-of-experts layers (:class:`Experts` on the layer's geometry) replace the MLP terms with
+megatron's MoE layer as mlora builds it (float32 router, all-to-all dispatcher, experts run one after
+another, expert TP 1):
+
+- kept: the router's input (its gating GEMM saves it), the routing's top-k indices and softmax
+  (float32: over the k chosen logits when the k weights are renormalised, else over all E), the
+  permutation's ``[E, tokens]`` routing map (bool) and probabilities (float32) and its int64 sorted
+  indices; per received token copy, an expert's MLP terms (``[gate; up]``, silu(gate), up, and the
+  GLU output the routing weight multiplies) and that float32 weight. A trainable LoRA on the experts
+  keeps its input (the received tokens, or the GLU product for ``down``) as on a dense MLP.
+- the tokens this rank's experts receive: every token of the rank (the residual stream's, split over
+  TP under SP) goes to ``top_k`` experts; the planner assumes balanced routing, so an EP rank receives
+  ``tokens · top_k`` copies per sparse layer (exact at EP 1; ``expert_load`` scales it). The worst
+  case, every token of the EP group routed to this rank's experts, is
+  ``EP · min(top_k, E / EP) / top_k`` times that (:func:`mlora.plan.workload.worst_expert_load`).
+- transients: the router's float32 logits and probabilities ``[tokens, E]``; the dispatcher's buffers
+  (the permuted copies sent, ``tokens · top_k × hidden``; the received ones sorted by expert, the
+  experts' outputs and their concatenation, each ``received × hidden``) and one expert's MLP at a time;
+  the same shapes again as gradients in the backward.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Mapping
 
 F32 = 4  # bytes of a float32
+I64 = 8  # bytes of an int64 index
+
+
+@dataclass(frozen=True)
+class Experts:
+    """One sparse layer's experts as an EP rank holds them (expert TP 1: whole experts, ``num_experts / ep``
+    of them) and the routing that feeds them."""
+
+    num_experts: int  # E, the router's width
+    top_k: int
+    ffn: int  # one expert's intermediate size (never split over TP)
+    ep: int
+    topk_softmax: bool  # softmax over the k chosen logits (top-k weights renormalised), else over all E first
+    load: float = 1.0  # token copies received, relative to balanced routing
+
+    @property
+    def local(self) -> int:
+        return self.num_experts // self.ep
+
+    def received(self, tokens: int) -> int:
+        """Token copies this rank's experts process in one sparse layer when every rank routes ``tokens``."""
+        return math.ceil(tokens * self.top_k * self.load)
+
+    def per_expert(self, tokens: int) -> int:
+        """The copies one local expert processes (its share; each token of the group reaches it once at most)."""
+        return min(-(-self.received(tokens) // self.local), self.ep * tokens)
 
 
 @dataclass(frozen=True)
@@ -54,6 +103,8 @@ class Geometry:
     item: int  # bytes per element of the compute dtype
     fp8: bool = False  # the frozen linears are FP8 (their LoRA takes the block-B path of lora_delta)
     lora_item: int = 0  # bytes per element of the LoRA branches' compute dtype (0: the compute dtype's)
+    experts: Experts | None = None  # a mixture-of-experts layer's experts (None: a dense MLP)
+    qk_norm: str | None = None  # RMSNorm on q and k before RoPE: per head ("head", Qwen3) or over all ("full")
 
     @property
     def branch_item(self) -> int:
@@ -110,19 +161,58 @@ def _norm_saved(g: Geometry) -> int:
     return g.stream_tokens * (g.hidden + 1) * F32
 
 
-def _lora_saved(g: Geometry, k: int, rank: int, out_width: int) -> int:
+def _lora_saved(g: Geometry, k: int, rank: int, out_width: int, tokens: int | None = None, blocks: int = 1) -> int:
     """A trainable branch besides its input: ``x·Aᵀ`` ``[tokens, k·r]``; when the branch runs as two
-    autograd GEMMs (:attr:`Geometry.separate_branch`) also the block ``s·B`` ``[out, k·r]``; in the
-    branch's dtype."""
-    return (g.tokens + (out_width if g.separate_branch else 0)) * k * rank * g.branch_item
+    autograd GEMMs (:attr:`Geometry.separate_branch`) also the block ``s·B`` ``[out, k·r]`` (one per
+    expert: ``blocks``); in the branch's dtype. ``tokens``: the rows it reads (default the micro-batch's)."""
+    rows = g.tokens if tokens is None else tokens
+    return (rows + (blocks * out_width if g.separate_branch else 0)) * k * rank * g.branch_item
 
 
-def _branch_input(g: Geometry, width: int, kept: bool = False) -> int:
+def _branch_input(g: Geometry, width: int, kept: bool = False, tokens: int | None = None) -> int:
     """The input a trainable branch's A GEMM keeps: the layer's (nothing more when ``kept`` already), or
     its own copy in the branch dtype when that differs from the compute dtype."""
+    rows = g.tokens if tokens is None else tokens
     if g.branch_item != g.item:
-        return g.tokens * width * g.branch_item
-    return 0 if kept else g.tokens * width * g.item
+        return rows * width * g.branch_item
+    return 0 if kept else rows * width * g.item
+
+
+def _experts_saved(g: Geometry, lora: LayerLora, grad: bool) -> tuple[int, bool]:
+    """What a mixture-of-experts layer keeps (the module docstring's list), and whether its output requires
+    grad; ``grad``: its input (the pre-MLP norm's output) does."""
+    x, e, t = g.experts, g.item, g.stream_tokens
+    n = x.received(t)
+    total = 0
+    k1, k2 = lora.k("fc1"), lora.k("fc2")
+    if grad:  # the routing weights require grad only through the router's input
+        total += t * g.hidden * e  # the gating GEMM's input
+        total += t * x.top_k * I64 + t * (x.top_k if x.topk_softmax else x.num_experts) * F32  # top-k, softmax
+        total += t * x.num_experts * (1 + F32)  # the permutation's routing map and probabilities
+    if grad or k1 or k2:
+        total += t * x.top_k * I64  # the sorted indices the experts' outputs are scattered back with
+    if k1:  # the received tokens (one storage, split per expert) and x·Aᵀ; one s·B block per local expert
+        total += _branch_input(g, g.hidden, tokens=n) + _lora_saved(g, k1, lora.rank, 2 * x.ffn, n, x.local)
+    mlp_grad = grad or k1 > 0
+    if mlp_grad:  # [gate; up], silu(gate), up + 0, and the float32 routing weight the GLU output is scaled by
+        total += n * 4 * x.ffn * e + n * F32
+        if grad:
+            total += n * x.ffn * e  # the GLU output itself, for the routing weight's gradient
+    if k2:
+        total += _branch_input(g, x.ffn, tokens=n) + _lora_saved(g, k2, lora.rank, g.hidden, n, x.local)
+    return total, mlp_grad or k2 > 0
+
+
+def _qk_norm_saved(g: Geometry) -> int:
+    """The q/k RMSNorms (float32 math, as :func:`_norm_saved`): float32 copies of their inputs and ``rsqrt``
+    per normalised row. q is reshaped out of the fused QKV output, a copy even in float32; per head, k is a
+    view of that output, kept already unless upcast; over all heads (OLMoE) k is a copy too."""
+    if g.qk_norm is None:
+        return 0
+    if g.qk_norm == "full":
+        return g.tokens * (g.q_width + g.kv_width + 2) * F32
+    k_copy = g.kv_width if g.item != F32 else 0
+    return g.tokens * (g.q_width + k_copy + g.heads + g.kv_heads) * F32
 
 
 def _attention_saved(g: Geometry, attention: str, selective: bool) -> tuple[int, bool]:
@@ -159,13 +249,16 @@ def layer_saved(g: Geometry, lora: LayerLora, attention: str, input_requires_gra
     out_kept = False
     if attn_grad:
         saved, out_kept = _attention_saved(g, attention, "core_attn" in selective)
-        total += saved
+        total += saved + _qk_norm_saved(g)
     ko = lora.k("proj")
     if ko:
         total += _branch_input(g, g.q_width, out_kept) + _lora_saved(g, ko, lora.rank, h)
     mid_grad = attn_grad or ko > 0
     if mid_grad:
         total += _norm_saved(g)
+    if g.experts is not None:  # megatron's "mlp" recompute checkpoints dense MLPs only
+        saved, out_grad = _experts_saved(g, lora, mid_grad)
+        return total + saved, out_grad
     if "mlp" in selective:
         # megatron's checkpoint keeps the MLP input (the norm output, sequence-split under SP)
         total += g.stream_tokens * h * e if (mid_grad or lora.k("fc1") or lora.k("fc2")) else 0
@@ -191,13 +284,19 @@ def forward_workspace(g: Geometry, attention: str) -> int:
     """Largest set of live temporaries inside one layer of a no-grad forward pass: the residual and
     norm outputs, then the larger of attention (QKV output, q and k after RoPE and their RoPE
     temporaries, output; unfused: scores, masked scores, softmax) and the MLP (fc1 output, silu,
-    up + 0, product)."""
+    up + 0, product; in a MoE layer the router's and the dispatcher's buffers and one expert's MLP)."""
     e = g.item
     stream = 2 * g.stream_tokens * g.hidden * e + g.tokens * g.hidden * e
     attn = g.tokens * (g.qkv_width + 3 * g.q_width + 2 * g.kv_width) * e
     if attention == "unfused":
         attn += g.scores * (e + 2 * F32)
     mlp = g.tokens * 5 * g.ffn * e
+    if g.experts is not None:
+        x, t = g.experts, g.stream_tokens
+        mlp = (t * x.num_experts * (2 * F32 + 1)  # float32 router logits and probabilities, the routing map
+               + t * x.top_k * g.hidden * e  # the permuted copies sent, alive until the layer returns
+               + 3 * x.received(t) * g.hidden * e  # received (sorted by expert), the outputs, their concatenation
+               + x.per_expert(t) * x.ffn * (5 * e + F32))  # one expert's MLP, its float32 product with the weight
     return stream + max(attn, mlp)
 
 
@@ -208,11 +307,18 @@ def backward_workspace(g: Geometry, attention: str) -> int:
     (the output's, q's, k's and v's gradients and the QKV gradient they are gathered into; unfused:
     the softmax gradient and the score gradient, float32, while the softmax output is still kept).
     An FP8 linear's input gradient multiplies by a dtype copy of its weight (:class:`mlora.fp8.quant._FP8Linear`):
-    the largest one, fc1's, and its row-scaled output gradient are added."""
+    the largest one, fc1's, and its row-scaled output gradient are added. A MoE layer's MLP gradients are the
+    router's, the dispatched copies' (both sides of the all-to-all) and one expert's at a time."""
     e = g.item
     mlp = g.tokens * 2 * g.ffn * e
     if g.fp8:
         mlp += 2 * g.ffn * g.hidden * e + g.tokens * 2 * g.ffn * e
+    if g.experts is not None:
+        x, t = g.experts, g.stream_tokens
+        mlp = (t * x.num_experts * 2 * F32  # gradients of the float32 probabilities and logits
+               + t * x.top_k * g.hidden * e  # the gradient of the copies sent, on this side of the all-to-all
+               + 3 * x.received(t) * g.hidden * e  # of the received copies: outputs', inputs', their concatenation
+               + x.per_expert(t) * x.ffn * (2 * e + F32))  # one expert's: silu(gate), up, the float32 product
     attn = g.tokens * (g.q_width + g.qkv_width) * e
     if attention == "unfused":
         attn += g.scores * (e + F32 + (F32 if e != F32 else 0))

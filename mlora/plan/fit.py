@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlora.formats.hf_config import ModelSpec
+from mlora.formats.hf_config import ModelSpec, check_layout
 from mlora.plan.memory import MemoryPlan, plan_memory
 from mlora.plan.workload import Engine, Layout, Workload
 
@@ -39,15 +39,16 @@ class Fit:
         return self.capacity - self.need
 
 
-def candidate_layouts(spec: ModelSpec, gpus: int, sp: bool = False) -> list[Layout]:
+def candidate_layouts(spec: ModelSpec, gpus: int, sp: bool = False, ep: int = 1) -> list[Layout]:
     """Every ``tp × pp × dp = gpus`` the model can be split into (TP divides the heads, query groups
-    and FFN width; PP divides the layers). ``sp`` applies wherever TP > 1."""
+    and FFN width; PP divides the layers; ``ep`` divides the experts and each stage's TP × DP ranks).
+    ``sp`` applies wherever TP > 1, and always on a mixture of experts (megatron's MoE layer needs it there)."""
     out = []
     for tp in range(1, gpus + 1):
         for pp in range(1, gpus // tp + 1):
             if gpus % (tp * pp):
                 continue
-            layout = Layout(tp=tp, pp=pp, dp=gpus // (tp * pp), sp=sp and tp > 1)
+            layout = Layout(tp=tp, pp=pp, dp=gpus // (tp * pp), sp=(sp or spec.moe is not None) and tp > 1, ep=ep)
             try:
                 layout.check(spec)
             except ValueError:
@@ -63,17 +64,21 @@ def rank_key(fit: Fit) -> tuple:
 
 
 def fit_layouts(spec: ModelSpec, workload: Workload, gpus: int, gpu_bytes: int, reserve: int = 0,
-                engine: Engine | None = None, sp: bool = False) -> list[Fit]:
-    """Every valid layout of ``gpus`` GPUs with its plan, those that fit first (best first), then those
-    that do not (closest first). ValueError when there is no valid layout at all."""
+                engine: Engine | None = None, sp: bool = False, ep: int = 1) -> list[Fit]:
+    """Every valid layout of ``gpus`` GPUs (experts split ``ep`` ways on a mixture of experts) with its plan,
+    those that fit first (best first), then those that do not (closest first). ValueError when there is no
+    valid layout at all."""
     if gpus < 1:
         raise ValueError(f"gpus={gpus} must be >= 1")
     if gpu_bytes <= 0:
         raise ValueError(f"GPU memory must be positive, got {gpu_bytes / GIB:g} GiB")
-    layouts = candidate_layouts(spec, gpus, sp)
+    if ep != 1:  # the layouts' own checks would skip every candidate silently
+        check_layout(spec, 1, 1, ep)
+    layouts = candidate_layouts(spec, gpus, sp, ep)
     if not layouts:
-        raise ValueError(f"no TP x PP x DP layout of {gpus} GPUs splits {spec.architecture} "
-                         f"({spec.num_heads} heads, {spec.num_kv_heads} query groups, {spec.num_layers} layers)")
+        experts = f", {spec.moe.num_experts} experts over ep={ep}" if spec.moe is not None else ""
+        raise ValueError(f"no TP x PP x DP layout of {gpus} GPUs splits {spec.architecture} ({spec.num_heads} heads, "
+                         f"{spec.num_kv_heads} query groups, {spec.num_layers} layers{experts})")
     fits = []
     for layout in layouts:
         plan = plan_memory(spec, layout, workload, engine)

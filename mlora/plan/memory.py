@@ -27,6 +27,12 @@ What is not counted: the CUDA context, NCCL and cuBLAS workspaces, allocator fra
 caching allocator on GPU, glibc's heap on CPU: see ``bench/memory_plan.py``), the rollout batch in
 host memory, and per-tensor bookkeeping under a kilobyte (AdamW's step counters).
 
+Mixtures of experts at ``layout.ep``: each rank holds its stage's attention split over TP, the router and
+``E / ep`` whole experts of every sparse layer (and their LoRA factors, when the adapter targets MLP
+projections); the activations assume balanced routing, scaled by ``workload.expert_load`` (see
+:mod:`mlora.plan.activations`). Every EP rank then holds the same, so a row of the plan stands for each
+of them.
+
 Where the numbers come from and what carries over to GPUs: the saved-tensor terms are counted, not
 estimated, for every dtype, FP8, attention and recompute setting the planner takes
 (``tests/test_memory_plan.py``), and the peaks are measured on CPU in float32 at TP, PP, DP and SP
@@ -42,15 +48,17 @@ modelled.)
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import functools
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
 from mlora.formats.hf_config import ModelSpec
 from mlora.formats.weight_map import stage_layers
 from mlora.lora.config import LoraConfig, master_dtype
-from mlora.lora.targets import resolve_targets
+from mlora.lora.targets import MLP_PROJECTIONS
 from mlora.plan.activations import (
+    Experts,
     Geometry,
     LayerLora,
     backward_workspace,
@@ -59,7 +67,15 @@ from mlora.plan.activations import (
     mask_bytes,
 )
 from mlora.plan.logits import logits_forward_only, logits_training
-from mlora.plan.weights import adapter_bytes, base_bytes, head_bytes
+from mlora.plan.weights import (
+    adapter_bytes,
+    base_bytes,
+    expert_adapter_bytes,
+    hashable_targets,
+    head_bytes,
+    resolved_split,
+    split_targets,
+)
 from mlora.plan.workload import Engine, Layout, Workload
 
 SITE_OF = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "proj",
@@ -120,20 +136,46 @@ def geometry(spec: ModelSpec, layout: Layout, workload: Workload, batch: int) ->
                     heads=spec.num_heads // layout.tp, kv_heads=spec.num_kv_heads // layout.tp,
                     head_dim=spec.head_dim, ffn=spec.intermediate_size // layout.tp, tp=layout.tp, sp=layout.sp,
                     item=_item(workload.dtype), fp8=workload.fp8 is not None,
-                    lora_item=_item(workload.lora_compute_dtype or master_dtype(workload.dtype)))
+                    lora_item=_item(workload.lora_compute_dtype or master_dtype(workload.dtype)), qk_norm=spec.qk_norm)
 
 
-def _layer_loras(spec: ModelSpec, workload: Workload, layers: range) -> list[LayerLora]:
-    modules = resolve_targets(workload.target_modules, workload.exclude_modules, spec.num_layers,
-                              spec.sparse_layers)
+def layer_geometries(spec: ModelSpec, layout: Layout, workload: Workload, batch: int, layers: range
+                     ) -> list[Geometry]:
+    """:func:`geometry` for each of ``layers``, with its :class:`Experts` where the layer is sparse."""
+    g = geometry(spec, layout, workload, batch)
+    if spec.moe is None:
+        return [g] * len(layers)
+    moe = spec.moe
+    sparse = replace(g, experts=Experts(moe.num_experts, moe.top_k, moe.ffn_size, layout.ep, moe.normalize_topk,
+                                        workload.expert_load))
+    return [sparse if spec.is_sparse(i) else g for i in layers]
+
+
+def layer_loras(spec: ModelSpec, workload: Workload, layers: range) -> list[LayerLora]:
+    """The trainable LoRA of each of ``layers``; in a sparse layer ``fc1`` and ``fc2`` count the experts'
+    projections (gate and up, down) that any of its experts adapts."""
+    adapted = _adapted(spec.num_layers, spec.moe, hashable_targets(workload.target_modules),
+                       hashable_targets(workload.exclude_modules))
     out = []
     for i in layers:
         sites: dict[str, int] = {}
-        for layer, proj in modules:
-            if layer == i:
-                sites[SITE_OF[proj]] = sites.get(SITE_OF[proj], 0) + 1
+        for proj in adapted[i]:
+            sites[SITE_OF[proj]] = sites.get(SITE_OF[proj], 0) + 1
         out.append(LayerLora(sites, workload.rank))
     return out
+
+
+@functools.lru_cache(maxsize=16)
+def _adapted(num_layers: int, moe, target_modules, exclude_modules) -> tuple[frozenset[str], ...]:
+    """Per layer, the HF projections an adapter adapts, an expert's by its canonical name (Mixtral's w1 is
+    gate_proj) once however many experts it reaches; computed once per target spec."""
+    dense, experts = resolved_split(num_layers, moe, target_modules, exclude_modules)
+    layers: list[set[str]] = [set() for _ in range(num_layers)]
+    for i, proj in dense:
+        layers[i].add(proj)
+    for i, proj in experts:
+        layers[i].add(MLP_PROJECTIONS[moe.projections.index(proj.rsplit(".", 1)[1])])
+    return tuple(frozenset(p) for p in layers)
 
 
 @dataclass(frozen=True)
@@ -149,7 +191,9 @@ def stage_activations(spec: ModelSpec, layout: Layout, workload: Workload, stage
     (``critic=False``) or the critic; and what a recomputed group adds while it runs backward."""
     g = geometry(spec, layout, workload, workload.micro_batch)
     first, last = stage == 0, stage == layout.pp - 1
-    loras = _layer_loras(spec, workload, stage_layers(spec, layout.pp, stage))
+    layers = stage_layers(spec, layout.pp, stage)
+    loras = list(zip(layer_geometries(spec, layout, workload, workload.micro_batch, layers),
+                     layer_loras(spec, workload, layers)))  # (geometry, LoRA) of each layer
     stream = g.stream_tokens * g.hidden * g.item  # one hidden-state tensor of the residual stream
     rotary = g.seq * g.head_dim * 4  # megatron's float32 RoPE frequencies, kept by each checkpoint
     kept = recomputed = 0
@@ -163,16 +207,16 @@ def stage_activations(spec: ModelSpec, layout: Layout, workload: Workload, stage
             groups = [loras[i:i + n] for i in range(0, len(loras), n)]
         else:  # block: the first n layers one by one, the rest keep everything
             kept = min(n, len(loras)) * stream + rotary
-            groups = [[lora] for lora in loras[:n]]
-            for lora in loras[n:]:
-                kept += layer_saved(g, lora, workload.attention, True)[0]
-        recomputed = max((sum(layer_saved(g, lora, workload.attention, True)[0] for lora in grp) for grp in groups),
-                         default=0)
+            groups = [[pair] for pair in loras[:n]]
+            for lg, lora in loras[n:]:
+                kept += layer_saved(lg, lora, workload.attention, True)[0]
+        recomputed = max((sum(layer_saved(lg, lora, workload.attention, True)[0] for lg, lora in grp)
+                          for grp in groups), default=0)
     else:
         if not first and g.item != 4:
             kept += stream  # the schedule keeps the received input; the first norm keeps a float32 copy
-        for lora in loras:
-            saved, grad = layer_saved(g, lora, workload.attention, grad, selective)
+        for lg, lora in loras:
+            saved, grad = layer_saved(lg, lora, workload.attention, grad, selective)
             kept += saved
     tail = 0
     if last:
@@ -189,6 +233,11 @@ def _vocab_local(spec: ModelSpec, tp: int, tp_rank: int) -> tuple[int, bool]:
     per = spec.padded_vocab_size(tp) // tp
     real = max(0, min(per, spec.vocab_size - tp_rank * per))
     return per, real < per
+
+
+def _stage_geometries(spec: ModelSpec, layout: Layout, workload: Workload, stage: int, batch: int
+                      ) -> list[Geometry]:
+    return layer_geometries(spec, layout, workload, batch, stage_layers(spec, layout.pp, stage))
 
 
 @dataclass(frozen=True)
@@ -208,7 +257,9 @@ def _update_phase(spec: ModelSpec, layout: Layout, workload: Workload, stage: in
     micro_batches = workload.micro_batches if workload.micro_batches is not None else layout.pp
     held = workload.in_flight(layout.pp, stage) * acts.kept + micro_batches * mask_bytes(g, workload.attention)
     name = "critic" if critic else "actor"
-    backward = held - acts.tail + acts.recomputed + backward_workspace(g, workload.attention)
+    workspace = max(backward_workspace(lg, workload.attention) for lg in set(_stage_geometries(
+        spec, layout, workload, stage, g.batch)))
+    backward = held - acts.tail + acts.recomputed + workspace
     if stage == layout.pp - 1 and not critic:
         vocab, padded = _vocab_local(spec, layout.tp, tp_rank)
         logits = logits_training(g.batch, g.seq, vocab, g.item, padded)
@@ -227,7 +278,8 @@ def _forward_phase(spec: ModelSpec, layout: Layout, workload: Workload, stage: i
         vocab, padded = _vocab_local(spec, layout.tp, tp_rank)
         logits = logits_forward_only(g.batch, g.seq, vocab, g.item, padded)
     # the layers' temporaries and the logits never coexist: the logits come after the last layer
-    workspace = forward_workspace(g, workload.attention)
+    workspace = max(forward_workspace(lg, workload.attention)
+                    for lg in set(_stage_geometries(spec, layout, workload, stage, g.batch)))
     if logits > workspace:
         return _Phase("forward", 0, masks, logits)
     return _Phase("forward", 0, masks + workspace, 0)
@@ -237,12 +289,23 @@ def engine_bytes(spec: ModelSpec, engine: Engine, lora: LoraConfig, slots: int =
     """A colocated vLLM engine's share of one GPU: its TP shard of the base (the trainer's sharding
     functions; vLLM pads the vocabulary slightly differently), ``slots`` LoRA slots of the adapter's rank
     (one per experiment), and the KV cache of ``kv_tokens`` tokens (K and V of every layer for this GPU's KV heads).
-    vLLM's own activation workspace and CUDA graphs are not counted."""
+    vLLM's own activation workspace and CUDA graphs are not counted. A mixture of experts' experts count as
+    ``E / tp`` whole experts per GPU: the bytes of vLLM's TP-sharded experts and of its expert parallelism alike."""
     item = _item(engine.dtype)
-    weights = base_bytes(spec, engine.tp, 1, 0, 0, engine.dtype, engine.fp8)
-    slot = adapter_bytes(spec, engine.tp, 1, lora, engine.dtype)[(0, 0)]
+    ep = engine.tp if spec.moe is not None and spec.moe.num_experts % engine.tp == 0 else 1
+    weights = base_bytes(spec, engine.tp, 1, 0, 0, engine.dtype, engine.fp8, ep)
+    slot = adapter_bytes(spec, engine.tp, 1, lora, engine.dtype, ep)[(0, 0)]
     kv = engine.kv_tokens * spec.num_layers * 2 * engine.kv_heads_per_gpu(spec) * spec.head_dim * item
     return weights + slots * slot + kv
+
+
+def _reduce_bucket(layout: Layout, grads: int, experts: int) -> int:
+    """The largest flat copy :func:`mlora.lora.grads.finalize_grads` makes of ``grads`` (bytes; ``experts`` of
+    them an expert's): the non-expert gradients over TP x DP (one bucket here, an upper bound of its two),
+    the experts' over the ranks holding the same experts; a group of one rank makes none."""
+    dense = grads - experts if layout.tp * layout.dp > 1 else 0
+    expert = experts if layout.tp * layout.dp > layout.ep else 0
+    return max(dense, expert)
 
 
 def plan_memory(spec: ModelSpec, layout: Layout, workload: Workload, engine: Engine | None = None) -> MemoryPlan:
@@ -254,14 +317,18 @@ def plan_memory(spec: ModelSpec, layout: Layout, workload: Workload, engine: Eng
     lora = LoraConfig(rank=workload.rank, alpha=2 * workload.rank, target_modules=workload.target_modules,
                       exclude_modules=workload.exclude_modules)
     # adapters, heads and their AdamW moments are float32 masters under a 16-bit base (mlora.lora.config.master_dtype)
-    per_adapter = adapter_bytes(spec, layout.tp, layout.pp, lora, master_dtype(workload.dtype))
+    per_adapter = adapter_bytes(spec, layout.tp, layout.pp, lora, master_dtype(workload.dtype), layout.ep)
+    per_expert_part = expert_adapter_bytes(spec, layout.pp, split_targets(spec, lora.target_modules,
+                                                                          lora.exclude_modules)[1],
+                                           lora.rank, layout.ep, master_dtype(workload.dtype))  # of per_adapter
     k = workload.experiments
     colocated = engine_bytes(spec, engine, lora, k) if engine is not None else 0
     plan = MemoryPlan(spec, layout, workload, engine)
     for stage in range(layout.pp):
         last = stage == layout.pp - 1
         for tp_rank in range(layout.tp):
-            base = base_bytes(spec, layout.tp, layout.pp, stage, tp_rank, workload.dtype, workload.fp8)
+            # every EP rank holds as many experts (E / ep) as EP rank 0
+            base = base_bytes(spec, layout.tp, layout.pp, stage, tp_rank, workload.dtype, workload.fp8, layout.ep)
             actor = k * per_adapter[(stage, tp_rank)]  # every experiment's policy (and critic, head)
             critic = actor if workload.critic else 0
             heads = k * head_bytes(spec, master_dtype(workload.dtype)) if workload.critic and last else 0
@@ -275,10 +342,12 @@ def plan_memory(spec: ModelSpec, layout: Layout, workload: Workload, engine: Eng
                 phases.append(_Phase("generate", 0, 0, 0, colocated))
             if workload.critic:
                 phases.append(_update_phase(spec, layout, workload, stage, tp_rank, True, critic + heads))
-            # one flat copy of the gradients for the TP/DP all-reduce (mlora.lora.grads), an upper bound
-            if layout.tp * layout.dp > 1:
-                biggest = max(actor, critic + heads)
-                phases.append(_Phase("reduce", biggest, biggest, 0))
+            experts = k * per_expert_part[stage]
+            grads, bucket = max((actor, _reduce_bucket(layout, actor, experts)),
+                                (critic + heads, _reduce_bucket(layout, critic + heads, experts if critic else 0)),
+                                key=sum)
+            if bucket:
+                phases.append(_Phase("reduce", grads, bucket, 0))
             top = max(phases, key=lambda p: p.grads + p.activations + p.logits + p.engine)
             plan.ranks.append(RankMemory(
                 stage=stage, tp_rank=tp_rank, base=base, adapters=actor + critic, grads=top.grads,

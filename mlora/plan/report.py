@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from mlora.formats.hf_config import ModelSpec
 from mlora.lora.config import LoraConfig, master_dtype
 from mlora.plan.fit import GIB, Fit
-from mlora.plan.memory import FIELDS, MemoryPlan, engine_bytes
-from mlora.plan.workload import Engine, Workload
+from mlora.plan.memory import FIELDS, MemoryPlan, engine_bytes, plan_memory
+from mlora.plan.workload import Engine, Workload, worst_expert_load
 
 
 def _gib(n: int) -> str:
@@ -22,7 +23,11 @@ def describe(plan: MemoryPlan) -> str:
     base = f"{str(w.dtype).removeprefix('torch.')}" + (" + FP8 (torch) linears" if w.fp8 else "")
     recompute = w.recompute + (f" ({w.recompute_method}, {w.recompute_num_layers})" if w.recompute == "full" else "")
     engine = (f"; colocated vLLM TP{plan.engine.tp}, {plan.engine.kv_tokens:,} KV tokens" if plan.engine else "")
-    return (f"{spec.architecture}: {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {spec.vocab_size} | "
+    moe = spec.moe
+    experts = (f", {moe.num_experts} experts top-{moe.top_k} (FFN {moe.ffn_size}) in {len(moe.sparse_layers)} layers"
+               if moe is not None else "")
+    return (f"{spec.architecture}: {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {spec.vocab_size}"
+            f"{experts} | "
             f"{layout} | " + (f"packed micro-batch of {w.seq} tokens" if w.packed else
                               f"micro-batch {w.micro_batch} x {w.seq} tokens") + f", {micro} per update | base {base} | "
             f"{w.attention} attention | recompute {recompute} | LoRA r {w.rank} actor"
@@ -51,14 +56,36 @@ def _rows(plan: MemoryPlan) -> list[tuple[str, str, object]]:
 def memory_table(plan: MemoryPlan) -> str:
     """The per-rank table, in GiB, with the peak's phase."""
     head = ("stage", "tp", *FIELDS, "peak", "at")
-    lines = [describe(plan), "GiB per GPU (every DP replica alike):",
+    alike = "every DP replica and EP rank alike" if plan.layout.ep > 1 else "every DP replica alike"
+    lines = [describe(plan), f"GiB per GPU ({alike}):",
              "  ".join(f"{h:>11s}" if i > 1 else f"{h:>5s}" for i, h in enumerate(head))]
     for stage, tp, r in _rows(plan):
         cells = [f"{stage:>5s}", f"{tp:>5s}", *(f"{_gib(getattr(r, f)):>11s}" for f in (*FIELDS, "peak"))]
         lines.append("  ".join(cells) + f"  {r.phase}")
     lines.append(f"peak per GPU: {plan.peak / GIB:.2f} GiB ({plan.peak:,} bytes); not counted: CUDA context, NCCL and "
                  "cuBLAS workspaces, allocator fragmentation")
+    experts = moe_line(plan)
+    if experts is not None:
+        lines.append(experts)
     return "\n".join(lines)
+
+
+def moe_line(plan: MemoryPlan) -> str | None:
+    """For a mixture of experts: the experts each GPU holds, the routing the activations assume, and the peak
+    under the worst routing (every token of the EP group sent to one GPU's experts); None for a dense model."""
+    spec, layout, w = plan.spec, plan.layout, plan.workload
+    if spec.moe is None:
+        return None
+    worst = worst_expert_load(spec, layout)
+    line = (f"experts: {spec.moe.num_experts // layout.ep} of {spec.moe.num_experts} per GPU in each sparse layer "
+            f"(EP{layout.ep}, whole experts), router replicated; activations for "
+            + ("balanced routing" if w.expert_load == 1 else f"{w.expert_load:g}x balanced routing")
+            + f" ({w.expert_load:g} x top-{spec.moe.top_k} token copies per GPU)")
+    if worst > w.expert_load:
+        skewed = plan_memory(spec, layout, replace(w, expert_load=worst), plan.engine)
+        line += (f"; worst case, every token of the EP group routed to one GPU's experts ({worst:g}x): peak "
+                 f"{skewed.peak / GIB:.2f} GiB")
+    return line
 
 
 def engine_line(spec: ModelSpec, engine: Engine, workload: Workload, separate: bool) -> str:

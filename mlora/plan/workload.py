@@ -23,27 +23,40 @@ def _positive(name: str, value: object) -> None:
 
 @dataclass(frozen=True)
 class Layout:
-    """A TP × PP × DP mesh (``sp``: megatron sequence parallelism over the TP group)."""
+    """A TP × PP × DP mesh (``sp``: megatron sequence parallelism over the TP group); ``ep``: a mixture
+    of experts' experts split over ``ep`` ranks of each stage's TP × DP plane (expert TP 1), as
+    :func:`mlora.init_parallel` builds it."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
     sp: bool = False
+    ep: int = 1
 
     def check(self, spec: ModelSpec) -> None:
         """ValueError when the numbers are not positive or the model cannot be split this way."""
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "ep"):
             _positive(name, getattr(self, name))
         if self.sp and self.tp == 1:
             raise ValueError("sp=True needs tp > 1: sequence parallelism splits activations over TP ranks")
-        check_layout(spec, self.tp, self.pp)
+        check_layout(spec, self.tp, self.pp, self.ep)
+        plane = self.tp * self.dp  # the ranks of one pipeline stage, which the experts are split over
+        if plane % self.ep:
+            valid = [d for d in range(1, plane + 1) if plane % d == 0 and spec.moe.num_experts % d == 0]
+            raise ValueError(f"ep={self.ep} does not divide the {plane} ranks of a pipeline stage (tp={self.tp} x "
+                             f"dp={self.dp}): experts are split over ranks of the TP x DP plane; valid ep: {valid}, "
+                             f"or a dp that makes tp x dp a multiple of {self.ep}")
+        if spec.moe is not None and self.tp > 1 and not self.sp:
+            raise ValueError(f"{spec.architecture} is a mixture of experts: at tp={self.tp} megatron's MoE layer needs "
+                             "sequence parallelism (sp=True, --sp)")
 
     @property
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp
 
     def __str__(self) -> str:
-        return f"TP{self.tp}xPP{self.pp}xDP{self.dp}" + ("+SP" if self.sp else "")
+        return (f"TP{self.tp}xPP{self.pp}xDP{self.dp}" + (f"xEP{self.ep}" if self.ep > 1 else "")
+                + ("+SP" if self.sp else ""))
 
 
 @dataclass(frozen=True)
@@ -63,6 +76,10 @@ class Workload:
     ``step_experiments``), each with this rank, critic and AdamW state: the adapters, heads and moments are K
     times one experiment's, and so are the gradients of an update round; the micro-batches (and so the
     activations and logits) are the same size whatever their rows' experiments.
+
+    ``expert_load``: on a mixture of experts, the token copies an EP rank's experts receive per sparse layer
+    relative to balanced routing (1.0, the plan's assumption: ``tokens · top_k`` per rank; exact at EP 1). Up to
+    ``ep · min(top_k, E / ep) / top_k``, every token of the EP group routed to one rank's experts.
 
     ``packed``: sequence packing (``trainer.use_sample_packing`` with ``max_tokens_per_microbatch = seq``):
     each micro-batch is one row of ``seq`` tokens holding several sequences (``micro_batch`` must be 1).
@@ -89,6 +106,7 @@ class Workload:
     recompute_modules: tuple[str, ...] = ("core_attn",)
     packed: bool = False
     experiments: int = 1
+    expert_load: float = 1.0
 
     @classmethod
     def packed_budget(cls, tokens: int, **kwargs) -> "Workload":
@@ -110,6 +128,18 @@ class Workload:
         if self.fp8 not in FP8:
             raise ValueError(f"fp8={self.fp8!r} is not planned; valid: None, 'torch' (Transformer Engine's "
                              "memory is not modelled)")
+        if self.fp8 is not None and spec.moe is not None:
+            raise ValueError(f"fp8={self.fp8!r} on {spec.architecture}, a mixture of experts: FP8 experts are not "
+                             "built yet; valid: fp8=None")
+        if spec.moe is not None:
+            worst = worst_expert_load(spec, layout)
+            load = self.expert_load
+            if isinstance(load, bool) or not isinstance(load, (int, float)) or not 1.0 <= load <= worst:
+                raise ValueError(f"expert_load={self.expert_load!r}: valid from 1.0 (balanced routing) to {worst:g} "
+                                 f"(every token of the EP group sent to one rank's experts at ep={layout.ep})")
+        elif self.expert_load != 1.0:
+            raise ValueError(f"expert_load={self.expert_load!r} on {spec.architecture}, which has no experts; "
+                             "valid: 1.0")
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(f"attention={self.attention!r}; valid: {', '.join(ATTENTION_IMPLS)}")
         if self.packed and (self.micro_batch != 1 or self.forward_batch != 1):
@@ -143,6 +173,13 @@ class Workload:
     def padded_seq(self, layout: Layout) -> int:
         """Tokens per sequence inside the model: under SP the model right-pads to a multiple of TP."""
         return -(-self.seq // layout.tp) * layout.tp if layout.sp else self.seq
+
+
+def worst_expert_load(spec: ModelSpec, layout: Layout) -> float:
+    """The largest :attr:`Workload.expert_load`: every token of an EP group sends all the copies it can (one
+    per expert, ``top_k`` at most) to one rank's ``E / ep`` experts."""
+    moe = spec.moe
+    return layout.ep * min(moe.top_k, moe.num_experts // layout.ep) / moe.top_k
 
 
 @dataclass(frozen=True)

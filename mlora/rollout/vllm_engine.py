@@ -41,7 +41,7 @@ TENSOR_EXTENSION = "mlora.rollout.vllm_lora_hook.TensorLoRAWorkerExtension"  # i
 def engine_kwargs(max_lora_rank: int, dtype: str, seed: int, tensor_parallel_size: int = 1,
                   kv_cache_memory_bytes: int | None = None, max_model_len: int | None = None,
                   executor: str | None = None, tensor_lora: bool = False, sleep_mode: bool = False,
-                  max_loras: int = 1, **extra) -> dict:
+                  max_loras: int = 1, merged_weights: bool = False, **extra) -> dict:
     """``vllm.LLM`` arguments of an mlora engine; ``extra`` (``generator.engine_init_kwargs``) wins.
 
     ``logprobs_mode="processed_logprobs"``: the returned log-prob of a sampled token is that of the
@@ -53,7 +53,8 @@ def engine_kwargs(max_lora_rank: int, dtype: str, seed: int, tensor_parallel_siz
     ``worker_extension_cls`` installs mlora's LoRA hook in every worker process.
     ``sleep_mode``: vLLM's ``enable_sleep_mode`` (engines colocated with the trainer on GPUs sleep while it
     trains, :meth:`VLLMServer.sleep`). ``max_loras``: the adapters an engine serves (and one batch mixes);
-    ``max_lora_rank`` is then the largest of their ranks."""
+    ``max_lora_rank`` is then the largest of their ranks. ``merged_weights``: no LoRA; the engine takes the
+    adapted linears' merged weights (:mod:`mlora.rollout.vllm_weights`, a base vLLM cannot serve LoRA on)."""
     if tensor_parallel_size < 1:
         raise ValueError(f"generator.inference_engine.tensor_parallel_size={tensor_parallel_size} must be >= 1")
     if max_loras < 1:
@@ -67,6 +68,19 @@ def engine_kwargs(max_lora_rank: int, dtype: str, seed: int, tensor_parallel_siz
         kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
     if sleep_mode:
         kwargs["enable_sleep_mode"] = True
+    if merged_weights:
+        from mlora.rollout.vllm_weights import MERGED_EXTENSION
+
+        if tensor_lora:
+            raise ValueError("generator.weight_sync=tensors hands LoRA tensors over, but this base's engines take "
+                             "merged weights (vLLM cannot serve LoRA on it here): use weight_sync=disk or memory")
+        for key in ("enable_lora", "max_lora_rank", "max_loras"):
+            kwargs.pop(key)
+        if extra.get("worker_extension_cls", MERGED_EXTENSION) != MERGED_EXTENSION:
+            raise ValueError(f"generator.engine_init_kwargs.worker_extension_cls={extra['worker_extension_cls']!r}: "
+                             "engines that take merged weights need mlora's worker extension "
+                             f"({MERGED_EXTENSION})")
+        kwargs["worker_extension_cls"] = MERGED_EXTENSION
     if tensor_lora:
         if extra.get("worker_extension_cls", TENSOR_EXTENSION) != TENSOR_EXTENSION:
             raise ValueError(f"generator.engine_init_kwargs.worker_extension_cls={extra['worker_extension_cls']!r}: "
@@ -98,7 +112,9 @@ class VLLMServer:
             import mlora.rollout.vllm_lora_hook  # noqa: F401  (checks vLLM's internals before the engine starts)
         self.llm = LLM(model=model, **kwargs)
         self._loras: dict = {}  # name -> the LoRARequest generation names it by (loaded already)
-        self._max_loras = int(self.llm.llm_engine.vllm_config.lora_config.max_loras)
+        lora_config = self.llm.llm_engine.vllm_config.lora_config
+        self._max_loras = 0 if lora_config is None else int(lora_config.max_loras)
+        self._merged: str | None = None  # engines without LoRA: the adapter whose merged weights are loaded
         # Ray engines only, per adapter name: this engine's own segment of shipped tensors, shipped files' folder
         self._segments: dict = {}
         self._shipped: dict = {}
@@ -185,6 +201,17 @@ class VLLMServer:
         if name in self._shipped:
             shutil.rmtree(self._shipped.pop(name), ignore_errors=True)
 
+    def set_merged_weights(self, folder: str | os.PathLike, name: str) -> int:
+        """Load the merged weights of adapter ``name`` from ``folder`` into every worker (an engine without
+        LoRA, :mod:`mlora.rollout.vllm_weights`); the prefix cache, computed under the previous weights, goes.
+        Returns the tensors loaded."""
+        if self._max_loras:
+            raise ValueError("this engine serves LoRA adapters; merged weights are for engines started without LoRA")
+        counts = self.llm.collective_rpc("mlora_load_weights", args=(str(folder),))
+        self.llm.reset_prefix_cache()
+        self._merged = name
+        return int(counts[0])
+
     def set_adapter(self, adapter_dir: str | os.PathLike, name: str) -> None:
         """Load the PEFT adapter in ``adapter_dir`` as adapter ``name`` (the others stay loaded)."""
         self._swap(str(adapter_dir), name)
@@ -228,11 +255,12 @@ class VLLMServer:
         """The name of the one adapter served (None before the first hand-off); see :meth:`adapters`."""
         if len(self._loras) > 1:
             raise ValueError(f"this engine serves {len(self._loras)} adapters {self.adapters()}: use adapters()")
-        return next(iter(self._loras), None)
+        return next(iter(self._loras), self._merged)
 
     def adapters(self) -> list[str]:
-        """The names of the adapters loaded, in the order they were first loaded."""
-        return list(self._loras)
+        """The names of the adapters loaded, in the order they were first loaded (engines without LoRA: the one
+        whose merged weights are loaded)."""
+        return list(self._loras) or ([self._merged] if self._merged is not None else [])
 
     def set_adapter_files(self, files: dict[str, bytes], name: str) -> None:
         """Load adapter ``name`` shipped as file contents (Ray, memory mode: the trainer's shared memory
@@ -295,6 +323,12 @@ class VLLMServer:
 
     def _requests(self, adapters: Sequence[str] | None, n: int) -> list:
         """The ``LoRARequest`` of each of ``n`` prompts (None: the base model)."""
+        if not self._max_loras:  # merged weights: the model itself is the one adapter served
+            unknown = sorted(set(adapters or ()) - {self._merged})
+            if unknown:
+                raise ValueError(f"adapters {unknown} are not loaded in this engine; it holds the merged weights of "
+                                 f"{self._merged!r}")
+            return [None] * n
         if adapters is None:
             if len(self._loras) > 1:
                 raise ValueError(f"this engine serves {len(self._loras)} adapters {self.adapters()}: name one per "
@@ -477,6 +511,12 @@ class _EngineCalls:
         """Hot-swap the adapter in shared-memory segment ``path`` in as adapter ``name``; returns seconds taken."""
         t0 = time.perf_counter()
         self.result(self.submit("set_adapter_tensors", path, name))
+        return time.perf_counter() - t0
+
+    def update_merged_weights(self, folder: Path, name: str) -> float:
+        """Load adapter ``name``'s merged weights from ``folder`` (engines without LoRA); returns seconds taken."""
+        t0 = time.perf_counter()
+        self.result(self.submit("set_merged_weights", str(folder), name))
         return time.perf_counter() - t0
 
 
@@ -910,6 +950,11 @@ class EngineGroup:
         """Hot-swap the adapter in shared-memory segment ``path`` into every engine as adapter ``name``; returns
         seconds taken."""
         return self._timed("set_adapter_tensors", path, name)
+
+    def update_merged_weights(self, folder: Path, name: str) -> float:
+        """Load adapter ``name``'s merged weights from ``folder`` into every engine (engines without LoRA); returns
+        seconds taken."""
+        return self._timed("set_merged_weights", str(folder), name)
 
     def sleep_mode_available(self) -> bool:
         """Whether every engine can sleep (vLLM's platform and ``enable_sleep_mode``)."""

@@ -155,10 +155,17 @@ def _train(dict_cfg, explicit: list[str]) -> None:
 
             run_preference(cfg, notes, build_assets=build_preference_assets)
         else:
+            from mlora.config.errors import ConfigError
             from mlora.demos.rl_assets import build_demo_assets
+            from mlora.testing import TINY_ARCHS
             from mlora.train.rl_stage import run_rl
 
-            run_rl(cfg, notes, build_assets=lambda directory: build_demo_assets(directory, task=cfg.demo.task))
+            if cfg.demo.prepare and cfg.demo.model not in TINY_ARCHS:
+                raise ConfigError(f"demo.model={cfg.demo.model!r} is not a tiny architecture the demo builds; valid: "
+                                  f"{', '.join(TINY_ARCHS)}")
+
+            run_rl(cfg, notes, build_assets=lambda directory: build_demo_assets(directory, task=cfg.demo.task,
+                                                                                   model=cfg.demo.model))
     except (Preempted, KeyboardInterrupt):
         raise
     except SystemExit as stop:

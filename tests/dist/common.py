@@ -42,7 +42,8 @@ def adapter_grads(model, adapter: str, head: str | None = None, head_key: str = 
     """Every rank's reduced gradients of ``adapter`` (PEFT names, DP rank 0's) and of value/score head ``head``
     (as ``head_key``), merged over the ranks (collective)."""
     mesh = model.mesh
-    mine = {k: v.clone() for k, v in model.adapter_tensors(adapter, grads=True).items()} if mesh.dp_rank == 0 else {}
+    tensors = model.adapter_tensors(adapter, grads=True)  # collective over TP (and EP, for experts' factors)
+    mine = {k: v.clone() for k, v in tensors.items()} if mesh.dp_rank == 0 else {}
     if head is not None and head in model.heads and mesh.tp_rank == 0 and mesh.dp_rank == 0:
         mine[head_key] = model.heads[head].weight.grad.detach().cpu().clone()
     return merged_from_all_ranks(mine)
@@ -64,3 +65,14 @@ def write_records_and_exit(records: list[dict], out: Path) -> None:
         out.write_text(json.dumps([r for rs in gathered for r in rs], indent=1))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def convert_tool():
+    """``tools/convert_checkpoint.py`` loaded as a module (its ``main`` runs a conversion in this process)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "convert_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("convert_checkpoint_tool", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool

@@ -9,11 +9,9 @@ checkpoints go to OUT_DIR/<name>. Rank 0 writes OUT_DIR/records.json: each run's
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from pathlib import Path
 
 LAYOUTS = (("llama", 2, 2), ("qwen2", 2, 2), ("mistral", 1, 4))
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "convert_checkpoint.py"
 
 
 def main() -> None:
@@ -22,13 +20,11 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     args = ap.parse_args()
     # imported here, not at the top: megatron's save spawns a helper process that re-imports this file
-    from common import write_records_and_exit
+    from common import convert_tool, write_records_and_exit
 
     from mlora.parallel import reset_parallel
 
-    spec = importlib.util.spec_from_file_location("convert_checkpoint_tool", TOOL)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = convert_tool()
     records = []
     for name, tp, pp in LAYOUTS:
         code = tool.main(["hf-to-mcore", "--hf", str(args.models_dir / name), "--out", str(args.out / name),

@@ -1,7 +1,8 @@
 """torchrun worker: mixture-of-experts bases (and Qwen3's q/k norm) against transformers at several
 TP x PP x EP layouts: logits, the router's token-to-expert assignment and weights, and the gradients of an
-attention LoRA whose backward runs through the experts and their all-to-all dispatch; that adapter, one
-step on, saved in PEFT layout and run by transformers + PEFT; save_merged at EP > 1 against the source.
+all-linear LoRA (an adapter per expert and projection, and the attention's), whose backward runs through the
+experts and their all-to-all dispatch, one step after initialisation (every factor non-zero); that adapter
+saved in PEFT layout and run by transformers + PEFT; save_merged at EP > 1 against transformers + PEFT's merge.
 
 Usage: torchrun --nproc_per_node N tests/dist/moe_equivalence.py MODELS_DIR OUT_JSON LAYOUTS
 LAYOUTS is "tp,pp,ep[,sp];..." (DP = world // (tp*pp)). Rank 0 writes one JSON record per check.
@@ -15,6 +16,7 @@ import argparse
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from common import adapter_grads, masked_sum_loss, write_records_and_exit
 
 import mlora
@@ -24,7 +26,10 @@ from mlora.testing import right_padded_batch
 
 MOE_MODELS = ("mixtral", "qwen3_moe", "olmoe")
 DENSE_MODELS = ("qwen3",)  # q/k norm per head, no experts: layouts without EP only
-LORA = dict(rank=4, alpha=8, seed=3, target_modules=["q_proj", "v_proj", "o_proj"], init_method="gaussian")
+LORA = dict(rank=4, alpha=8, seed=3, target_modules="all-linear", init_method="gaussian")
+# PEFT 0.21 on transformers 5 maps every gate/up/down target of a Qwen3-MoE adapter onto the stacked experts, so
+# an adapter on its dense layer's MLP does not load there: that layer's MLP stays out of the PEFT comparison.
+EXCLUDE = {"qwen3_moe": ["layers.1.mlp.gate_proj", "layers.1.mlp.up_proj", "layers.1.mlp.down_proj"]}
 
 
 def parse(spec: str) -> list[tuple[int, int, int, bool]]:
@@ -108,23 +113,24 @@ def main() -> None:
                 records.append(dict(check="routes", model=name, **layout, layers=layers,
                                     same_experts=all(torch.equal(a != 0, b != 0) for a, b in zip(mine, ref)),
                                     max_weight_diff=max((a - b).abs().max().item() for a, b in zip(mine, ref))))
-            # LoRA on attention: its gradient flows back through the frozen experts
-            # (B = 0: B's gradient is the layer input's projection times the output gradient, which
-            # reaches the lower layers only back through the experts of the layers above)
-            model.add_adapter("a", mlora.LoraConfig(**LORA))
+            # LoRA on every linear, experts included; B = 0 at first, so one step makes every factor's gradient
+            # non-zero, and the attention's reach the lower layers only back through the experts above
+            model.add_adapter("a", mlora.LoraConfig(**LORA, exclude_modules=EXCLUDE.get(name)))
             rows = slice(mesh.dp_rank, None, mesh.dp)
             batch = {"input_ids": ids[rows], "attention_mask": mask[rows]}
-            model.forward_backward([batch], masked_sum_loss(model, mask[rows], scale=1e-3))
-            finalize_grads(model.trainable_parameters())
+            for step in range(2):
+                model.zero_grad(set_to_none=True)
+                model.forward_backward([batch], masked_sum_loss(model, mask[rows], scale=1e-3))
+                finalize_grads(model.trainable_parameters())
+                if step == 0:  # the same step on every layout
+                    with torch.no_grad():
+                        for p in model.adapter_parameters("a"):
+                            p -= 0.1 * p.grad
             grads = adapter_grads(model, "a")
             if mesh.rank == 0:
                 records.append(dict(check="grads", model=name, **layout,
                                     grads={k: v.flatten().tolist() for k, v in sorted(grads.items())}))
-            # one gradient step makes B non-zero (the same on every layout); the adapter saved in PEFT layout
-            # loads in transformers + PEFT on the MoE model and gives mlora's logits
-            with torch.no_grad():
-                for p in model.adapter_parameters("a"):
-                    p -= 0.5 * p.grad
+            # the adapter saved in PEFT layout loads in transformers + PEFT on the MoE model and gives mlora's logits
             out = model.logits(ids, attention_mask=mask)
             peft_dir = args.models_dir.parent / f"adapter_{tp}{pp}{ep}{int(sp)}" / name
             model.save_adapter("a", peft_dir)
@@ -142,15 +148,31 @@ def main() -> None:
                                     rel=((out - ref)[valid].norm() / ref[valid].norm()).item(),
                                     adapter_effect=(ref - plain)[valid].abs().max().item()))
             if ep > 1 and name in MOE_MODELS:  # every expert gathered over EP: the checkpoint back, bit for bit
+                from mlora.testing import load_checkpoint_tensors
+
                 out_dir = args.models_dir.parent / f"roundtrip_{tp}{pp}{ep}" / name
                 model.save_merged(out_dir)
-                if mesh.rank == 0:
-                    from mlora.testing import load_checkpoint_tensors
+                merged_dir = out_dir.parent / f"{name}_merged"
+                model.save_merged(merged_dir, ["a"])  # W + s·B·A of every expert and projection
+                dist.barrier()
+                if mesh.rank == 0:  # transformers' save_pretrained writes on rank 0 only
+                    from peft import PeftModel
+                    from transformers import AutoModelForCausalLM
 
+                    # PEFT's merge of a fresh base, saved by transformers with per-expert names
+                    fresh = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+                    PeftModel.from_pretrained(fresh, str(peft_dir)).merge_and_unload().save_pretrained(
+                        out_dir.parent / f"{name}_peft_merged")
                     src, dst = load_checkpoint_tensors(model_dir), load_checkpoint_tensors(out_dir)
+                    mine, peft = load_checkpoint_tensors(merged_dir), load_checkpoint_tensors(
+                        out_dir.parent / f"{name}_peft_merged")
                     records.append(dict(check="roundtrip", model=name, **layout, same_names=sorted(src) == sorted(dst),
                                         bit_identical=sorted(src) == sorted(dst) and all(
                                             torch.equal(src[k], dst[k]) for k in src)))
+                    records.append(dict(check="merged", model=name, **layout, same_names=sorted(mine) == sorted(peft),
+                                        changed=sum(not torch.equal(mine[k], src[k]) for k in mine),
+                                        max_rel=max(((mine[k] - peft[k]).abs().max() / peft[k].abs().max()).item()
+                                                    for k in mine)))
             del model
         reset_parallel()
     write_records_and_exit(records, args.out)
