@@ -170,24 +170,12 @@ def _resolve_generator(cfg: TrainConfig) -> None:
             raise ConfigError(f"generator.{key}.top_p={s.top_p} must be in (0, 1]")
 
 
-def _is_moe(model_path: str | None) -> bool:
-    """Whether the HF model at ``model_path`` is a mixture of experts mlora builds (False when unreadable: the
-    loader says what is wrong with it)."""
-    import json
-
-    from mlora.formats.hf_config import MOE_ARCHITECTURES
-
-    try:
-        config = json.loads((Path(str(model_path)).expanduser() / "config.json").read_text())
-    except (OSError, ValueError, TypeError):
-        return False
-    return any(a in MOE_ARCHITECTURES for a in config.get("architectures") or ())
-
-
 def _resolve_mesh(cfg: TrainConfig, world_size: int) -> None:
+    from mlora.formats.hf_config import is_moe_checkpoint
+
     t = cfg.trainer
     pm, rm = t.policy.megatron_config, t.ref.megatron_config
-    if pm.sequence_parallel is None and (pm.tensor_model_parallel_size or 1) > 1 and _is_moe(t.policy.model.path):
+    if pm.sequence_parallel is None and (pm.tensor_model_parallel_size or 1) > 1 and is_moe_checkpoint(t.policy.model.path):
         # megatron's MoE layer needs sequence parallelism at TP > 1 in training; SkyRL has it on at any TP > 1
         pm.sequence_parallel = True
     defaults = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "context_parallel_size": 1,

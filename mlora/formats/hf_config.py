@@ -84,6 +84,16 @@ class ModelSpec:
         return -(-self.vocab_size // tp) * tp
 
 
+def is_moe_checkpoint(hf_dir: str | os.PathLike | None) -> bool:
+    """Whether the HF directory ``hf_dir`` holds a mixture of experts mlora builds, from its ``config.json``'s
+    ``architectures`` alone (False when it cannot be read: the loader says what is wrong with it)."""
+    try:
+        config = json.loads((Path(str(hf_dir)).expanduser() / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+    return any(a in MOE_ARCHITECTURES for a in config.get("architectures") or ())
+
+
 def load_hf_config(hf_dir: str | os.PathLike) -> Any:
     """The transformers config of ``hf_dir``, with clear errors for a missing or foreign directory."""
     path = Path(hf_dir)

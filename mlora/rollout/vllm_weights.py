@@ -41,18 +41,15 @@ class MergedWeightsWorkerExtension:
 
         from safetensors import safe_open
 
-        count = 0
+        names = {file: _names(file) for file in weight_files(folder)}
 
         def tensors():
-            nonlocal count
-            for file in weight_files(folder):
+            for file, keys in names.items():
                 with safe_open(str(file), framework="pt") as f:
-                    for name in f.keys():
-                        count += 1
+                    for name in keys:
                         yield name, f.get_tensor(name)
 
-        layers = {int(m.group(1)) for file in weight_files(folder) for m in [_EXPERT_LAYER.search(name)
-                                                                          for name in _names(file)] if m}
+        layers = {int(m.group(1)) for keys in names.values() for m in map(_EXPERT_LAYER.search, keys) if m}
         # every layer left as it was is logged as "Failed to load weights": expected here, so kept quiet
         quiet = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
         level = quiet.level
@@ -62,7 +59,7 @@ class MergedWeightsWorkerExtension:
         finally:
             quiet.setLevel(level)
         _prepack_cpu_experts(self.model_runner.get_model(), layers)
-        return count
+        return sum(map(len, names.values()))
 
 
 _EXPERT_LAYER = re.compile(r"layers\.(\d+)\.[\w.]*experts\.\d+\.")

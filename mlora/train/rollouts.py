@@ -657,14 +657,9 @@ def engine_memory(cfg: TrainConfig, engine_base: str | os.PathLike, device: Devi
 def engines_take_merged_weights(engine_base: str | os.PathLike, cuda: bool) -> bool:
     """Whether this run's engines take merged weights instead of LoRA (:mod:`mlora.rollout.vllm_weights`): a
     mixture-of-experts base on the CPU build, whose MoE LoRA needs Triton GPU kernels."""
-    import json
+    from mlora.formats.hf_config import is_moe_checkpoint
 
-    from mlora.formats.hf_config import MOE_ARCHITECTURES
-
-    config = Path(engine_base) / "config.json"
-    if cuda or not config.is_file():
-        return False
-    return any(a in MOE_ARCHITECTURES for a in json.loads(config.read_text()).get("architectures") or ())
+    return not cuda and is_moe_checkpoint(engine_base)
 
 
 def engine_options(cfg: TrainConfig, engine_base: str | os.PathLike, cuda: bool,
