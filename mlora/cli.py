@@ -29,7 +29,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.memory:
         return _plan_memory(args, spec)
     lora = LoraConfig(rank=args.rank, alpha=args.alpha or 2 * args.rank, target_modules=args.target_modules,
-                      exclude_modules=args.exclude_modules)
+                      exclude_modules=args.exclude_modules, expert_rank=args.expert_rank)
     plan = plan_adapter(spec, args.tp, args.pp, lora, getattr(torch, args.dtype))
     if args.list:
         for name, shape in plan.tensors.items():
@@ -53,7 +53,8 @@ def _plan_memory(args: argparse.Namespace, spec) -> int:
     workload = Workload(
         micro_batch=args.micro_batch, seq=args.seq, micro_batches=args.micro_batches,
         packed=args.max_tokens_per_microbatch is not None,
-        forward_micro_batch=args.forward_micro_batch, rank=args.rank, target_modules=targets,
+        forward_micro_batch=args.forward_micro_batch, rank=args.rank, expert_rank=args.expert_rank,
+        target_modules=targets,
         exclude_modules=tuple(args.exclude_modules) if args.exclude_modules else None, critic=args.critic,
         dtype=getattr(torch, args.dtype), fp8=args.fp8, attention=args.attention, recompute=args.recompute,
         lora_compute_dtype=getattr(torch, args.lora_compute_dtype) if args.lora_compute_dtype else None,
@@ -120,7 +121,7 @@ def _export_adapter(args: argparse.Namespace) -> int:
 
             spec = model_spec(load_hf_config(args.base))
             modules = peft_modules(reader.entries, spec.num_layers, src, spec.moe)
-            check_peft_shapes(reader, modules, model_sites(spec, 1), cfg.rank, src)
+            check_peft_shapes(reader, modules, model_sites(spec, 1), cfg, src)
             config["base_model_name_or_path"] = str(args.base)
     if args.dtype:
         tensors = {k: v.to(getattr(torch, args.dtype)) for k, v in tensors.items()}
@@ -143,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--rank", type=int, default=32)
+    p.add_argument("--expert-rank", type=int, default=None, help="r of the MoE experts' projections (default: --rank)")
     p.add_argument("--alpha", type=float, default=None, help="default: 2 x rank")
     p.add_argument("--target-modules", nargs="+", default="all-linear")
     p.add_argument("--exclude-modules", nargs="*", default=None)

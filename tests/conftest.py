@@ -49,7 +49,7 @@ def pytest_xdist_make_scheduler(config, log):
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> Path:
     """A directory with tiny ``llama`` (sharded, llama3 RoPE), ``qwen2`` (tied, bias), ``mistral`` (SWA), ``qwen3``
-    (q/k norm) and the mixtures of experts ``qwen3_moe``, ``mixtral`` and ``olmoe``."""
+    (q/k norm) and the mixtures of experts ``qwen3_moe``, ``qwen2_moe`` (shared expert), ``mixtral`` and ``olmoe``."""
     from mlora.testing import TINY_ARCHS, build_tiny_model
 
     root = tmp_path_factory.mktemp("tiny_models")

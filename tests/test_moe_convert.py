@@ -1,5 +1,6 @@
 """tools/convert_checkpoint.py on mixtures of experts (Qwen3-MoE with a dense layer among its sparse ones,
-Mixtral's block_sparse_moe w1/w3/w2, OLMoE's full-width q/k norm) and Qwen3's per-head q/k norm.
+Qwen2-MoE's gated shared expert, Mixtral's block_sparse_moe w1/w3/w2, OLMoE's full-width q/k norm) and Qwen3's
+per-head q/k norm.
 
 In this process (TP1, EP1): HF -> megatron-core dist checkpoint -> megatron's dist_checkpointing.load into a
 model built by mlora gives exactly the parameters mlora's own HF loader gives, and into a GPTModel of
@@ -27,7 +28,7 @@ from mlora.models.mcore_checkpoint import CONVERT_INFO, HF_SIDE_DIR, RELEASE_DIR
 from mlora.testing import load_checkpoint_tensors
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "convert_checkpoint.py"
-MODELS = ("qwen3", "qwen3_moe", "mixtral", "olmoe")
+MODELS = ("qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 MOE = ("qwen3_moe", "mixtral", "olmoe")
 
 
@@ -116,6 +117,9 @@ def test_tp1_checkpoint_loads_into_mlora_model_and_converts_back_bit_for_bit(tp1
                 assert stored[f"decoder.layers.{i}.mlp.experts.experts.linear_fc2.weight"] == (
                     moe.num_experts, h, moe.ffn_size)
                 assert stored[f"decoder.layers.{i}.mlp.router.weight"] == (moe.num_experts, h)
+                shared = f"decoder.layers.{i}.mlp.shared_experts."  # Qwen2-MoE's shared expert and its gate
+                assert (stored.get(shared + "gate_weight"), stored.get(shared + "linear_fc2.weight")) == (
+                    (None, None) if moe.shared_ffn_size is None else ((1, h), (h, moe.shared_ffn_size)))
             else:  # Qwen3-MoE's mlp_only_layers: a dense MLP
                 assert fc1 is None and stored[f"decoder.layers.{i}.mlp.linear_fc1.weight"] == (
                     2 * spec.intermediate_size, h)
@@ -213,7 +217,7 @@ def test_ep2_pp2_tp2_checkpoints_load_at_other_layouts_and_convert_back(launched
         assert r["same_names"] and r["params"] > 0 and not r["differ"], r
         if r["load"] != "qwen3":
             assert r["expert_params"] > 0, r
-    for name in MODELS:  # written by several ranks, read back by one: the HF files again
+    for name in {name for name, *_ in writes}:  # written by several ranks, read back by one: the HF files again
         _assert_same_hf_files(tiny_models / name, mcore_to_hf(out / name, tmp_path / name, progress=False))
     # the experts written by two EP ranks, loaded at EP 1
     ours, ref = _load_into_mlora_model(out / "qwen3_moe" / RELEASE_DIR, tiny_models / "qwen3_moe")
@@ -241,13 +245,13 @@ def test_expert_layouts_that_do_not_fit_are_refused(tiny_models, tmp_path, capsy
 
 @pytest.mark.quick
 def test_moe_families_not_built_and_mismatched_checkpoints_are_refused(tp1, tiny_models, tmp_path, capsys):
-    # a family mlora does not build (shared experts): named with what it needs, before any rank starts
-    qwen2_moe = shutil.copytree(tiny_models / "qwen3_moe", tmp_path / "qwen2_moe")
-    cfg = json.loads((qwen2_moe / "config.json").read_text())
-    (qwen2_moe / "config.json").write_text(json.dumps({**cfg, "architectures": ["Qwen2MoeForCausalLM"]}))
-    assert _tool().main(["hf-to-mcore", "--hf", str(qwen2_moe), "--out", str(tmp_path / "o")]) == 2
+    # a family mlora does not build (latent attention): named with what it needs, before any rank starts
+    deepseek = shutil.copytree(tiny_models / "qwen3_moe", tmp_path / "deepseek")
+    cfg = json.loads((deepseek / "config.json").read_text())
+    (deepseek / "config.json").write_text(json.dumps({**cfg, "architectures": ["DeepseekV3ForCausalLM"]}))
+    assert _tool().main(["hf-to-mcore", "--hf", str(deepseek), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
-    assert "'Qwen2MoeForCausalLM'" in err and "needs a shared expert" in err
+    assert "'DeepseekV3ForCausalLM'" in err and "needs multi-head latent attention" in err
     # an OLMoE checkpoint from elsewhere read with Qwen3-MoE's config: the tensors give it away
     foreign = shutil.copytree(tp1 / "olmoe" / RELEASE_DIR, tmp_path / "foreign")
     shutil.rmtree(foreign / HF_SIDE_DIR)

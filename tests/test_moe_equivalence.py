@@ -1,8 +1,11 @@
-"""Mixture-of-experts bases (Qwen3-MoE, Mixtral, OLMoE) and Qwen3's per-head q/k norm against transformers.
+"""Mixture-of-experts bases (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) and Qwen3's per-head q/k norm against
+transformers.
 
 Tiny random models built locally (8 experts, top-2; Qwen3-MoE renormalises its top-k weights and has a
-dense layer among its sparse ones; OLMoE normalises q/k over all heads at once; Mixtral routes top-k then
-softmax). Two grouped launches (2 and 4 CPU ranks) cover (TP, PP, EP) = (1,1,1), (1,1,2), (2,1,2)+SP on 2
+dense layer among its sparse ones; Qwen2-MoE adds a TP-split shared expert behind a sigmoid gate (LoRA on it
+too; PEFT drops its routed experts' LoRA, so their B is zeroed for the PEFT and merge checks); OLMoE
+normalises q/k over all heads at once; Mixtral routes top-k then softmax; Mixtral's experts take a LoRA rank
+of their own, ``expert_rank``). Two grouped launches (2 and 4 CPU ranks) cover (TP, PP, EP) = (1,1,1), (1,1,2), (2,1,2)+SP on 2
 ranks (the experts split over the TP ranks), (1,2,1), and (2,1,2)+SP, (1,2,2) on 4 (DP 2): float32 logits
 equal transformers' (relative ≤ 1e-5); at TP 1 the router picks HF's experts for every token with HF's
 weights; the gradients of an all-linear LoRA (one adapter per expert and projection, and the attention's),
@@ -10,8 +13,9 @@ one step after initialisation so that every factor's gradient is non-zero, are t
 (each DP rank takes its share of the rows; the reference is PP 2 on one rank each, which runs the whole
 batch as one process does); that adapter loads in transformers + PEFT with mlora's logits; save_merged at
 EP 2 gives the checkpoint back bit for bit, and with the adapter equals PEFT's merge_and_unload. Plus the
-refusals: EP that does not divide the experts, EP on a dense model, MoE at TP > 1 without SP, dropout and
-mixed-adapter routes on experts, MoE architectures not built.
+refusals: EP that does not divide the experts, EP on a dense model, MoE at TP > 1 without SP, dropout on
+experts, MoE architectures not built. A mixed-adapter micro-batch (two adapters on alternate rows, every expert
+adapted) equals each adapter alone on its rows at every layout.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ import json
 import shutil
 
 import pytest
-import torch
 from conftest import run_records
 from test_errors import fake_mesh
 
@@ -36,7 +39,8 @@ LAUNCHES = {
     2: ("1,1,1;1,1,2;2,1,2,sp;1,2,1", {(1, 1, 1, False), (1, 1, 2, False), (2, 1, 2, True), (1, 2, 1, False)}),
     4: ("2,1,2,sp;1,2,2", {(2, 1, 2, True), (1, 2, 2, False)}),
 }
-MOE = {"mixtral", "qwen3_moe", "olmoe"}
+MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "olmoe"}
+SPARSE = {"qwen3_moe": {0, 2, 3}, "qwen2_moe": {0, 1, 3}}  # the others: every layer
 REFERENCE = (1, 2, 1)
 
 
@@ -65,8 +69,9 @@ def test_router_assignment_equals_transformers(records):
     assert {(r["model"], r["ep"]) for r in routes} == {(m, ep) for m in MOE for ep in (1, 2)}
     for r in routes:
         assert r["same_experts"] and r["max_weight_diff"] < ROUTE_WEIGHT_TOL, r
-    # Qwen3-MoE's layer 1 is dense (mlp_only_layers): no router there
-    assert {i for r in routes if r["model"] == "qwen3_moe" for i in r["layers"]} == {0, 2, 3}
+    # Qwen3-MoE's layer 1 and Qwen2-MoE's layer 2 are dense (mlp_only_layers): no router there
+    for model, layers in SPARSE.items():
+        assert {i for r in routes if r["model"] == model for i in r["layers"]} == layers
 
 
 def test_lora_gradients_of_every_expert_are_layout_independent(records):
@@ -81,15 +86,20 @@ def test_lora_gradients_of_every_expert_are_layout_independent(records):
         layouts = [k for k in grads if k[0] == model]
         assert len(layouts) == (6 if model in MOE else 2)
         experts = [k for k in ref if ".experts." in k]
-        # every expert's gate, up and down, A and B, in each of its sparse layers (Qwen3-MoE: 3 of 4)
-        assert len(experts) == (0 if model not in MOE else 2 * 3 * 8 * (3 if model == "qwen3_moe" else 4))
-        # one step on, every factor that saw a token has a gradient; an expert no token was routed to has none
+        # every expert's gate, up and down, A and B, in each of its sparse layers (Qwen3-MoE, Qwen2-MoE: 3 of 4)
+        assert len(experts) == (0 if model not in MOE else 2 * 3 * 8 * len(SPARSE.get(model, range(4))))
+        # Qwen2-MoE's shared expert: gate, up and down, A and B, in each sparse layer, with gradients at every layout
+        assert len([k for k in ref if ".shared_expert." in k]) == (2 * 3 * 3 if model == "qwen2_moe" else 0)
+        # one step on, every factor that saw a token has a gradient; an expert no token was routed to has none, and
+        # one first reached after the step (routing moves with the attention's LoRA) still has B = 0: B's, not A's
         used: dict[str, set] = {}
         for k in ref:
-            used.setdefault(k.rsplit(".", 3)[0] if ".experts." in k else k, set()).add(max(map(abs, ref[k])) > 0)
+            group = f"{k.rsplit('.', 3)[0]}.lora_{'A' if '.lora_A.' in k else 'B'}" if ".experts." in k else k
+            used.setdefault(group, set()).add(max(map(abs, ref[k])) > 0)
         assert all(len(flags) == 1 for flags in used.values()), used
         assert all(used[k] == {True} for k in used if ".experts." not in k)
-        busy = [k for k in used if ".experts." in k and used[k] == {True}]
+        busy = [k for k in used if k.endswith(".lora_A") and used[k] == {True}]
+        assert all(used[k[:-1] + "B"] == {True} for k in busy)
         assert len(busy) >= 0.75 * len(experts) / 6, busy
         for key in layouts:
             assert grads[key].keys() == ref.keys(), key
@@ -97,12 +107,26 @@ def test_lora_gradients_of_every_expert_are_layout_independent(records):
             assert diff <= GRAD_TOL * scale, (key, diff, scale)
 
 
+def test_mixed_adapter_batches_route_through_experts(records):
+    """Two adapters on alternate rows of one micro-batch, every expert adapted: each rank's factor gradients and
+    logits equal each adapter's run alone on its rows, at every layout (routes ride the all-to-all over EP)."""
+    mixed = [r for r in records if r["check"] == "mixed"]
+    assert {(r["model"], r["tp"], r["pp"], r["ep"]) for r in mixed} == {
+        (m, *layout[:3]) for m in MOE for _, layouts in LAUNCHES.values() for layout in layouts}
+    for r in mixed:
+        assert r["count"] > 0 and not r["extra"], r
+        assert r["grad_rel"] <= GRAD_TOL, r
+        assert r.get("logits_rel", 0.0) <= REL_TOL, r
+    # the experts of every layout's ranks got gradients through the routed path
+    assert all(r["experts"] > 0 for r in mixed if r["pp"] == 1), mixed
+
+
 def test_expert_adapter_loads_in_peft(records):
     """The all-linear adapter, one gradient step on (B ≠ 0, changing the logits by more than 0.5), saved in PEFT
     layout (per-expert names, which PEFT 0.21 maps onto transformers 5's stacked experts) from every layout:
     transformers + PEFT on the MoE model give mlora's logits."""
     peft = [r for r in records if r["check"] == "peft"]
-    assert {r["model"] for r in peft} == MOE | {"qwen3"} and len(peft) == 3 * 6 + 2
+    assert {r["model"] for r in peft} == MOE | {"qwen3"} and len(peft) == len(MOE) * 6 + 2
     for r in peft:
         assert r["rel"] < REL_TOL and r["adapter_effect"] > 0.5, r
 
@@ -121,10 +145,13 @@ def test_merged_experts_equal_peft_merge(records):
     """save_merged with the adapter at EP 2: every expert's W + s·B·A, gathered over EP, equals transformers + PEFT's
     merge_and_unload saved with per-expert names."""
     merged = [r for r in records if r["check"] == "merged"]
-    assert len(merged) == 3 * 4
+    assert len(merged) == len(MOE) * 4
     for r in merged:
-        # attention q/k/v/o + 8 experts x 3 in each layer (Qwen3-MoE's dense MLP: not in the adapter)
-        n_changed = {"qwen3_moe": 4 * 4 + 3 * 24, "mixtral": 4 * 28, "olmoe": 4 * 28}[r["model"]]
+        # attention q/k/v/o + 8 experts x 3 in each layer (Qwen3-MoE's dense MLP: not in the adapter); Qwen2-MoE:
+        # attention, the shared expert's gate/up/down in 3 sparse layers and the dense MLP of layer 2 (its routed
+        # experts' B zeroed: PEFT does not load their LoRA)
+        n_changed = {"qwen3_moe": 4 * 4 + 3 * 24, "qwen2_moe": 4 * 4 + 3 * 3 + 3, "mixtral": 4 * 28,
+                     "olmoe": 4 * 28}[r["model"]]
         assert r["same_names"] and r["changed"] == n_changed and r["max_rel"] < MERGE_TOL, r
 
 
@@ -159,17 +186,25 @@ def test_moe_errors(tiny_models, tmp_path):
     with pytest.raises(ValueError, match=r"LoRA dropout=0.1 on mixture-of-experts experts is not supported"):
         model.add_adapter("d", mlora.LoraConfig(dropout=0.1))
     model.add_adapter("d", mlora.LoraConfig(dropout=0.1, target_modules=["q_proj", "v_proj"]))  # attention: fine
-    model.add_adapter("e", mlora.LoraConfig())
-    from mlora.lora.routing import routed
-
-    ids = torch.ones(2, 4, dtype=torch.long)
-    with pytest.raises(NotImplementedError, match=r"adapters \['d', 'e'\] reach the experts of MoE layer 0"):
-        with routed({"d": (slice(0, None, 2),), "e": (slice(1, None, 2),)}):
-            model.logits(ids)
+    # Qwen2-MoE's shared expert: the MLP names reach it and every routed expert; its sigmoid gate is no target
+    q2 = model_spec(load_hf_config(tiny_models / "qwen2_moe")).moe
+    shared = {(i, f"mlp.shared_expert.{p}") for i in (0, 1, 3) for p in ("gate_proj", "up_proj", "down_proj")}
+    modules = resolve_targets("all-linear", None, 4, q2)
+    assert len(modules) == 4 * 4 + 3 * (8 + 1) * 3 + 3 and shared <= modules
+    assert resolve_targets("shared_expert.down_proj", None, 4, q2) == {(i, "mlp.shared_expert.down_proj")
+                                                                       for i in (0, 1, 3)}
+    assert resolve_targets("layers.3.mlp.shared_experts.linear_fc1", None, 4, q2) == {
+        (3, "mlp.shared_expert.gate_proj"), (3, "mlp.shared_expert.up_proj")}
+    assert len(resolve_targets("gate_proj", None, 4, q2)) == 3 * 9 + 1  # experts, shared expert, dense layer 2
+    with pytest.raises(ValueError, match=r"'shared_expert_gate': the shared expert's sigmoid gate .* is not a LoRA"):
+        resolve_targets(["q_proj", "shared_expert_gate"], None, 4, q2)
+    with pytest.raises(ValueError, match="tp=2 does not divide shared_expert_intermediate_size=95"):
+        check_layout(model_spec(load_hf_config(_with_config(tiny_models / "qwen2_moe", tmp_path / "q2",
+                                                            shared_expert_intermediate_size=95))), 2, 1)
     # MoE families that need more than mlora builds: named with what they need
-    qwen2_moe = _with_config(tiny_models / "qwen3_moe", tmp_path / "qwen2_moe", architectures=["Qwen2MoeForCausalLM"])
-    with pytest.raises(ValueError, match="'Qwen2MoeForCausalLM' .* needs a shared expert"):
-        mlora.from_pretrained(qwen2_moe, fake_mesh())
+    deepseek = _with_config(tiny_models / "qwen3_moe", tmp_path / "deepseek", architectures=["DeepseekV3ForCausalLM"])
+    with pytest.raises(ValueError, match="'DeepseekV3ForCausalLM' .* needs multi-head latent attention"):
+        mlora.from_pretrained(deepseek, fake_mesh())
     jitter = _with_config(tiny_models / "mixtral", tmp_path / "mixtral", router_jitter_noise=0.1)
     with pytest.raises(ValueError, match="router_jitter_noise=0.1 is not supported"):
         mlora.from_pretrained(jitter, fake_mesh())
@@ -186,10 +221,16 @@ def _with_config(src, dst, **changes):
 def test_moe_spec_of_each_family(tiny_models):
     from mlora.formats.hf_config import load_hf_config, model_spec
 
-    specs = {name: model_spec(load_hf_config(tiny_models / name)) for name in ("mixtral", "qwen3_moe", "olmoe")}
+    specs = {name: model_spec(load_hf_config(tiny_models / name)) for name in ("mixtral", "qwen3_moe", "qwen2_moe",
+                                                                               "olmoe")}
     assert (specs["mixtral"].moe.normalize_topk, specs["qwen3_moe"].moe.normalize_topk,
             specs["olmoe"].moe.normalize_topk) == (True, True, False)
     assert specs["qwen3_moe"].moe.sparse_layers == (0, 2, 3) and specs["mixtral"].moe.sparse_layers == (0, 1, 2, 3)
     assert specs["mixtral"].moe.projections == ("w1", "w3", "w2") and specs["mixtral"].moe.block == "block_sparse_moe"
     assert (specs["qwen3_moe"].qk_norm, specs["olmoe"].qk_norm, specs["mixtral"].qk_norm) == ("head", "full", None)
     assert specs["qwen3_moe"].moe.ffn_size == 64 and specs["qwen3_moe"].intermediate_size == 192
+    # Qwen2-MoE: a gated shared expert beside 8 routed ones, q/k/v bias, no q/k norm, top-k weights as the softmax gave
+    q2 = specs["qwen2_moe"]
+    assert (q2.moe.shared_ffn_size, q2.moe.ffn_size, q2.moe.sparse_layers, q2.moe.normalize_topk) == (
+        96, 64, (0, 1, 3), False)
+    assert q2.qkv_bias and q2.qk_norm is None and specs["qwen3_moe"].moe.shared_ffn_size is None

@@ -1487,12 +1487,16 @@ EP_SCRIPTS = {
     "RUN_DAPO_QWEN3_30B_A3B_LORA_MEGATRON_AIME": {},
     "RUN_MEGATRON_DAPO_QWEN3_30B_A3B_LORA": {},
     # its uneven last stage (num_layers_in_last_pipeline_stage) is refused by name: the rest runs
-    "RUN_MEGATRON_DAPO_QWEN3_235B_A22B_LORA": {"INFERENCE_ENGINE_MAX_MODEL_LEN": "1024"},
+    # its engine eager: vLLM's torch.compile of a MoE on CPU costs a minute per run, and one run compiles (30B below)
+    "RUN_MEGATRON_DAPO_QWEN3_235B_A22B_LORA": {"INFERENCE_ENGINE_MAX_MODEL_LEN": "1024", "ENFORCE_EAGER": "true"},
     # Qwen3.6-35B-A3B's gated-delta-net layers have no megatron-core 0.16 layer (Qwen3_5Moe is refused by name): the
     # tiny Qwen3-MoE stands in, and its CUDA-only engine_init_kwargs go, as for the dense Qwen3.6-27B script
-    "RUN_MEGATRON_DAPO_QWEN3_6_35B_A3B_LORA": {"ENGINE_INIT_KWARGS": "{}"},
+    "RUN_MEGATRON_DAPO_QWEN3_6_35B_A3B_LORA": {"ENGINE_INIT_KWARGS": "{}", "ENFORCE_EAGER": "true"},
     "RUN_MEGATRON_LORA_QWEN3_30B_A3B": {},
 }
+
+
+EXPERT_RANK_SCRIPT = "RUN_MEGATRON_LORA_QWEN3_30B_A3B"
 
 
 @pytest.fixture(scope="module")
@@ -1527,7 +1531,12 @@ def test_expert_parallel_script_trains_two_steps(name, gsm8k, tiny_moe):  # noqa
     assert "trainer.policy.megatron_config.expert_model_parallel_size=2" in args
     args += [f"trainer.run_dir={run_dir}", "generator.kv_cache_memory_bytes=67108864"]
     args += [f"{k}={v}" for k, v in cpu.items() if not any(a.lstrip("+").startswith(k + "=") for a in args)]
+    if name == EXPERT_RANK_SCRIPT:  # LoRA Without Regret's rule on top: its rank 64 / 8 experts per token
+        args.append("trainer.policy.model.lora.expert_rank=8")
     rows = train_steps(args, 4, root, run_dir)
     steps = [r for r in rows if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["rollout/logprob_abs_diff"] <= 1e-4 for r in steps), steps
+    if name == EXPERT_RANK_SCRIPT:  # the experts' rank is the PEFT files' r, the script's 64 is in rank_pattern
+        config = json.loads((run_dir / "final_adapter" / "adapter_config.json").read_text())
+        assert (config["r"], set(config["rank_pattern"].values())) == (8, {64}), config

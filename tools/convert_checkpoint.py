@@ -17,9 +17,10 @@ mcore-to-hf runs in one process, a few tensors in memory at a time, and reproduc
 bit for bit (tensor names, order, files, dtypes, config and tokenizer files; each expert's own tensors for
 a mixture of experts). For a checkpoint written by Megatron-LM or Megatron-Bridge, pass --hf-config with the
 HF config.json directory of its model.
-Architectures: Llama, Qwen2, Mistral, Qwen3 (q/k norm) and the mixtures of experts Qwen3-MoE, Mixtral and
-OLMoE (the architectures mlora supports). MoE checkpoints hold one key per layer (megatron's layout for a
-list --moe-layer-freq, e.g. '([1]*48)'), experts in SequentialMLP's (= TEGroupedMLP's) sharded layout.
+Architectures: Llama, Qwen2, Mistral, Qwen3 (q/k norm) and the mixtures of experts Qwen3-MoE, Qwen2-MoE (shared
+expert and its gate: ``mlp.shared_experts.*``), Mixtral and OLMoE (the architectures mlora supports). MoE
+checkpoints hold one key per layer (megatron's layout for a list --moe-layer-freq, e.g. '([1]*48)'), experts in
+SequentialMLP's (= TEGroupedMLP's) sharded layout.
 gguf-to-hf dequantizes a GGUF file (GGUF architectures llama, mistral, qwen2) with transformers' GGUF loader
 into a plain HF directory: config.json, model.safetensors, tokenizer files with the chat template (needs the
 gguf package: pip install "mlora[gguf]"). `python -m mlora.models.smollm2` does it once for the SmolLM2 GGUF

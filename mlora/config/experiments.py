@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlora.config.errors import ConfigError
-from mlora.config.schema import TrainConfig
+from mlora.config.schema import TrainConfig, lora_max_rank
 
 # Keys an experiment may set: a key equal to one of these or below one ("a.b" covers "a.b.c").
 PER_EXPERIMENT_KEYS = (
@@ -194,7 +194,7 @@ def check_engines_fit(cfg: TrainConfig, configs: dict[str, TrainConfig]) -> None
             raise ConfigError(f"generator.engine_init_kwargs.{key}={extra[key]}: the engines serve one policy adapter "
                               f"per experiment at once ({k} experiments: {', '.join(configs)}); set it >= {k} or "
                               "leave it unset (mlora sets max_loras to the number of experiments)")
-    ranks = {name: c.trainer.policy.model.lora.rank for name, c in configs.items()}
+    ranks = {name: lora_max_rank(c.trainer.policy.model.lora) for name, c in configs.items()}
     top = max(ranks.values())
     if top > VLLM_LORA_RANKS[-1]:
         name = max(ranks, key=ranks.get)

@@ -13,7 +13,7 @@ import torch
 
 from mlora.config.dtypes import engine_dtype, trainer_dtype
 from mlora.config.errors import ConfigError
-from mlora.config.schema import TrainConfig
+from mlora.config.schema import TrainConfig, lora_max_rank
 
 GIB = 1 << 30
 
@@ -34,7 +34,7 @@ def planner_workload(cfg: TrainConfig):
                  if v is not None}
     return Workload(
         micro_batch=t.micro_train_batch_size_per_gpu, forward_micro_batch=t.micro_forward_batch_size_per_gpu,
-        seq=t.max_prompt_length + cfg.generator.sampling_params.max_generate_length, rank=lora.rank,
+        seq=t.max_prompt_length + cfg.generator.sampling_params.max_generate_length, rank=lora.rank, expert_rank=lora.expert_rank,
         target_modules=targets, exclude_modules=(exclude,) if isinstance(exclude, str) else
         (tuple(exclude) if exclude else None), critic=t.algorithm.advantage_estimator == "gae",
         dtype=getattr(torch, trainer_dtype(t.dtype, torch.cuda.is_available())),
@@ -153,7 +153,7 @@ def check_engines_fit(cfg: TrainConfig, world_size: int, gpu_memory_bytes: int) 
     try:
         size_engine(spec, DeviceMemory(total=gpu_memory_bytes, free=gpu_memory_bytes, cuda=True),
                     tp=cfg.generator.inference_engine.tensor_parallel_size,
-                    dtype=vllm_torch_dtype(engine_dtype(cfg, True)), lora_rank=cfg.trainer.policy.model.lora.rank,
+                    dtype=vllm_torch_dtype(engine_dtype(cfg, True)), lora_rank=lora_max_rank(cfg.trainer.policy.model.lora),
                     max_model_len=_context(cfg), sequences=1,
                     trainer_bytes=trainer_resident_bytes(cfg, world_size) if colocated else 0)
     except ValueError as exc:

@@ -36,6 +36,13 @@ class LoraSection:
     target_modules: Any = "all-linear"  # "all-linear", a list of HF / megatron names, or one name
     exclude_modules: Any = None
     init_method: str = "kaiming"  # kaiming (PEFT default) | gaussian | xavier | normal | zero
+    # r of every MoE expert's projections (null: rank); e.g. rank / experts per token ("LoRA Without Regret")
+    expert_rank: Optional[int] = None
+
+
+def lora_max_rank(section: LoraSection) -> int:
+    """The largest r of a LoRA section's modules (what an engine's ``max_lora_rank`` must hold)."""
+    return max(section.rank, section.expert_rank or 0)
 
 
 @dataclass

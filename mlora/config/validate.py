@@ -175,6 +175,12 @@ def _resolve_mesh(cfg: TrainConfig, world_size: int) -> None:
 
     t = cfg.trainer
     pm, rm = t.policy.megatron_config, t.ref.megatron_config
+    base_config = Path(str(t.policy.model.path)).expanduser() / "config.json"
+    for role in ("policy", "critic"):  # (a base built at start, e.g. the demo's: add_adapter says it)
+        section = getattr(t, role).model.lora
+        if section.expert_rank is not None and base_config.is_file() and not is_moe_checkpoint(t.policy.model.path):
+            raise ConfigError(f"trainer.{role}.model.lora.expert_rank={section.expert_rank} on "
+                              f"{t.policy.model.path}, which has no experts: leave it null")
     if pm.sequence_parallel is None and (pm.tensor_model_parallel_size or 1) > 1 and is_moe_checkpoint(t.policy.model.path):
         # megatron's MoE layer needs sequence parallelism at TP > 1 in training; SkyRL has it on at any TP > 1
         pm.sequence_parallel = True

@@ -41,7 +41,7 @@ from mlora.formats.fp8_checkpoint import SCALE_SUFFIX, fp8_quantization_config, 
 from mlora.formats.hf_config import load_hf_config, model_spec
 from mlora.formats.safetensors_writer import Layout, SafetensorsWriter
 from mlora.lora.sites import model_sites
-from mlora.lora.targets import hf_module_name
+from mlora.lora.targets import expert_of, hf_module_name
 
 _DECLARED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -64,7 +64,7 @@ def merge_adapter(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike, o
         raise FileNotFoundError(f"{adapter} has no {ADAPTER_WEIGHTS}")
     with CheckpointReader(base) as reader, CheckpointReader(adapter) as lora:
         modules = peft_modules(lora.entries, spec.num_layers, adapter, spec.moe)
-        check_peft_shapes(lora, modules, model_sites(spec, 1), cfg.rank, adapter)
+        check_peft_shapes(lora, modules, model_sites(spec, 1), cfg, adapter)
         targets = {f"{hf_module_name(layer, proj)}.weight": (layer, proj) for layer, proj in modules}
         missing = sorted(set(targets) - set(reader.entries))
         if missing:
@@ -88,7 +88,7 @@ def merge_adapter(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike, o
                         a = lora.read(peft_tensor_name(layer, proj, "A")).float()
                         b = lora.read(peft_tensor_name(layer, proj, "B")).float()
                         merged = tensor if tensor.dtype == torch.float32 else tensor.float()
-                        merged.addmm_(b, a, alpha=cfg.scaling)
+                        merged.addmm_(b, a, alpha=cfg.scaling_of(expert_of(proj) is not None))
                         tensor = merged
                     writer.write(name, tensor.to(dtype))
                     del tensor
@@ -108,8 +108,8 @@ def merge_adapter(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike, o
         unquantized = {k: v for k, v in hf_config.items() if k != "quantization_config"}
         (out / "config.json").write_text(json.dumps(unquantized, indent=2, sort_keys=True) + "\n")
     (out / "mlora_merge.json").write_text(json.dumps(
-        {"base": str(base), "adapter": str(adapter), "r": cfg.rank, "lora_alpha": cfg.alpha,
-         "merged_modules": len(modules),
+        {"base": str(base), "adapter": str(adapter), "r": cfg.rank, "expert_r": cfg.expert_rank,
+         "lora_alpha": cfg.alpha, "merged_modules": len(modules),
          "dequantized_fp8": None if fp8_dtype is None else str(fp8_dtype).removeprefix("torch.")}, indent=2))
     return out
 

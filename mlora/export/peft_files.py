@@ -14,7 +14,7 @@ from mlora.formats.checkpoint_reader import CheckpointError, CheckpointReader
 from mlora.formats.safetensors_writer import Layout, SafetensorsWriter, TensorShard
 from mlora.lora.config import LoraConfig
 from mlora.lora.sites import factor_shapes
-from mlora.lora.targets import HF_PROJECTIONS, hf_module_name, model_projections
+from mlora.lora.targets import HF_PROJECTIONS, expert_of, hf_module_name, model_projections
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -71,14 +71,38 @@ def peft_adapter_config(config: LoraConfig, modules: set[tuple[int, str]], num_l
         "megatron_core": "megatron.core",
         "modules_to_save": None,
         "peft_type": "LORA",
-        "r": config.rank,
-        "rank_pattern": {},
+        **_ranks(config, modules),
         "revision": None,
         "target_modules": peft_target_modules(modules, num_layers, moe),
         "task_type": "CAUSAL_LM",
         "use_dora": False,
         "use_rslora": config.use_rslora,
     }
+
+
+def _ranks(config: LoraConfig, modules: set[tuple[int, str]]) -> dict:
+    """``r`` and ``rank_pattern`` of an adapter: with an ``expert_rank`` of its own, ``r`` is the experts' (PEFT's
+    transformers-5 conversion derives the fused experts' ranks from ``r`` alone) and ``rank_pattern`` gives every
+    other adapted module, by its exact path, ``rank`` (PEFT and vLLM both scale a module ``alpha / its rank``)."""
+    if config.rank_of(True) == config.rank:
+        return {"r": config.rank, "rank_pattern": {}}
+    return {"r": config.expert_rank, "rank_pattern": {
+        re.escape(hf_module_name(i, p)): config.rank for i, p in sorted(modules) if expert_of(p) is None}}
+
+
+def _ranks_of(raw: dict, file: Path) -> tuple[int, int | None]:
+    """``(rank, expert_rank)`` of an ``adapter_config.json``: plain (one ``r``), or :func:`_ranks`'s form, whose
+    ``rank_pattern`` names non-expert modules by exact path, all with one rank."""
+    pattern = raw.get("rank_pattern") or {}
+    if not pattern:
+        return int(raw["r"]), None
+    paths = [key.replace("\\.", ".") for key in pattern]
+    if len(set(pattern.values())) != 1 or not all(
+            re.fullmatch(r"model\.layers\.\d+\.[\w.]+", p) and ".experts." not in p for p in paths):
+        raise ValueError(f"{file}: rank_pattern {pattern} is not supported: mlora takes one rank for every module, or "
+                         "one for the MoE experts (r) and one for every other module (rank_pattern naming each "
+                         "by its path, as mlora writes it)")
+    return int(next(iter(pattern.values()))), int(raw["r"])
 
 
 def write_peft_adapter(out_dir: str | os.PathLike, tensors: dict[str, torch.Tensor], config: dict) -> Path:
@@ -167,13 +191,13 @@ def read_peft_config(path: Path, modules_to_save: tuple[str, ...] = ()) -> LoraC
     for key, bad in _UNSUPPORTED_PEFT.items():
         if raw.get(key) in bad:
             raise ValueError(f"{file}: {key}={raw[key]!r} is not supported (mlora loads plain LoRA)")
-    for key in ("rank_pattern", "alpha_pattern"):
-        if raw.get(key):
-            raise ValueError(f"{file}: a non-empty {key} is not supported (one rank and alpha per adapter)")
+    if raw.get("alpha_pattern"):
+        raise ValueError(f"{file}: a non-empty alpha_pattern is not supported (one alpha per adapter)")
+    rank, expert_rank = _ranks_of(raw, file)
     if raw.get("modules_to_save") and set(raw["modules_to_save"]) - set(modules_to_save):
         raise ValueError(f"{file}: modules_to_save={raw['modules_to_save']} is not supported"
                          + (f" (this loader takes {list(modules_to_save)})" if modules_to_save else ""))
-    return LoraConfig(rank=int(raw["r"]), alpha=float(raw.get("lora_alpha", raw["r"])),
+    return LoraConfig(rank=rank, expert_rank=expert_rank, alpha=float(raw.get("lora_alpha", raw["r"])),
                       dropout=float(raw.get("lora_dropout", 0.0) or 0.0),
                       target_modules=raw.get("target_modules") or "all-linear",
                       exclude_modules=raw.get("exclude_modules"),
@@ -211,10 +235,11 @@ def peft_modules(names, num_layers: int, path: Path, moe=None) -> set[tuple[int,
     return set(found)
 
 
-def check_peft_shapes(reader: CheckpointReader, modules, sites, rank: int, path: Path) -> None:
-    """Every factor must have the shape the base implies (rank from adapter_config.json)."""
+def check_peft_shapes(reader: CheckpointReader, modules, sites, config: LoraConfig, path: Path) -> None:
+    """Every factor must have the shape the base implies (ranks from adapter_config.json)."""
     for layer, proj in sorted(modules):
         site = sites[(layer, proj)]
+        rank = config.rank_of(site.expert is not None)
         a_shape, b_shape = factor_shapes(site, proj, rank)
         for factor, shape in (("A", a_shape), ("B", b_shape)):
             name = peft_tensor_name(layer, proj, factor)

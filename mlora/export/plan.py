@@ -42,10 +42,14 @@ class AdapterPlan:
     def num_parameters(self) -> int:
         return sum(torch.Size(s).numel() for s in self.tensors.values())
 
+    @property
+    def _expert_rank(self) -> str:
+        return f" (experts {self.lora.expert_rank})" if self.lora.expert_rank is not None else ""
+
     def summary(self) -> str:
         worst = max(self.rank_bytes.values())
         return (f"{self.spec.architecture}: {self.spec.num_layers} layers, hidden {self.spec.hidden_size}; "
-                f"LoRA r {self.lora.rank} on {len(self.tensors) // 2} modules -> {len(self.tensors)} tensors, "
+                f"LoRA r {self.lora.rank}{self._expert_rank} on {len(self.tensors) // 2} modules -> {len(self.tensors)} tensors, "
                 f"{self.num_parameters:,} parameters, {self.total_bytes / 2**20:.1f} MiB in {str(self.dtype)[6:]}; "
                 f"at TP{self.tp}xPP{self.pp} the largest rank shard is {worst / 2**20:.2f} MiB")
 
@@ -61,7 +65,7 @@ def plan_adapter(spec: ModelSpec, tp: int, pp: int, lora: LoraConfig, dtype: tor
     order = sorted(modules, key=lambda m: (m[0], projection_order(m[1], spec.moe)))
     for layer, proj in order:
         site = sites[(layer, proj)]
-        for factor, shape, kind in zip("AB", factor_shapes(site, proj, lora.rank), factor_kinds(site)):
+        for factor, shape, kind in zip("AB", factor_shapes(site, proj, lora.rank_of(site.expert is not None)), factor_kinds(site)):
             full = torch.empty(shape, device="meta", dtype=dtype)
             plan.tensors[peft_tensor_name(layer, proj, factor)] = tuple(full.shape)
             for tp_rank in range(tp):

@@ -223,7 +223,7 @@ def load_reward_adapter(model, path: str | os.PathLike, adapter_name: str = "rew
                                   "for another base, or a head with num_labels != 1?")
         lora_names = [n for n in reader.entries if n != SCORE_TENSOR]
         modules = peft_modules(lora_names, model.spec.num_layers, path, model.spec.moe)
-        check_peft_shapes(reader, modules, model_sites(model.spec, tp), cfg.rank, path)
+        check_peft_shapes(reader, modules, model_sites(model.spec, tp), cfg, path)
         score = reader.read(SCORE_TENSOR)
 
         def factors(site, sub):

@@ -75,7 +75,7 @@ def _init_factors(cfg: LoraConfig, name: str, site: LoraSite, sub: str) -> tuple
     q_proj and gate_proj (same input width) or two adapters built from one config never share an
     A, and every mesh draws the same full matrix before sharding it.
     """
-    a_shape, b_shape = factor_shapes(site, sub, cfg.rank)
+    a_shape, b_shape = factor_shapes(site, sub, cfg.rank_of(site.expert is not None))
     g = torch.Generator().manual_seed(derive_seed(cfg.seed, name, site.layer, sub, "init_A"))
     return _draw_a(cfg.init_method, a_shape, g), torch.zeros(b_shape, dtype=torch.float64)
 
@@ -90,11 +90,34 @@ def _check_expert_dropout(config: LoraConfig, modules) -> None:
                          "gate_proj/up_proj/down_proj of the MoE layers)")
 
 
-def _warn_dense_mlp_of_moe(name: str, modules, moe) -> None:
-    """PEFT 0.21 on transformers 5 maps every gate/up/down target of a Qwen-MoE-family adapter onto the stacked
-    experts (``peft.utils.transformers_weight_conversion``), so the dense MLP layers of such a model
-    (``mlp_only_layers``) cannot carry LoRA there: say so when an adapter has them."""
-    if moe is None:
+def _check_expert_rank(config: LoraConfig, modules) -> None:
+    """An ``expert_rank`` applies to experts only: on an adapter without any it would do nothing."""
+    if config.expert_rank is not None and not any(expert_of(proj) is not None for _, proj in modules):
+        raise ValueError(f"LoRA expert_rank={config.expert_rank} but the adapter adapts no MoE expert (a dense base, "
+                         "or targets without the experts' gate_proj/up_proj/down_proj): leave expert_rank unset")
+
+
+def _warn_what_peft_drops(name: str, modules, spec) -> None:
+    """Say when an adapter of a mixture of experts has LoRA that PEFT 0.21 on transformers 5 drops when it loads it.
+
+    PEFT's v5 conversion (``peft.utils.transformers_weight_conversion``) maps every gate/up/down target onto the
+    stacked experts for Mixtral and the model types transformers converts like ``qwen2_moe`` (Qwen3-MoE, OLMoE), so
+    the dense MLP layers of such a model (``mlp_only_layers``) cannot carry LoRA there. ``qwen2_moe`` itself is not
+    among those types (PEFT looks its conversion pattern up by the model type and finds none), so on Qwen2-MoE
+    gate/up/down stay plain module targets: the shared expert's and the dense MLP's LoRA load, and every routed
+    expert's is dropped without a word."""
+    if spec.moe is None:
+        return
+    if spec.architecture == "Qwen2MoeForCausalLM":
+        experts = sorted({i for i, proj in modules if expert_of(proj) is not None})
+        if experts:
+            warnings.warn(f"adapter {name!r} adapts the routed experts of layers {experts} of a Qwen2-MoE model: mlora "
+                          "and its merged export apply them, but PEFT 0.21 with transformers 5 does not convert "
+                          "Qwen2-MoE adapters onto the stacked experts and drops their LoRA when loading the adapter "
+                          "(the attention's, shared expert's and dense MLP's load); exclude the experts (e.g. "
+                          "target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj', 'shared_expert.gate_proj', "
+                          "'shared_expert.up_proj', 'shared_expert.down_proj']) to get an adapter PEFT loads whole",
+                          stacklevel=3)
         return
     dense = sorted({i for i, proj in modules if proj in MLP_PROJECTIONS})
     if dense:
@@ -148,10 +171,11 @@ class AdapterHost:
                 a_parts.append(a)
                 b_parts.append(b)
             device = linear.weight.device
-            branch = LoraBranch(subs, cfg.rank, cfg.scaling, cfg.dropout,
+            expert = site.expert is not None
+            branch = LoraBranch(subs, cfg.rank_of(expert), cfg.scaling_of(expert), cfg.dropout,
                                 torch.cat(a_parts).to(device=device, dtype=self.adapter_dtype),
                                 [b.to(device=device, dtype=self.adapter_dtype) for b in b_parts], trainable,
-                                parallel="expert" if site.expert is not None else site.parallel, dropout_key=self._dropout_key(key or name, cfg, site),
+                                parallel="expert" if expert else site.parallel, dropout_key=self._dropout_key(key or name, cfg, site),
                                 compute_dtype=self.lora_compute_dtype)
             branch.train(self.training)
             linear.lora[name] = branch
@@ -175,6 +199,7 @@ class AdapterHost:
         modules = resolve_targets(config.target_modules, config.exclude_modules, self.spec.num_layers,
                                   self.spec.moe)
         _check_expert_dropout(config, modules)
+        _check_expert_rank(config, modules)
         tp, tp_rank = self.mesh.tp, self.mesh.tp_rank
 
         def factors(site: LoraSite, sub: str):
@@ -200,7 +225,7 @@ class AdapterHost:
         tp, tp_rank = self.mesh.tp, self.mesh.tp_rank
         with CheckpointReader(path) as reader:
             modules = peft_modules(reader.entries, self.spec.num_layers, path, self.spec.moe)
-            check_peft_shapes(reader, modules, model_sites(self.spec, self.mesh.tp), cfg.rank, path)
+            check_peft_shapes(reader, modules, model_sites(self.spec, self.mesh.tp), cfg, path)
 
             def factors(site: LoraSite, sub: str):
                 a_kind, b_kind = factor_kinds(site)
@@ -218,8 +243,6 @@ class AdapterHost:
         self._require(name)
         path = Path(peft_dir)
         cfg, info = read_peft_config(path), self.adapters[name]
-        if cfg.rank != info.config.rank:
-            raise ValueError(f"{path}: rank {cfg.rank}, adapter {name!r} has rank {info.config.rank}")
         if (cfg.alpha, cfg.use_rslora) != (info.config.alpha, info.config.use_rslora):
             # the factors were trained under their scaling: under another one they compute another function
             raise ValueError(f"{path}: lora_alpha={cfg.alpha:g}, use_rslora={cfg.use_rslora} (scaling "
@@ -232,7 +255,12 @@ class AdapterHost:
             if modules != set(info.modules):
                 raise ValueError(f"{path} adapts {len(modules)} modules, adapter {name!r} {len(info.modules)}: "
                                  "not the same target modules")
-            check_peft_shapes(reader, modules, model_sites(self.spec, tp), cfg.rank, path)
+            for expert in sorted({expert_of(proj) is not None for _, proj in modules}):
+                if cfg.rank_of(expert) != info.config.rank_of(expert):
+                    what = "its experts have" if expert else "it has"
+                    raise ValueError(f"{path}: {what} rank {cfg.rank_of(expert)}, adapter {name!r} "
+                                     f"{info.config.rank_of(expert)}")
+            check_peft_shapes(reader, modules, model_sites(self.spec, tp), cfg, path)
             with torch.no_grad():
                 for peft_name, kind, branch, k, is_a in self._factors(name):
                     (branch.a_of(k) if is_a else branch.lora_B[k]).copy_(read_shard(reader, peft_name, kind, tp, tp_rank))
@@ -337,7 +365,8 @@ class AdapterHost:
         modules = sorted(info.modules, key=lambda m: (m[0], projection_order(m[1], self.spec.moe)))
         layout = {}
         for layer, sub in modules:
-            a_shape, b_shape = factor_shapes(sites[(layer, sub)], sub, info.config.rank)
+            site = sites[(layer, sub)]
+            a_shape, b_shape = factor_shapes(site, sub, info.config.rank_of(site.expert is not None))
             layout[peft_tensor_name(layer, sub, "A")] = (dtype, a_shape)
             layout[peft_tensor_name(layer, sub, "B")] = (dtype, b_shape)
         if order == "layer":
@@ -405,7 +434,7 @@ class AdapterHost:
         self._require(name)
         config = self.adapter_peft_config(name) if self.mesh.rank == 0 else None
         if config is not None:
-            _warn_dense_mlp_of_moe(name, self.adapters[name].modules, self.spec.moe)
+            _warn_what_peft_drops(name, self.adapters[name].modules, self.spec)
         write_peft_adapter_sharded(out_dir, self.adapter_layout(name), self.adapter_shards(name), config, root=0)
 
     def merged_weight(self, linear: torch.nn.Module, names: list[str]) -> torch.Tensor:

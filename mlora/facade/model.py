@@ -19,7 +19,7 @@ from mlora.formats.hf_config import ModelSpec
 from mlora.formats.safetensors_writer import SafetensorsWriter
 from mlora.formats.weight_map import ParamMap, is_export_copy, stage_param_maps
 from mlora.lora.config import master_dtype
-from mlora.lora.routing import Route, check_rows, routed, row_route, sequence_route
+from mlora.lora.routing import Route, check_rows, expert_routing, routed, row_route, sequence_route
 from mlora.models.attention import SDPAttention, is_right_padded, sdpa_mask
 from mlora.models.attention import attention_mask as build_attention_mask
 from mlora.models.loader import load_shard
@@ -263,16 +263,30 @@ class MLoraModel(AdapterHost, torch.nn.Module):
             return output, loss_func
 
         ids = prepared[0][1]
-        outputs = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(prepared),
-            model=self.gpt,
-            num_microbatches=len(prepared),
-            seq_length=ids.shape[1],  # megatron divides by TP itself under sequence parallelism
-            micro_batch_size=ids.shape[0],
-            forward_only=forward_only,
-        )
+        with expert_routing(self._expert_routed(prepared)):
+            outputs = get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(prepared),
+                model=self.gpt,
+                num_microbatches=len(prepared),
+                seq_length=ids.shape[1],  # megatron divides by TP itself under sequence parallelism
+                micro_batch_size=ids.shape[0],
+                forward_only=forward_only,
+            )
         return outputs if self.mesh.is_last_stage else None
+
+    def _expert_routed(self, prepared: list) -> tuple[str, ...]:
+        """The adapters whose routes a MoE base's dispatchers carry in this call (:mod:`mlora.models.moe_routes`):
+        every active one when a micro-batch here, or on another rank of this rank's EP group (their all-to-alls
+        exchange the same columns), routes adapters; else none."""
+        if self.spec.moe is None or not self.active_adapters:
+            return ()
+        routed_here = any(p[-1] for p in prepared)
+        if self.mesh.ep > 1:
+            flag = torch.tensor([int(routed_here)], device=self.mesh.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.mesh.ep_group)
+            routed_here = bool(flag.item())
+        return self.active_adapters if routed_here else ()
 
     def _routes(self, mb: dict) -> dict[str, Route] | None:
         """The token routes (:mod:`mlora.lora.routing`) of a micro-batch's ``adapter_rows``, checked: only
@@ -406,15 +420,18 @@ class MLoraModel(AdapterHost, torch.nn.Module):
 
     def adapted_weight_names(self, adapters: Iterable[str]) -> set[str]:
         """The HF weight names of the attention projections of every layer where one of ``adapters`` adapts one,
-        and of the MLP's linears (every expert's) where it adapts one of those: whole blocks, because an engine
-        fuses q/k/v, gate/up and a layer's experts into one weight each and reloads such a weight whole
-        (:mod:`mlora.rollout.vllm_weights`)."""
+        and of the MLP's linears (every expert's) where it adapts one of those, and of a shared expert's where it
+        adapts one of its: whole blocks, because an engine fuses q/k/v, gate/up, a layer's experts and the shared
+        expert's gate/up into one weight each and reloads such a weight whole (:mod:`mlora.rollout.vllm_weights`)."""
         from mlora.lora.targets import PARENT, hf_module_name, model_projections
 
-        blocks = {(layer, PARENT.get(proj, "mlp")) for name in adapters for layer, proj in self.adapters[name].modules}
+        def block(proj: str) -> str:  # the shared expert (mlp.shared_expert.*) is an MLP apart from the experts
+            return PARENT.get(proj, "shared_expert" if ".shared_expert." in proj else "mlp")
+
+        blocks = {(layer, block(proj)) for name in adapters for layer, proj in self.adapters[name].modules}
         return {f"{hf_module_name(layer, proj)}.weight" for layer, proj in model_projections(self.spec.num_layers,
                                                                                                 self.spec.moe)
-                if (layer, PARENT.get(proj, "mlp")) in blocks}
+                if (layer, block(proj)) in blocks}
 
     def save_merged(self, out_dir: str | os.PathLike, adapters: Iterable[str] = (), only_adapted: bool = False) -> None:
         """Write an HF checkpoint from the shards, with ``W + s·B·A`` of ``adapters`` merged in

@@ -11,14 +11,15 @@ from typing import Any
 import torch
 
 # mixture-of-experts architectures: experts, router and their HF names (see MoESpec)
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "OlmoeForCausalLM")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
                            *MOE_ARCHITECTURES)
+# q/k/v bias on (their config's qkv_bias, Qwen2-MoE's; True when absent), no bias on o_proj
+QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 # q/k RMSNorm before RoPE: over each head's head_dim (Qwen3) or over all heads at once (OLMoE)
 QK_NORM = {"Qwen3ForCausalLM": "head", "Qwen3MoeForCausalLM": "head", "OlmoeForCausalLM": "full"}
 # MoE architectures people ask for that mlora does not build yet, with what they need
-MOE_NOT_YET = {"Qwen2MoeForCausalLM": "a shared expert with its sigmoid gate",
-               "DeepseekV3ForCausalLM": "multi-head latent attention and grouped top-k routing",
+MOE_NOT_YET = {"DeepseekV3ForCausalLM": "multi-head latent attention and grouped top-k routing",
                "GptOssForCausalLM": "attention sinks, biased experts and clamped SwiGLU",
                "Qwen3NextForCausalLM": "linear-attention (gated delta net) layers, which megatron-core 0.16 has "
                                        "no local layer for",
@@ -31,7 +32,10 @@ class MoESpec:
     """The mixture-of-experts facts of a model: ``num_experts`` experts of FFN width ``ffn_size`` per sparse
     layer, each token sent to ``top_k`` of them by a linear router (softmax over all experts, then top-k;
     ``normalize_topk``: the k weights rescaled to sum to 1, which is Mixtral's top-k-then-softmax), and
-    the HF names of one expert's projections and of the block that holds them."""
+    the HF names of one expert's projections and of the block that holds them. ``shared_ffn_size``: the FFN
+    width of a shared expert every token goes through beside the routed ones, its output scaled by
+    ``sigmoid(x · shared_expert_gate)`` (Qwen2-MoE: ``{block}.shared_expert`` and ``{block}.shared_expert_gate``,
+    projections named gate_proj/up_proj/down_proj); None: no shared expert."""
 
     num_experts: int
     top_k: int
@@ -40,6 +44,7 @@ class MoESpec:
     sparse_layers: tuple[int, ...]  # the others are dense MLPs of the model's intermediate_size
     block: str  # HF module holding router and experts: "mlp" or Mixtral's "block_sparse_moe"
     projections: tuple[str, str, str]  # HF names of an expert's gate, up and down projections
+    shared_ffn_size: int | None = None
 # rope types whose inverse frequencies are static and whose cos/sin are not rescaled.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -134,7 +139,7 @@ def model_spec(cfg: Any) -> ModelSpec:
         raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     if getattr(cfg, "hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}; supported: 'silu'")
-    if getattr(cfg, "attention_bias", False) and arch != "Qwen2ForCausalLM":
+    if getattr(cfg, "attention_bias", False) and arch not in QKV_BIAS:
         raise ValueError(f"{arch} with attention_bias=True (bias on o_proj) is not supported; supported: False")
     if getattr(cfg, "mlp_bias", False):
         raise ValueError("mlp_bias=True is not supported; supported: False")
@@ -150,7 +155,7 @@ def model_spec(cfg: Any) -> ModelSpec:
     if num_heads % num_kv:
         raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv}")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
         if getattr(cfg, "use_sliding_window", False):
             raise ValueError(f"{arch} with use_sliding_window=True is not supported; supported: False")
         sliding = None
@@ -168,7 +173,8 @@ def model_spec(cfg: Any) -> ModelSpec:
         norm_eps=cfg.rms_norm_eps,
         rope_theta=float(rope["rope_theta"]),
         tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        qkv_bias=arch == "Qwen2ForCausalLM" or bool(getattr(cfg, "attention_bias", False)),
+        qkv_bias=(bool(getattr(cfg, "qkv_bias", True)) if arch in QKV_BIAS
+                  else bool(getattr(cfg, "attention_bias", False))),
         max_position_embeddings=cfg.max_position_embeddings,
         sliding_window=sliding,
         hf_config=cfg,
@@ -190,11 +196,15 @@ def _moe_spec(arch: str, cfg: Any) -> MoESpec:
                              "(training-time noise on a frozen router); supported: 0.0")
         return MoESpec(experts, top_k, cfg.intermediate_size, True, tuple(layers), "block_sparse_moe",
                        ("w1", "w3", "w2"))
-    if arch == "Qwen3MoeForCausalLM":  # dense MLPs where mlp_only_layers or decoder_sparse_step say so
+    if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):  # dense MLPs where mlp_only_layers or
+        # decoder_sparse_step say so; Qwen2-MoE adds a gated shared expert to each sparse layer
         step, dense = getattr(cfg, "decoder_sparse_step", 1) or 1, set(getattr(cfg, "mlp_only_layers", None) or ())
         sparse = tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
+        shared = cfg.shared_expert_intermediate_size if arch == "Qwen2MoeForCausalLM" else None
+        if shared is not None and shared <= 0:
+            raise ValueError(f"{arch}: shared_expert_intermediate_size={shared}; valid: > 0")
         return MoESpec(experts, top_k, cfg.moe_intermediate_size, bool(cfg.norm_topk_prob), sparse, "mlp",
-                       ("gate_proj", "up_proj", "down_proj"))
+                       ("gate_proj", "up_proj", "down_proj"), shared)
     return MoESpec(experts, top_k, cfg.intermediate_size, bool(getattr(cfg, "norm_topk_prob", False)), tuple(layers),
                    "mlp", ("gate_proj", "up_proj", "down_proj"))
 
@@ -217,6 +227,9 @@ def check_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> None:
     dense_mlp = spec.moe is None or len(spec.moe.sparse_layers) < spec.num_layers  # experts are not TP-split
     if dense_mlp and spec.intermediate_size % tp:
         raise ValueError(f"tp={tp} does not divide intermediate_size={spec.intermediate_size}")
+    shared = spec.moe.shared_ffn_size if spec.moe is not None else None  # a shared expert is TP-split
+    if shared is not None and shared % tp:
+        raise ValueError(f"tp={tp} does not divide shared_expert_intermediate_size={shared}")
     if spec.num_layers % pp:
         raise ValueError(
             f"pp={pp} does not divide num_hidden_layers={spec.num_layers}; "

@@ -25,6 +25,7 @@ REPLICATED, ROWS, COLUMNS, QKV, FC1, VOCAB = "replicated", "rows", "columns", "q
 
 
 _SPLIT_DIM = {ROWS: 0, COLUMNS: 1}
+_SHARED = "mlp.shared_experts."  # megatron's SharedExpertMLP in a MoE layer
 
 
 def read_shard(reader: CheckpointReader, name: str, kind: str, tp: int, tp_rank: int) -> torch.Tensor:
@@ -59,6 +60,13 @@ class ParamMap:
     kind: str
     expert: bool = False  # an expert's linear: whole on its EP rank (expert TP is 1), FFN width moe.ffn_size
 
+    def ffn(self, spec: ModelSpec) -> int:
+        """The FFN width of the MLP this parameter belongs to: a routed expert's, the shared expert's
+        (TP-split like a dense MLP's) or the dense MLP's."""
+        if self.expert:
+            return spec.moe.ffn_size
+        return spec.moe.shared_ffn_size if _SHARED in self.megatron_name else spec.intermediate_size
+
     def hf_shapes(self, spec: ModelSpec, reader_shapes: dict[str, tuple[int, ...]] | None = None
                   ) -> dict[str, tuple[int, ...]]:
         """Shapes of the HF tensors this parameter exports to."""
@@ -68,7 +76,7 @@ class ParamMap:
             trail = (h,) if self.megatron_name.endswith("weight") else ()
             return {q: (spec.num_heads * hd, *trail), k: (spec.num_kv_heads * hd, *trail),
                     v: (spec.num_kv_heads * hd, *trail)}
-        ffn = spec.moe.ffn_size if self.expert else spec.intermediate_size
+        ffn = self.ffn(spec)
         if self.kind == FC1:
             return {n: (ffn, h) for n in self.hf_names}
         if self.kind == VOCAB:
@@ -79,6 +87,8 @@ class ParamMap:
             return {self.hf_names[0]: (out, inp)}
         if self.megatron_name.endswith("router.weight"):
             return {self.hf_names[0]: (spec.moe.num_experts, h)}
+        if self.megatron_name.endswith(_SHARED + "gate_weight"):  # the shared expert's sigmoid gate, [1, hidden]
+            return {self.hf_names[0]: (1, h)}
         if "layernorm" in self.megatron_name and "self_attention" in self.megatron_name:  # q/k norm
             heads = spec.num_heads if "q_layernorm" in self.megatron_name else spec.num_kv_heads
             return {self.hf_names[0]: (hd * heads if spec.qk_norm == "full" else hd,)}
@@ -91,7 +101,7 @@ class ParamMap:
         if self.kind in (REPLICATED, ROWS, COLUMNS):
             return read_shard(reader, self.hf_names[0], self.kind, tp, tp_rank)
         if self.kind == FC1:
-            n = (spec.moe.ffn_size if self.expert else spec.intermediate_size) // tp
+            n = self.ffn(spec) // tp
             return torch.cat([reader.read(name, 0, tp_rank * n, (tp_rank + 1) * n) for name in self.hf_names])
         if self.kind == QKV:
             groups = spec.num_kv_heads // tp
@@ -189,7 +199,8 @@ def stage_param_maps(spec: ModelSpec, pp: int, pp_rank: int, ep: int = 1, ep_ran
 
 
 def _expert_maps(spec: ModelSpec, m: str, h: str, ep: int, ep_rank: int) -> list[ParamMap]:
-    """The router and this EP rank's experts of one sparse layer (megatron prefix ``m``, HF prefix ``h``)."""
+    """The router, this EP rank's experts and the shared expert (TP-split, on every EP rank) with its gate of one
+    sparse layer (megatron prefix ``m``, HF prefix ``h``)."""
     block = f"{h}{spec.moe.block}."
     gate, up, down = spec.moe.projections
     maps = [ParamMap(m + "mlp.router.weight", (block + "gate.weight",), REPLICATED)]
@@ -197,6 +208,11 @@ def _expert_maps(spec: ModelSpec, m: str, h: str, ep: int, ep_rank: int) -> list
         x, hx = f"{m}mlp.experts.local_experts.{j}.", f"{block}experts.{e}."
         maps.append(ParamMap(x + "linear_fc1.weight", (f"{hx}{gate}.weight", f"{hx}{up}.weight"), FC1, expert=True))
         maps.append(ParamMap(x + "linear_fc2.weight", (f"{hx}{down}.weight",), COLUMNS, expert=True))
+    if spec.moe.shared_ffn_size is not None:
+        x, hx = f"{m}{_SHARED}", f"{block}shared_expert."
+        maps.append(ParamMap(x + "linear_fc1.weight", (f"{hx}gate_proj.weight", f"{hx}up_proj.weight"), FC1))
+        maps.append(ParamMap(x + "linear_fc2.weight", (f"{hx}down_proj.weight",), COLUMNS))
+        maps.append(ParamMap(x + "gate_weight", (f"{block}shared_expert_gate.weight",), REPLICATED))
     return maps
 
 

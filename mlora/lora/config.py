@@ -49,6 +49,11 @@ class LoraConfig:
             linear_fc2``) or layer-indexed paths such as ``layers.0.self_attn.q_proj``.
         exclude_modules: same forms; removed from the targets.
         use_rslora: rank-stabilised scaling.
+        expert_rank: r of every MoE expert's projections (None: ``rank``), scaled ``alpha / expert_rank``
+            (``alpha / sqrt(expert_rank)`` with ``use_rslora``) as PEFT scales a module of its
+            ``rank_pattern``. "LoRA Without Regret" (Thinking Machines, 2025) suggests the total rank
+            divided by the active experts per token. One rank for all experts and projections: vLLM's
+            MoE LoRA and PEFT's fused experts take no other.
         seed: seeds the initialisation of A (B starts at 0) and the dropout masks. Each module's
             stream is derived from (seed, adapter name, layer, HF projection), so projections,
             layers and adapters of one config never share draws, and the result is the same on
@@ -77,11 +82,18 @@ class LoraConfig:
     use_rslora: bool = False
     seed: int = 0
     init_method: str = "kaiming"
+    expert_rank: int | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
             raise ValueError(f"LoRA rank={self.rank!r} is invalid: it must be a positive integer")
+        if self.expert_rank is not None and (isinstance(self.expert_rank, bool) or not isinstance(
+                self.expert_rank, int) or self.expert_rank <= 0):
+            raise ValueError(f"LoRA expert_rank={self.expert_rank!r} is invalid: it must be a positive integer "
+                             "(or None: the experts take rank)")
+        if self.expert_rank == self.rank:  # the same adapter as without it (and as its PEFT files read back)
+            object.__setattr__(self, "expert_rank", None)
         if not self.alpha > 0:
             raise ValueError(f"LoRA alpha={self.alpha!r} is invalid: it must be > 0")
         if not 0.0 <= self.dropout < 1.0:
@@ -94,5 +106,19 @@ class LoraConfig:
 
     @property
     def scaling(self) -> float:
-        """The factor s in ``W x + s · B A x``."""
-        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+        """The factor s in ``W x + s · B A x`` (of a module that is not a MoE expert)."""
+        return self.scaling_of(False)
+
+    def rank_of(self, expert: bool) -> int:
+        """r of an expert's projection (``expert``) or of any other module."""
+        return self.expert_rank if expert and self.expert_rank is not None else self.rank
+
+    def scaling_of(self, expert: bool) -> float:
+        """s of an expert's projection (``expert``) or of any other module."""
+        r = self.rank_of(expert)
+        return self.alpha / (math.sqrt(r) if self.use_rslora else r)
+
+    @property
+    def max_rank(self) -> int:
+        """The largest r of any module (what an engine's ``max_lora_rank`` must hold)."""
+        return max(self.rank, self.expert_rank or 0)

@@ -48,7 +48,7 @@ from megatron.core.tensor_parallel.mappings import (
 from torch.autograd.function import once_differentiable
 
 from mlora.lora.config import derive_seed
-from mlora.lora.routing import ROUTES, Route, route_index, route_parts
+from mlora.lora.routing import EXPERT_TOKENS, ROUTES, Route, expert_route, route_index, route_parts
 
 # Elements of a full-width dropout mask drawn per generator (64 MiB of float32 scratch). A function
 # of the full input width only, so every mesh splits the draws into the same chunks.
@@ -454,15 +454,17 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     :func:`mlora.fp8.fp8_linear` (input quantized per token, ``torch._scaled_mm``; its input
     gradient uses the dequantized weight); the deltas are computed from the unquantized ``x``.
     ``fp8_group``: a row-parallel input's TP group, over which the per-token scale is all-reduced.
-    ``routes``: per branch, the tokens of the flattened ``x`` it applies to (:mod:`mlora.lora.routing`;
-    None, or None for a branch: every token)."""
+    ``routes``: per branch, the tokens of the flattened ``x`` it applies to (:mod:`mlora.lora.routing`: a
+    route of slices, or an expert's int64 token indices; None, or None for a branch: every token)."""
     if weight_scale is not None:
         return _fp8_base_plus(x, weight, weight_scale, bias, branch_deltas(branches, x, site, routes), fp8_group)
     if not branches:
         return F.linear(x, weight, bias)
-    if any(b.compute_dtype not in (None, x.dtype) for b in branches):
+    if any(b.compute_dtype not in (None, x.dtype) for b in branches) or any(
+            isinstance(r, torch.Tensor) for r in routes or ()):
         # a branch in another dtype than the base (float32 on bf16, PEFT's mixed precision) cannot
-        # accumulate into the base GEMM's buffer: its delta is added in the output's dtype instead
+        # accumulate into the base GEMM's buffer: its delta is added in the output's dtype instead; nor can
+        # an expert's branch routed to scattered token indices (the index path gathers and scatters them)
         return add_deltas(F.linear(x, weight, bias), branch_deltas(branches, x, site, routes))
     specs, factors = [], []
     for branch, route in zip(branches, routes or itertools.repeat(None)):
@@ -480,7 +482,8 @@ def _route_input(x: torch.Tensor, route: Route) -> torch.Tensor:
     """The tokens of ``route`` from ``x`` (``[..., in]``), gathered in order into ``[tokens, in]``
     (differentiable: one index_select, whose backward is one index_add)."""
     x2 = x.reshape(-1, x.shape[-1])
-    return x2.index_select(0, route_index(route, x2.shape[0], x2.device))
+    index = route if isinstance(route, torch.Tensor) else route_index(route, x2.shape[0], x2.device)
+    return x2.index_select(0, index)
 
 
 def branch_deltas(branches: list[LoraBranch], x: torch.Tensor, site: LoraSite | None,
@@ -495,7 +498,8 @@ def branch_deltas(branches: list[LoraBranch], x: torch.Tensor, site: LoraSite | 
     for branch, route in zip(branches, routes or itertools.repeat(None)):
         dtype = branch.compute_dtype or x.dtype
         if route is not None:
-            index = route_index(route, x.numel() // x.shape[-1], x.device)
+            index = route if isinstance(route, torch.Tensor) else route_index(route, x.numel() // x.shape[-1],
+                                                                              x.device)
             out.append((lora_delta(branch, _route_input(x, route).to(dtype), site), index))
             continue
         if dtype not in cast:
@@ -572,15 +576,17 @@ class LoraHost:
         """The active branches and, while routes are set (:data:`mlora.lora.routing.ROUTES`), each one's
         route (None: every token); a branch routed to no token is left out. Without routes: ``(branches,
         None)``, the unrouted path."""
+        expert = self.lora_site.expert if self.lora_site is not None else None
+        if expert is not None and EXPERT_TOKENS:
+            return self._expert_routed_branches(expert)
         if not ROUTES:
             return list(self._branches()), None
-        if self.lora_site is not None and self.lora_site.expert is not None and any(self._branches()):
+        if expert is not None and any(self._branches()):
             # the dispatcher permutes tokens and sends them to other EP ranks: row routes no longer index them
             raise NotImplementedError(
                 f"mixed-adapter micro-batches route adapters by rows, but adapters {sorted(ROUTES)} reach the "
-                f"experts of MoE layer {self.lora_site.layer}, whose tokens the MoE dispatcher reorders (routes "
-                "through the dispatcher are not built): give mixed experiments on a MoE base attention targets "
-                "(q_proj, k_proj, v_proj, o_proj), or run them one at a time")
+                f"experts of MoE layer {self.lora_site.layer}, whose MoE layer does not carry the routes through its "
+                "dispatcher (mlora.models.moe_routes.AdapterRoutedMoELayer does)")
         branches, routes = [], []
         for name in self.active_adapters:
             route = ROUTES.get(name)
@@ -588,6 +594,17 @@ class LoraHost:
                 branches.append(self.lora[name])
                 routes.append(route)
         return branches, routes
+
+    def _expert_routed_branches(self, expert: int) -> tuple[list[LoraBranch], list | None]:
+        """An expert linear's active branches with the token indices of its input each applies to
+        (:func:`mlora.lora.routing.expert_route`); ``(branches, None)`` when every branch takes every token."""
+        branches, routes = [], []
+        for branch, name in ((self.lora[n], n) for n in self.active_adapters if n in self.lora):
+            route = expert_route(name, expert)
+            if not isinstance(route, tuple):  # () routes the branch to none of this expert's tokens
+                branches.append(branch)
+                routes.append(route)
+        return branches, (routes if any(r is not None for r in routes) else None)
 
 
 class LoraColumnParallelLinear(LoraHost, tensor_parallel.ColumnParallelLinear):

@@ -127,3 +127,67 @@ def route_index(route: Route, tokens: int, device: torch.device) -> torch.Tensor
 def _index(key: tuple[tuple, ...], tokens: int, device: torch.device) -> torch.Tensor:
     every = torch.arange(tokens, device=device)
     return torch.cat([every[slice(*k)] for k in key])
+
+
+# Routes through a MoE layer's experts. The dispatcher permutes tokens and sends them to other EP ranks, so a
+# slice route no longer indexes an expert's input. Instead the MoE layer (:mod:`mlora.models.moe_routes`) sends
+# one 0/1 column per adapter of :data:`EXPERT_ADAPTERS` along with the hidden states, and while its experts run,
+# :data:`EXPERT_TOKENS` holds those columns for the dispatched tokens; an expert's linear reads its adapters'
+# token indices from them (:func:`expert_route`). EXPERT_ADAPTERS is set for a whole forward_backward call
+# (recomputes included) and must be the same on every rank of an EP group: their all-to-alls exchange the columns.
+EXPERT_ADAPTERS: list[str] = []
+EXPERT_TOKENS: dict = {}
+
+
+@contextlib.contextmanager
+def expert_routing(names: Sequence[str]) -> Iterator[None]:
+    """Adapters ``names`` routed through the experts inside the block (none: the experts see no columns)."""
+    EXPERT_ADAPTERS[:] = names
+    try:
+        yield
+    finally:
+        EXPERT_ADAPTERS.clear()
+
+
+def token_masks(names: Sequence[str], tokens: int, lo: int, hi: int, like: torch.Tensor) -> torch.Tensor:
+    """``[hi - lo, len(names)]`` in ``like``'s dtype and device: 1 where flattened token ``lo + i`` belongs to
+    adapter ``names[k]``'s current route (an adapter without a route: every token) out of ``tokens``."""
+    out = like.new_zeros(tokens, len(names))
+    for k, name in enumerate(names):
+        route = ROUTES.get(name)
+        if route is None:
+            out[:, k] = 1
+        elif route:
+            out[route_index(route, tokens, out.device), k] = 1
+    return out[lo:hi]
+
+
+@contextlib.contextmanager
+def dispatched_tokens(masks: torch.Tensor, tokens_per_expert: Sequence[int], first_expert: int) -> Iterator[None]:
+    """While a MoE layer's local experts run: ``masks`` (``[tokens, len(EXPERT_ADAPTERS)]``) of the dispatched
+    tokens, of which local expert ``first_expert + j`` gets the ``tokens_per_expert[j]`` after the previous ones'."""
+    bounds, at = {}, 0
+    for j, n in enumerate(tokens_per_expert):
+        bounds[first_expert + j] = (at, at + int(n))
+        at += int(n)
+    EXPERT_TOKENS.update(names=tuple(EXPERT_ADAPTERS), masks=masks.bool(), bounds=bounds, cache={})
+    try:
+        yield
+    finally:
+        EXPERT_TOKENS.clear()
+
+
+def expert_route(name: str, expert: int) -> torch.Tensor | Route | None:
+    """The tokens of ``expert``'s input that adapter ``name`` applies to, while :func:`dispatched_tokens` is in
+    force: None for every token, ``()`` for none, else their indices (int64, ascending)."""
+    cache = EXPERT_TOKENS["cache"]
+    if (name, expert) not in cache:
+        names = EXPERT_TOKENS["names"]
+        if name not in names:
+            route = None
+        else:
+            start, stop = EXPERT_TOKENS["bounds"][expert]
+            rows = EXPERT_TOKENS["masks"][start:stop, names.index(name)].nonzero().squeeze(1)
+            route = None if len(rows) == stop - start else () if not len(rows) else rows
+        cache[(name, expert)] = route
+    return cache[(name, expert)]

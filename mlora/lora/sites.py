@@ -6,7 +6,7 @@ import torch
 
 from mlora.formats.weight_map import COLUMNS, REPLICATED, ROWS
 from mlora.lora.layers import LoraSite
-from mlora.lora.targets import expert_projection
+from mlora.lora.targets import MLP_PROJECTIONS, expert_projection, shared_expert_projection
 
 # How each factor is split over TP (see mlora.lora.layers): column: A replicated, B like W;
 # row: A split on the input dim, B replicated.
@@ -25,7 +25,7 @@ def factor_shapes(site: LoraSite, sub: str, rank: int) -> tuple[tuple[int, int],
 
 def model_sites(spec, tp: int) -> dict[tuple[int, str], LoraSite]:
     """(layer, HF projection) -> the LoraSite of the parallel linear that carries it."""
-    hd, hpg, inter = spec.head_dim, spec.heads_per_group, spec.intermediate_size
+    hd, hpg = spec.head_dim, spec.heads_per_group
     sites: dict[tuple[int, str], LoraSite] = {}
     for i in range(spec.num_layers):
         for site in (
@@ -36,13 +36,9 @@ def model_sites(spec, tp: int) -> dict[tuple[int, str], LoraSite]:
                      placement=((0, hpg * hd), (hpg * hd, hd), ((hpg + 1) * hd, hd))),
             LoraSite(layer=i, parallel="row", subs=("o_proj",), in_local=spec.num_heads * hd // tp,
                      in_full=spec.num_heads * hd, out_full=(spec.hidden_size,)),
-            *(() if spec.is_sparse(i) else (  # a MoE layer's MLP is its experts: no site of its own
-                LoraSite(layer=i, parallel="column", subs=("gate_proj", "up_proj"), in_local=spec.hidden_size,
-                         in_full=spec.hidden_size, out_full=(inter, inter), groups=1, block=2 * inter // tp,
-                         placement=((0, inter // tp), (inter // tp, inter // tp))),
-                LoraSite(layer=i, parallel="row", subs=("down_proj",), in_local=inter // tp, in_full=inter,
-                         out_full=(spec.hidden_size,)))),
-            *(expert_sites(spec, i) if spec.is_sparse(i) else ()),
+            # a MoE layer's MLP is its experts (and shared expert): no site of its own
+            *(() if spec.is_sparse(i) else mlp_sites(spec, i, MLP_PROJECTIONS, spec.intermediate_size, tp)),
+            *(expert_sites(spec, i) + shared_expert_sites(spec, i, tp) if spec.is_sparse(i) else ()),
         ):
             for sub in site.subs:
                 sites[(i, sub)] = site
@@ -64,6 +60,26 @@ def expert_sites(spec, layer: int) -> list[LoraSite]:
     return out
 
 
+def shared_expert_sites(spec, layer: int, tp: int) -> list[LoraSite]:
+    """The fc1 (gate, up) and fc2 (down) sites of MoE layer ``layer``'s shared expert (none without one): a dense
+    MLP of width ``moe.shared_ffn_size``, TP-split and laid out like the dense MLP's (column fc1, row fc2)."""
+    if spec.moe.shared_ffn_size is None:
+        return []
+    subs = tuple(shared_expert_projection(spec.moe, k) for k in range(3))
+    return mlp_sites(spec, layer, subs, spec.moe.shared_ffn_size, tp)
+
+
+def mlp_sites(spec, layer: int, subs: tuple[str, str, str], ffn: int, tp: int) -> list[LoraSite]:
+    """The sites of a TP-split gated MLP of width ``ffn`` whose gate, up and down projections are keyed ``subs``:
+    column-parallel fc1 (megatron's per-rank ``[gate shard; up shard]``) and row-parallel fc2."""
+    gate, up, down = subs
+    return [LoraSite(layer=layer, parallel="column", subs=(gate, up), in_local=spec.hidden_size,
+                     in_full=spec.hidden_size, out_full=(ffn, ffn), groups=1, block=2 * ffn // tp,
+                     placement=((0, ffn // tp), (ffn // tp, ffn // tp))),
+            LoraSite(layer=layer, parallel="row", subs=(down,), in_local=ffn // tp, in_full=ffn,
+                     out_full=(spec.hidden_size,))]
+
+
 def attach_lora_sites(gpt: torch.nn.Module, spec, tp: int) -> None:
     """Tell each LoRA linear of this stage where it sits: layer index, projections, output layout."""
     sites = model_sites(spec, tp)
@@ -79,3 +95,7 @@ def attach_lora_sites(gpt: torch.nn.Module, spec, tp: int) -> None:
         for e, expert in zip(layer.mlp.local_expert_indices, layer.mlp.experts.local_experts):
             expert.linear_fc1.lora_site = sites[(i, expert_projection(spec.moe, e, 0))]
             expert.linear_fc2.lora_site = sites[(i, expert_projection(spec.moe, e, 2))]
+        if spec.moe.shared_ffn_size is not None:
+            shared = layer.mlp.shared_experts
+            shared.linear_fc1.lora_site = sites[(i, shared_expert_projection(spec.moe, 0))]
+            shared.linear_fc2.lora_site = sites[(i, shared_expert_projection(spec.moe, 2))]

@@ -7,6 +7,11 @@ An expert's projection is keyed by its HF path below the layer, ``mlp.experts.{e
 ``block_sparse_moe.experts.{e}.w1``), the per-expert name HF checkpoints and PEFT adapters use: one
 adapter per expert and projection. ``gate_proj``/``up_proj``/``down_proj`` (and ``linear_fc1``/``linear_fc2``,
 ``all-linear``) reach every expert of a MoE layer as they reach a dense MLP; the router is not a target.
+
+A shared expert (Qwen2-MoE) is a dense MLP inside the MoE block, keyed ``mlp.shared_expert.gate_proj`` and so on
+(its HF path below the layer, as PEFT names it): the MLP names reach it as well as every routed expert. Its
+``shared_expert_gate`` (a ``[1, hidden]`` linear PEFT's all-linear would include) stays frozen and is no target:
+mlora's all-linear is the projections, and a scalar gate's LoRA would not be low-rank.
 """
 
 from __future__ import annotations
@@ -24,8 +29,14 @@ PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # Megatron path components -> HF ones, for layer-indexed Megatron patterns.
-_PATH_ALIASES = {"decoder": "model", "self_attention": "self_attn"}
+_PATH_ALIASES = {"decoder": "model", "self_attention": "self_attn", "shared_experts": "shared_expert"}
 VALID_NAMES = ("all-linear", *HF_PROJECTIONS, *MEGATRON_MODULES)
+
+
+def shared_expert_projection(moe, k: int) -> str:
+    """The key of projection ``k`` (0 gate, 1 up, 2 down) of a MoE layer's shared expert: its HF path below the
+    layer, ``mlp.shared_expert.gate_proj``."""
+    return f"{moe.block}.shared_expert.{MLP_PROJECTIONS[k]}"
 
 
 def expert_projection(moe, expert: int, k: int) -> str:
@@ -40,8 +51,11 @@ def expert_of(proj: str) -> int | None:
 
 
 def projection_order(proj: str, moe=None) -> tuple[int, int, int]:
-    """Sort key of projections within a layer: attention, dense MLP, then experts by index, gate/up/down."""
+    """Sort key of projections within a layer: attention, dense MLP, then experts by index, gate/up/down, then the
+    shared expert's gate/up/down (HF's order of the block's modules)."""
     expert = expert_of(proj)
+    if expert is None and "." in proj:  # the shared expert's
+        return len(HF_PROJECTIONS) + 1, 0, MLP_PROJECTIONS.index(proj.rsplit(".", 1)[1])
     if expert is None:
         return HF_PROJECTIONS.index(proj), 0, 0
     leaf = proj.rsplit(".", 1)[1]
@@ -68,6 +82,9 @@ def model_projections(num_layers: int, moe=None) -> dict[tuple[int, str], str]:
         for e in range(moe.num_experts):
             for k, p in enumerate(MLP_PROJECTIONS):
                 out[(i, expert_projection(moe, e, k))] = p
+        if moe.shared_ffn_size is not None:
+            for k, p in enumerate(MLP_PROJECTIONS):
+                out[(i, shared_expert_projection(moe, k))] = p
     return out
 
 
@@ -93,6 +110,10 @@ def _expand(pattern: str, universe: dict[tuple[int, str], str], moe) -> set[tupl
             projs = set()
     elif last in HF_PROJECTIONS or last in leaves:
         projs = {last}
+    elif last in ("shared_expert_gate", "gate_weight") and moe is not None and moe.shared_ffn_size is not None:
+        raise ValueError(f"target module {pattern!r}: the shared expert's sigmoid gate (output width 1) is not a LoRA "
+                         "target; the shared expert's projections are (shared_expert.gate_proj, .up_proj, "
+                         ".down_proj, or gate_proj/up_proj/down_proj for every MLP)")
     else:
         valid = (*VALID_NAMES, *(n for n in leaves if n not in VALID_NAMES))
         raise ValueError(f"unknown target module {pattern!r}; valid names: {', '.join(valid)} "

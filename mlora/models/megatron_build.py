@@ -67,11 +67,18 @@ def moe_config_kwargs(spec: ModelSpec, mesh: Mesh) -> dict:
     """megatron's MoE settings that reproduce ``spec.moe`` (none for a dense model): a frozen linear router
     in float32 with HF's routing (softmax over all experts then top-k, or top-k then softmax when the k
     weights are renormalised, Mixtral's and ``norm_topk_prob``), no load-balancing loss and no token drop,
-    experts as megatron's SequentialMLP split over EP ranks (expert TP 1), the all-to-all dispatcher."""
+    experts as megatron's SequentialMLP split over EP ranks (expert TP 1), the all-to-all dispatcher; a shared
+    expert (Qwen2-MoE) as megatron's SharedExpertMLP, TP-split like a dense MLP, its output scaled by
+    ``sigmoid(x · gate_weight)`` (HF's ``shared_expert_gate``) and computed before the dispatch, not
+    overlapped with it (``moe_shared_expert_overlap`` needs CUDA streams)."""
     moe = spec.moe
     if moe is None:
         return {}
+    shared = {} if moe.shared_ffn_size is None else dict(moe_shared_expert_intermediate_size=moe.shared_ffn_size,
+                                                          moe_shared_expert_gate=True,
+                                                          moe_shared_expert_overlap=False)
     return dict(
+        **shared,
         num_moe_experts=moe.num_experts,
         moe_ffn_hidden_size=moe.ffn_size,
         moe_router_topk=moe.top_k,
@@ -169,7 +176,8 @@ def gpt_model(spec: ModelSpec, mesh, config, layer_spec, vocab_size: int):
 def block_spec(config):
     """megatron's local GPT layer spec (its MoE layer where the config's ``moe_layer_freq`` says so) with
     three swaps: mlora's RMSNorm (SP-capable; the full-width q/k norms of OLMoE) in every norm slot,
-    LoRA-capable parallel linears in every linear slot, experts' included, and, unless the config's
+    LoRA-capable parallel linears in every linear slot, experts' and the shared expert's included (the
+    latter only where the config has one), and, unless the config's
     ``mlora_attention`` (set by :func:`build_gpt_model`) says ``"unfused"``, :class:`SDPAttention`
     (torch's fused scaled_dot_product_attention) in the core-attention slot."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -198,7 +206,12 @@ def block_spec(config):
         lora = dict(linear_fc1=LoraColumnParallelLinear, linear_fc2=LoraRowParallelLinear)
         if num_experts:  # an expert is megatron's MLP with the same LoRA-capable linears (expert TP 1)
             sub.mlp.submodules.experts.submodules = dataclasses.replace(mlp, **lora)
-            sub.mlp.submodules = dataclasses.replace(sub.mlp.submodules, shared_experts=None)
+            shared = sub.mlp.submodules.shared_experts  # megatron's SharedExpertMLP: a TP-split MLP
+            if getattr(config, "moe_shared_expert_intermediate_size", None) is None:
+                shared = None
+            else:
+                shared = dataclasses.replace(shared, submodules=dataclasses.replace(shared.submodules, **lora))
+            sub.mlp.submodules = dataclasses.replace(sub.mlp.submodules, shared_experts=shared)
         else:
             sub.mlp.submodules = dataclasses.replace(mlp, **lora)
         layer.submodules = dataclasses.replace(sub, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm)
@@ -210,6 +223,19 @@ def block_spec(config):
     sparse, offset = layer_spec(num_experts), get_transformer_layer_offset(config)
     layers = [sparse if config.moe_layer_freq[offset + j] else dense for j in range(count)]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm)
+
+
+def route_through_experts(model: torch.nn.Module) -> None:
+    """Every megatron MoE layer of ``model`` becomes an :class:`~mlora.models.moe_routes.AdapterRoutedMoELayer`
+    (mixed-adapter routes reach the experts). Swapped after the build, not in the layer spec: megatron's
+    TransformerLayer hands its process groups only to the MoE classes it knows by identity."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from mlora.models.moe_routes import AdapterRoutedMoELayer
+
+    for module in model.modules():
+        if type(module) is MoELayer:
+            module.__class__ = AdapterRoutedMoELayer
 
 
 def build_gpt_model(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, fp8: str | None = None,
@@ -244,6 +270,7 @@ def build_gpt_model(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, fp8: str | 
     model = gpt_model(spec, mesh, config, layer_spec(config), spec.padded_vocab_size(mesh.tp))
     for p in model.parameters():
         p.requires_grad_(False)
+    route_through_experts(model)
     attach_lora_sites(model, spec, mesh.tp)
     prepare_for_recompute(model, recompute)
     return model

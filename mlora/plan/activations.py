@@ -73,6 +73,7 @@ class Experts:
     ep: int
     topk_softmax: bool  # softmax over the k chosen logits (top-k weights renormalised), else over all E first
     load: float = 1.0  # token copies received, relative to balanced routing
+    shared_ffn: int = 0  # a shared expert's intermediate size on this rank (TP-split like a dense MLP's; 0: none)
 
     @property
     def local(self) -> int:
@@ -147,10 +148,11 @@ class Geometry:
 @dataclass(frozen=True)
 class LayerLora:
     """The trainable LoRA of one layer: how many projections each of the four sites adapts (``qkv``: q, k,
-    v; ``proj``: o; ``fc1``: gate, up; ``fc2``: down) and the rank."""
+    v; ``proj``: o; ``fc1``: gate, up; ``fc2``: down), the rank and the experts' rank."""
 
     sites: Mapping[str, int]
     rank: int
+    expert_rank: int  # of a sparse layer's experts
 
     def k(self, site: str) -> int:
         return self.sites.get(site, 0)
@@ -192,15 +194,40 @@ def _experts_saved(g: Geometry, lora: LayerLora, grad: bool) -> tuple[int, bool]
     if grad or k1 or k2:
         total += t * x.top_k * I64  # the sorted indices the experts' outputs are scattered back with
     if k1:  # the received tokens (one storage, split per expert) and x·Aᵀ; one s·B block per local expert
-        total += _branch_input(g, g.hidden, tokens=n) + _lora_saved(g, k1, lora.rank, 2 * x.ffn, n, x.local)
+        total += _branch_input(g, g.hidden, tokens=n) + _lora_saved(g, k1, lora.expert_rank, 2 * x.ffn, n, x.local)
     mlp_grad = grad or k1 > 0
     if mlp_grad:  # [gate; up], silu(gate), up + 0, and the float32 routing weight the GLU output is scaled by
         total += n * 4 * x.ffn * e + n * F32
         if grad:
             total += n * x.ffn * e  # the GLU output itself, for the routing weight's gradient
     if k2:
-        total += _branch_input(g, x.ffn, tokens=n) + _lora_saved(g, k2, lora.rank, g.hidden, n, x.local)
-    return total, mlp_grad or k2 > 0
+        total += _branch_input(g, x.ffn, tokens=n) + _lora_saved(g, k2, lora.expert_rank, g.hidden, n, x.local)
+    shared, shared_grad = _shared_expert_saved(g, lora, grad)
+    return total + shared, mlp_grad or k2 > 0 or shared_grad
+
+
+def _shared_expert_saved(g: Geometry, lora: LayerLora, grad: bool) -> tuple[int, bool]:
+    """A shared expert (megatron's SharedExpertMLP, Qwen2-MoE): a dense MLP of its own width (its LoRA at the
+    ``shared_fc1``/``shared_fc2`` sites, in the adapter's rank), then ``sigmoid(x·gate)`` times its output: the
+    sigmoid's result (which the product keeps too) and, for the gate's gradient, the MLP output."""
+    ffn, e, t = g.experts.shared_ffn, g.item, g.stream_tokens
+    if not ffn:
+        return 0, False
+    total = 0
+    k1, k2 = lora.k("shared_fc1"), lora.k("shared_fc2")
+    if k1:
+        total += _branch_input(g, g.hidden) + _lora_saved(g, k1, lora.rank, 2 * ffn)
+    mlp_grad = grad or k1 > 0
+    if mlp_grad:
+        total += g.tokens * 4 * ffn * e  # fc1 output [gate; up], silu(gate), up + 0 (megatron's glu)
+    if k2:
+        total += _branch_input(g, ffn) + _lora_saved(g, k2, lora.rank, g.hidden)
+    out_grad = mlp_grad or k2 > 0
+    if grad or out_grad:
+        total += t * e  # the sigmoid's output
+    if grad:
+        total += t * g.hidden * e  # the MLP output, for the gate's gradient
+    return total, out_grad
 
 
 def _qk_norm_saved(g: Geometry) -> int:

@@ -147,8 +147,15 @@ def layer_geometries(spec: ModelSpec, layout: Layout, workload: Workload, batch:
         return [g] * len(layers)
     moe = spec.moe
     sparse = replace(g, experts=Experts(moe.num_experts, moe.top_k, moe.ffn_size, layout.ep, moe.normalize_topk,
-                                        workload.expert_load))
+                                        workload.expert_load, (moe.shared_ffn_size or 0) // layout.tp))
     return [sparse if spec.is_sparse(i) else g for i in layers]
+
+
+def _site_of(proj: str) -> str:
+    """The :class:`LayerLora` site of a dense projection key; a shared expert's (``mlp.shared_expert.gate_proj``,
+    :mod:`mlora.lora.targets`) has its own, ``shared_fc1``/``shared_fc2``."""
+    leaf = proj.rsplit(".", 1)[-1]
+    return SITE_OF[leaf] if leaf == proj else "shared_" + SITE_OF[leaf]
 
 
 def layer_loras(spec: ModelSpec, workload: Workload, layers: range) -> list[LayerLora]:
@@ -160,8 +167,9 @@ def layer_loras(spec: ModelSpec, workload: Workload, layers: range) -> list[Laye
     for i in layers:
         sites: dict[str, int] = {}
         for proj in adapted[i]:
-            sites[SITE_OF[proj]] = sites.get(SITE_OF[proj], 0) + 1
-        out.append(LayerLora(sites, workload.rank))
+            site = _site_of(proj)
+            sites[site] = sites.get(site, 0) + 1
+        out.append(LayerLora(sites, workload.rank, workload.expert_rank or workload.rank))
     return out
 
 
@@ -294,7 +302,9 @@ def engine_bytes(spec: ModelSpec, engine: Engine, lora: LoraConfig, slots: int =
     item = _item(engine.dtype)
     ep = engine.tp if spec.moe is not None and spec.moe.num_experts % engine.tp == 0 else 1
     weights = base_bytes(spec, engine.tp, 1, 0, 0, engine.dtype, engine.fp8, ep)
-    slot = adapter_bytes(spec, engine.tp, 1, lora, engine.dtype, ep)[(0, 0)]
+    # vLLM's slots hold its max_lora_rank on every module
+    slot = adapter_bytes(spec, engine.tp, 1, replace(lora, rank=lora.max_rank, expert_rank=None),
+                         engine.dtype, ep)[(0, 0)]
     kv = engine.kv_tokens * spec.num_layers * 2 * engine.kv_heads_per_gpu(spec) * spec.head_dim * item
     return weights + slots * slot + kv
 
@@ -314,13 +324,12 @@ def plan_memory(spec: ModelSpec, layout: Layout, workload: Workload, engine: Eng
     workload.check(spec, layout)
     if engine is not None:
         engine.check(spec)
-    lora = LoraConfig(rank=workload.rank, alpha=2 * workload.rank, target_modules=workload.target_modules,
-                      exclude_modules=workload.exclude_modules)
+    lora = workload.lora_config()
     # adapters, heads and their AdamW moments are float32 masters under a 16-bit base (mlora.lora.config.master_dtype)
     per_adapter = adapter_bytes(spec, layout.tp, layout.pp, lora, master_dtype(workload.dtype), layout.ep)
     per_expert_part = expert_adapter_bytes(spec, layout.pp, split_targets(spec, lora.target_modules,
                                                                           lora.exclude_modules)[1],
-                                           lora.rank, layout.ep, master_dtype(workload.dtype))  # of per_adapter
+                                           lora.rank_of(True), layout.ep, master_dtype(workload.dtype))  # of per_adapter
     k = workload.experiments
     colocated = engine_bytes(spec, engine, lora, k) if engine is not None else 0
     plan = MemoryPlan(spec, layout, workload, engine)

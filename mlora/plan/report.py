@@ -6,7 +6,7 @@ import json
 from dataclasses import replace
 
 from mlora.formats.hf_config import ModelSpec
-from mlora.lora.config import LoraConfig, master_dtype
+from mlora.lora.config import master_dtype
 from mlora.plan.fit import GIB, Fit
 from mlora.plan.memory import FIELDS, MemoryPlan, engine_bytes, plan_memory
 from mlora.plan.workload import Engine, Workload, worst_expert_load
@@ -30,7 +30,8 @@ def describe(plan: MemoryPlan) -> str:
             f"{experts} | "
             f"{layout} | " + (f"packed micro-batch of {w.seq} tokens" if w.packed else
                               f"micro-batch {w.micro_batch} x {w.seq} tokens") + f", {micro} per update | base {base} | "
-            f"{w.attention} attention | recompute {recompute} | LoRA r {w.rank} actor"
+            f"{w.attention} attention | recompute {recompute} | LoRA r {w.rank}"
+            + (f" (experts {w.expert_rank})" if w.expert_rank is not None else "") + " actor"
             + (" + critic + value head" if w.critic else "")
             + f" ({str(master_dtype(w.dtype)).removeprefix('torch.')} masters and AdamW state)" + engine)
 
@@ -91,8 +92,7 @@ def moe_line(plan: MemoryPlan) -> str | None:
 def engine_line(spec: ModelSpec, engine: Engine, workload: Workload, separate: bool) -> str:
     """A vLLM engine's bytes per GPU (weights, LoRA slots, KV cache) and where they count: on GPUs of its own
     (``separate``) or in the trainer's table (colocated: its ``engine`` column)."""
-    lora = LoraConfig(rank=workload.rank, alpha=2 * workload.rank, target_modules=workload.target_modules,
-                      exclude_modules=workload.exclude_modules)
+    lora = workload.lora_config()
     weights = engine_bytes(spec, Engine(tp=engine.tp, kv_tokens=0, dtype=engine.dtype, fp8=engine.fp8), lora,
                            workload.experiments)
     total = engine_bytes(spec, engine, lora, workload.experiments)

@@ -157,7 +157,7 @@ def adapter_bytes(spec: ModelSpec, tp: int, pp: int, lora: LoraConfig, dtype: to
     check_layout(spec, tp, pp, ep)
     dense, experts = split_targets(spec, lora.target_modules, lora.exclude_modules)
     cut = _site_bytes(spec, tp, pp, dense, lora.rank, dtype)
-    held = expert_adapter_bytes(spec, pp, experts, lora.rank, ep, dtype)
+    held = expert_adapter_bytes(spec, pp, experts, lora.rank_of(True), ep, dtype)
     return {(stage, r): cut.get((stage, r), 0) + held[stage] for stage in range(pp) for r in range(tp)}
 
 

@@ -93,6 +93,7 @@ class Workload:
     micro_batches: int | None = None
     forward_micro_batch: int | None = None
     rank: int = 32
+    expert_rank: int | None = None  # r of the MoE experts' projections (None: rank)
     target_modules: str | tuple[str, ...] = "all-linear"
     exclude_modules: tuple[str, ...] | None = None
     critic: bool = True
@@ -113,11 +114,18 @@ class Workload:
         """Packed micro-batches of ``tokens`` tokens (forward passes too)."""
         return cls(micro_batch=1, seq=tokens, forward_micro_batch=1, packed=True, **kwargs)
 
+    def lora_config(self):
+        """The actor's LoraConfig (alpha 2·rank: bytes do not depend on it)."""
+        from mlora.lora.config import LoraConfig
+
+        return LoraConfig(rank=self.rank, alpha=2 * self.rank, target_modules=self.target_modules,
+                          exclude_modules=self.exclude_modules, expert_rank=self.expert_rank)
+
     def check(self, spec: ModelSpec, layout: Layout) -> None:
         """ValueError naming the first bad field."""
         for name in ("micro_batch", "seq", "rank", "recompute_num_layers", "experiments"):
             _positive(name, getattr(self, name))
-        for name in ("micro_batches", "forward_micro_batch"):
+        for name in ("micro_batches", "forward_micro_batch", "expert_rank"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point or self.dtype.itemsize < 2:

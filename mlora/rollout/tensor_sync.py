@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import re
 import socket
 import struct
 from collections.abc import Iterable
@@ -49,21 +50,28 @@ SCHEME = "mlora-shm://"  # LoRARequest.lora_path of an adapter in a segment: mlo
 CONFIG_KEY = "mlora_peft_config"  # __metadata__ key holding adapter_config.json
 
 
-def lora_scaling(config: dict) -> float:
-    """The factor vLLM folds into B (``PEFTHelper``: alpha / r, or alpha / sqrt(r) with rsLoRA)."""
+def lora_scaling(config: dict, module: str | None = None) -> float:
+    """The factor vLLM folds into B (``PEFTHelper``: alpha / r, or alpha / sqrt(r) with rsLoRA) of ``module``
+    (a PEFT tensor or module name; its ``rank_pattern`` rank, as vLLM matches it), or of a module at ``r``."""
     import math
 
     r, alpha = config["r"], config.get("lora_alpha", config["r"])
+    if module is not None:
+        module = module.removeprefix("base_model.model.").removesuffix(".weight").rsplit(".lora_", 1)[0]
+        r = next((rank for key, rank in (config.get("rank_pattern") or {}).items()
+                  if re.match(rf"(.*\.)?({key})$", module)), r)
     return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
 
 
 def prescaled_config(config: dict) -> tuple[dict, float]:
-    """The config of the same adapter with the scaling already in B (alpha = r, no rsLoRA), and the
-    scaling. vLLM multiplies B by the scaling when it adds an adapter; with it folded in by the
-    ranks as they write (same arithmetic, in the same dtype), the engine has nothing to do but
-    copy the views into its LoRA slots."""
+    """The config of the same adapter with the scaling already in B (alpha = r per module, no rsLoRA), and the
+    scaling of the modules at ``r`` (:func:`lora_scaling` gives each module's). vLLM multiplies B by the scaling
+    when it adds an adapter; with it folded in by the ranks as they write (same arithmetic, in the same dtype),
+    the engine has nothing to do but copy the views into its LoRA slots."""
     scaling = lora_scaling(config)
-    return {**config, "lora_alpha": config["r"], "use_rslora": False, "mlora_b_prescaled_by": scaling}, scaling
+    ranks = dict(config.get("rank_pattern") or {})
+    return {**config, "lora_alpha": config["r"], "alpha_pattern": ranks, "use_rslora": False,
+            "mlora_b_prescaled_by": scaling}, scaling
 
 
 def segment_image_size(layout: Layout, config: dict) -> tuple[bytes, dict[str, tuple[int, int]], int]:
@@ -338,7 +346,9 @@ class SegmentHandoff:
         return f"{SCHEME}{self.segment}#{self.version}" if rank == 0 else ""
 
     def _scale(self, tname: str) -> float:
-        return self.scaling if tname.endswith("lora_B.weight") else 1.0
+        if not tname.endswith("lora_B.weight") or self.config is self.peft_config:  # not prescaled
+            return 1.0
+        return lora_scaling(self.peft_config, tname) if self.peft_config.get("rank_pattern") else self.scaling
 
     def _send(self, pieces) -> None:
         dev = self.device

@@ -1,8 +1,8 @@
-"""Tiny random Llama / Qwen2 / Mistral / Qwen3 and MoE (Qwen3-MoE, Mixtral, OLMoE) checkpoints with a locally
-trained tokenizer.
+"""Tiny random Llama / Qwen2 / Mistral / Qwen3 and MoE (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) checkpoints with a
+locally trained tokenizer.
 
-They exercise what real checkpoints have: GQA, head_dim independent of hidden size,
-RoPE scaling, q/k/v bias, q/k norms, experts, tied embeddings, sliding windows, sharded safetensors, and a
+They exercise what real checkpoints have: GQA, head_dim independent of hidden size, RoPE scaling, q/k/v
+bias, q/k norms, experts, a gated shared expert, tied embeddings, sliding windows, sharded safetensors, and a
 vocabulary (1001) that no TP size > 1 divides and that is not a multiple of 64.
 """
 
@@ -50,6 +50,14 @@ TINY_ARCHS: dict[str, dict] = {
         num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, rms_norm_eps=1e-6,
         tie_word_embeddings=False,
+    ),
+    # a shared expert (TP-split, behind a sigmoid gate) beside the routed ones; top-k weights not renormalised
+    "qwen2_moe": dict(
+        architecture="Qwen2MoeForCausalLM", hidden_size=128, intermediate_size=192, moe_intermediate_size=64,
+        shared_expert_intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+        mlp_only_layers=[2], decoder_sparse_step=1, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        rms_norm_eps=1e-6, tie_word_embeddings=False,
     ),
     "mixtral": dict(
         architecture="MixtralForCausalLM", hidden_size=128, intermediate_size=96, num_hidden_layers=4,
@@ -121,6 +129,8 @@ def build_tiny_model(arch: str, out_dir: str | os.PathLike, seed: int = 0, **ove
             if name.endswith("norm.weight"):  # non-trivial norms so their mapping is tested too
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith("mlp.gate.weight"):  # a MoE router: clear top-k choices, no near-ties
+                p.copy_(0.5 * torch.randn_like(p))
+            elif name.endswith("shared_expert_gate.weight"):  # a gate that varies per token, not ~0.5 everywhere
                 p.copy_(0.5 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))

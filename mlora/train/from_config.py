@@ -87,7 +87,7 @@ def lora_config(section: LoraSection, seed: int) -> mlora.LoraConfig:
                             target_modules=targets if isinstance(targets, str) else list(targets),
                             exclude_modules=[exclude] if isinstance(exclude, str) else
                             (list(exclude) if exclude else None),
-                            seed=seed, init_method=section.init_method)
+                            seed=seed, init_method=section.init_method, expert_rank=section.expert_rank)
 
 
 def sampling_config(s: SamplingSection, n_samples: int, seed: int | None) -> SamplingConfig:

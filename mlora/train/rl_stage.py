@@ -18,7 +18,7 @@ import torch
 
 from mlora.config.dtypes import engine_dtype
 from mlora.config.experiments import experiment_configs
-from mlora.config.schema import TrainConfig
+from mlora.config.schema import TrainConfig, lora_max_rank
 from mlora.config.validate import async_groups_in_flight, off_policy_corrected
 from mlora.rollout.data import Prompt, epoch_batches, load_prompt_set
 from mlora.rollout.envs import REWARD_MODEL_ENV, env_class, is_multi_turn, make_env
@@ -385,7 +385,7 @@ def _report(cfg: TrainConfig, run_dir: Path, adapters: dict[str, Path], engine_b
     png = plot_metrics(run_dir / "metrics.jsonl", run_dir / "metrics.png", experiments=names)
     frozen = t.policy.model.frozen_adapter_path
     argv = serve_command(engine_base, {name: path.resolve() for name, path in adapters.items()},
-                         max_lora_rank=max(e.cfg.trainer.policy.model.lora.rank for e in experiments),
+                         max_lora_rank=max(lora_max_rank(e.cfg.trainer.policy.model.lora) for e in experiments),
                          dtype=engine_dtype(cfg, torch.cuda.is_available()),
                          kv_cache_memory_bytes=cfg.generator.kv_cache_memory_bytes,
                          max_model_len=max_model_len)

@@ -21,7 +21,7 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from mlora.config.schema import TrainConfig
+from mlora.config.schema import TrainConfig, lora_max_rank
 from mlora.config.validate import generates_while_training
 from mlora.parallel.small_collectives import all_flags, broadcast_json, gather_json, ranks_seeing_folder
 from mlora.plan.engines import DeviceMemory, EngineSizing
@@ -648,7 +648,7 @@ def engine_memory(cfg: TrainConfig, engine_base: str | os.PathLike, device: Devi
     seqs = min(engine_sequences(configs, e.num_engines),
                int(extra.get("max_num_seqs") or default_max_num_seqs(device.cuda, device.total, tp)))
     return size_engine(spec, device, tp=tp, dtype=vllm_torch_dtype(engine_dtype(cfg, device.cuda)),
-                       lora_rank=max(c.trainer.policy.model.lora.rank for c in configs), max_loras=len(configs),
+                       lora_rank=max(lora_max_rank(c.trainer.policy.model.lora) for c in configs), max_loras=len(configs),
                        max_model_len=max_model_len or max(engine_max_model_len(c, engine_base) for c in configs),
                        sequences=seqs, trainer_bytes=trainer_bytes, sharing=sharing,
                        kv_cache_memory_bytes=None if kv is None else int(kv))
@@ -706,6 +706,6 @@ def engine_options(cfg: TrainConfig, engine_base: str | os.PathLike, cuda: bool,
                 tensor_lora=g.weight_sync == "tensors", sleep_mode=cuda and t.placement.colocate_all,
                 engine_cores=(local_engine_cores(e.num_engines, overlap=generates_while_training(cfg)) if local_cpu
                               else None),
-                max_lora_rank=max(c.trainer.policy.model.lora.rank for c in configs),
+                max_lora_rank=max(lora_max_rank(c.trainer.policy.model.lora) for c in configs),
                 merged_weights=engines_take_merged_weights(engine_base, cuda),
                 seed=t.seed, cuda=cuda, sizing=sizing, **extra)

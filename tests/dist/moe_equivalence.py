@@ -2,7 +2,8 @@
 TP x PP x EP layouts: logits, the router's token-to-expert assignment and weights, and the gradients of an
 all-linear LoRA (an adapter per expert and projection, and the attention's), whose backward runs through the
 experts and their all-to-all dispatch, one step after initialisation (every factor non-zero); that adapter
-saved in PEFT layout and run by transformers + PEFT; save_merged at EP > 1 against transformers + PEFT's merge.
+saved in PEFT layout and run by transformers + PEFT; save_merged at EP > 1 against transformers + PEFT's merge;
+a mixed-adapter micro-batch (two adapters on alternate rows, routed through the experts) against each alone.
 
 Usage: torchrun --nproc_per_node N tests/dist/moe_equivalence.py MODELS_DIR OUT_JSON LAYOUTS
 LAYOUTS is "tp,pp,ep[,sp];..." (DP = world // (tp*pp)). Rank 0 writes one JSON record per check.
@@ -13,6 +14,7 @@ equal the whole batch's on one rank.
 from __future__ import annotations
 
 import argparse
+import zlib
 from pathlib import Path
 
 import torch
@@ -24,12 +26,18 @@ from mlora.lora.grads import finalize_grads
 from mlora.parallel import reset_parallel
 from mlora.testing import right_padded_batch
 
-MOE_MODELS = ("mixtral", "qwen3_moe", "olmoe")
+MOE_MODELS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
 DENSE_MODELS = ("qwen3",)  # q/k norm per head, no experts: layouts without EP only
 LORA = dict(rank=4, alpha=8, seed=3, target_modules="all-linear", init_method="gaussian")
+# Mixtral's experts at a rank of their own: PEFT files with r = 2 and the attention's 4 in rank_pattern
+EXPERT_RANK = {"mixtral": 2}
 # PEFT 0.21 on transformers 5 maps every gate/up/down target of a Qwen3-MoE adapter onto the stacked experts, so
 # an adapter on its dense layer's MLP does not load there: that layer's MLP stays out of the PEFT comparison.
 EXCLUDE = {"qwen3_moe": ["layers.1.mlp.gate_proj", "layers.1.mlp.up_proj", "layers.1.mlp.down_proj"]}
+# PEFT 0.21 on transformers 5 does not convert a Qwen2-MoE adapter onto the stacked experts: it loads the attention's,
+# the shared expert's and the dense MLP's LoRA and drops the routed experts' (mlora warns when saving). Their B is
+# zeroed after the gradient check, so that the PEFT and merge comparisons hold what PEFT loads.
+NO_EXPERTS_IN_PEFT = {"qwen2_moe"}
 
 
 def parse(spec: str) -> list[tuple[int, int, int, bool]]:
@@ -82,6 +90,56 @@ def mlora_routes(model, ids: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
+def mixed_adapters(model, ids: torch.Tensor, mask: torch.Tensor) -> dict:
+    """Two all-linear adapters of different ranks, alternate rows each, in one micro-batch (their routes go through
+    the dispatcher with the tokens) against each adapter alone on its rows: this rank's logits (last stage) and
+    factor gradients, largest difference relative to the largest reference value."""
+    names = ("m1", "m2")
+    for i, adapter in enumerate(names):
+        model.add_adapter(adapter, mlora.LoraConfig(rank=3 + 2 * i, alpha=8, seed=5 + i, target_modules="all-linear"))
+    for n, p in model.gpt.named_parameters():  # random B too, so that every factor has a gradient
+        if any(f".lora.{a}." in n for a in names):
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(n.encode()))) * 0.1)
+    lo, hi = model.vocab_shard_range()
+
+    def loss_fn(logits, mb):
+        m = mb["attention_mask"][..., None].to(logits.dtype)
+        return (logits[..., :hi - lo] * m).sum() * 1e-3, {"logits": logits[..., :hi - lo].detach()}
+
+    def grads() -> dict:
+        out = {n: p.grad.clone() for n, p in model.gpt.named_parameters() if p.grad is not None}
+        for p in model.trainable_parameters():
+            p.grad = None
+        return out
+
+    rows = {a: list(range(i, ids.shape[0], 2)) for i, a in enumerate(names)}
+    solo = {}
+    grads()  # none left from earlier checks
+    for adapter, picked in rows.items():
+        with model.use_adapters(adapter):
+            outs = model.forward_backward([{"input_ids": ids[picked], "attention_mask": mask[picked]}], loss_fn)
+        for j, row in enumerate(picked):
+            if outs is not None:
+                solo[row] = outs[0]["logits"][j]
+    want = grads()
+    with model.use_adapters(*names):
+        outs = model.forward_backward([{"input_ids": ids, "attention_mask": mask, "adapter_rows": rows}], loss_fn)
+    got = grads()
+    for adapter in names:
+        model.delete_adapter(adapter)
+    scale = max(v.abs().max().item() for v in want.values())
+    # an expert none of an adapter's tokens reached: a zero gradient alone, none mixed (its branch is skipped)
+    diff = max((got.get(k, torch.zeros_like(w)) - w).abs().max().item() for k, w in want.items())
+    out = dict(count=len(want), experts=sum(".experts." in k and bool(want[k].abs().max() > 0) for k in want),
+               extra=sorted(set(got) - set(want)), grad_rel=diff / scale)
+    if outs is not None:
+        valid = mask.bool()
+        out["logits_rel"] = max(((outs[0]["logits"][r] - solo[r])[valid[r]].abs().max() / solo[r].abs().max()).item()
+                                for r in solo)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("models_dir", type=Path)
@@ -115,7 +173,8 @@ def main() -> None:
                                     max_weight_diff=max((a - b).abs().max().item() for a, b in zip(mine, ref))))
             # LoRA on every linear, experts included; B = 0 at first, so one step makes every factor's gradient
             # non-zero, and the attention's reach the lower layers only back through the experts above
-            model.add_adapter("a", mlora.LoraConfig(**LORA, exclude_modules=EXCLUDE.get(name)))
+            model.add_adapter("a", mlora.LoraConfig(**LORA, exclude_modules=EXCLUDE.get(name),
+                                                    expert_rank=EXPERT_RANK.get(name)))
             rows = slice(mesh.dp_rank, None, mesh.dp)
             batch = {"input_ids": ids[rows], "attention_mask": mask[rows]}
             for step in range(2):
@@ -131,6 +190,11 @@ def main() -> None:
                 records.append(dict(check="grads", model=name, **layout,
                                     grads={k: v.flatten().tolist() for k, v in sorted(grads.items())}))
             # the adapter saved in PEFT layout loads in transformers + PEFT on the MoE model and gives mlora's logits
+            if name in NO_EXPERTS_IN_PEFT:
+                with torch.no_grad():
+                    for n, p in model.gpt.named_parameters():
+                        if ".experts." in n and ".lora_B" in n:  # the routed experts' (not shared_experts')
+                            p.zero_()
             out = model.logits(ids, attention_mask=mask)
             peft_dir = args.models_dir.parent / f"adapter_{tp}{pp}{ep}{int(sp)}" / name
             model.save_adapter("a", peft_dir)
@@ -173,6 +237,8 @@ def main() -> None:
                                         changed=sum(not torch.equal(mine[k], src[k]) for k in mine),
                                         max_rel=max(((mine[k] - peft[k]).abs().max() / peft[k].abs().max()).item()
                                                     for k in mine)))
+            if name in MOE_MODELS:
+                records.append(dict(check="mixed", model=name, **layout, **mixed_adapters(model, ids[rows], mask[rows])))
             del model
         reset_parallel()
     write_records_and_exit(records, args.out)
