@@ -152,7 +152,7 @@ class LayerLora:
 
     sites: Mapping[str, int]
     rank: int
-    expert_rank: int  # of a sparse layer's experts
+    expert_rank: int | None = None  # of a sparse layer's experts (None: rank)
 
     def k(self, site: str) -> int:
         return self.sites.get(site, 0)
@@ -186,7 +186,7 @@ def _experts_saved(g: Geometry, lora: LayerLora, grad: bool) -> tuple[int, bool]
     x, e, t = g.experts, g.item, g.stream_tokens
     n = x.received(t)
     total = 0
-    k1, k2 = lora.k("fc1"), lora.k("fc2")
+    k1, k2, r = lora.k("fc1"), lora.k("fc2"), lora.expert_rank or lora.rank
     if grad:  # the routing weights require grad only through the router's input
         total += t * g.hidden * e  # the gating GEMM's input
         total += t * x.top_k * I64 + t * (x.top_k if x.topk_softmax else x.num_experts) * F32  # top-k, softmax
@@ -194,14 +194,14 @@ def _experts_saved(g: Geometry, lora: LayerLora, grad: bool) -> tuple[int, bool]
     if grad or k1 or k2:
         total += t * x.top_k * I64  # the sorted indices the experts' outputs are scattered back with
     if k1:  # the received tokens (one storage, split per expert) and x·Aᵀ; one s·B block per local expert
-        total += _branch_input(g, g.hidden, tokens=n) + _lora_saved(g, k1, lora.expert_rank, 2 * x.ffn, n, x.local)
+        total += _branch_input(g, g.hidden, tokens=n) + _lora_saved(g, k1, r, 2 * x.ffn, n, x.local)
     mlp_grad = grad or k1 > 0
     if mlp_grad:  # [gate; up], silu(gate), up + 0, and the float32 routing weight the GLU output is scaled by
         total += n * 4 * x.ffn * e + n * F32
         if grad:
             total += n * x.ffn * e  # the GLU output itself, for the routing weight's gradient
     if k2:
-        total += _branch_input(g, x.ffn, tokens=n) + _lora_saved(g, k2, lora.expert_rank, g.hidden, n, x.local)
+        total += _branch_input(g, x.ffn, tokens=n) + _lora_saved(g, k2, r, g.hidden, n, x.local)
     shared, shared_grad = _shared_expert_saved(g, lora, grad)
     return total + shared, mlp_grad or k2 > 0 or shared_grad
 

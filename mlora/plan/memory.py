@@ -169,7 +169,7 @@ def layer_loras(spec: ModelSpec, workload: Workload, layers: range) -> list[Laye
         for proj in adapted[i]:
             site = _site_of(proj)
             sites[site] = sites.get(site, 0) + 1
-        out.append(LayerLora(sites, workload.rank, workload.expert_rank or workload.rank))
+        out.append(LayerLora(sites, workload.rank, workload.expert_rank))
     return out
 
 
