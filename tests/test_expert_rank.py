@@ -81,6 +81,11 @@ def test_expert_rank_saves_loads_and_scales(tiny_models, tmp_path):
     # the hand-off folds each module's own scaling into its B, and tells vLLM every module's is then 1
     assert lora_scaling(config, attention.replace("lora_A", "lora_B")) == 2.0
     assert lora_scaling(config, expert.replace("lora_A", "lora_B")) == 4.0
+    # another project's rank_pattern (a regex, not an exact path) resolves as vLLM's: the first matching key
+    foreign = {**config, "rank_pattern": {"q_proj": 8, r"layers\.0\..*": 1}}
+    assert lora_scaling(foreign, attention) == 1.0 and lora_scaling(foreign, expert) == 8.0
+    vllm_foreign = PEFTHelper.from_dict({**foreign, "vllm_max_position_embeddings": None})
+    assert vllm_foreign.get_rank_and_scaling("model.layers.0.self_attn.q_proj") == (8, 1.0)
     prescaled, _ = prescaled_config(config)
     helper = PEFTHelper.from_dict({**prescaled, "vllm_max_position_embeddings": None})
     assert {helper.get_rank_and_scaling(m)[1] for m in ("model.layers.1.self_attn.o_proj",

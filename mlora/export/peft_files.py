@@ -84,7 +84,7 @@ def _ranks(config: LoraConfig, modules: set[tuple[int, str]]) -> dict:
     """``r`` and ``rank_pattern`` of an adapter: with an ``expert_rank`` of its own, ``r`` is the experts' (PEFT's
     transformers-5 conversion derives the fused experts' ranks from ``r`` alone) and ``rank_pattern`` gives every
     other adapted module, by its exact path, ``rank`` (PEFT and vLLM both scale a module ``alpha / its rank``)."""
-    if config.rank_of(True) == config.rank:
+    if config.expert_rank is None:
         return {"r": config.rank, "rank_pattern": {}}
     return {"r": config.expert_rank, "rank_pattern": {
         re.escape(hf_module_name(i, p)): config.rank for i, p in sorted(modules) if expert_of(p) is None}}

@@ -21,11 +21,8 @@ class AdapterRoutedMoELayer(MoELayer):
     """:class:`MoELayer` whose dispatcher also carries the adapter columns while
     :data:`mlora.lora.routing.EXPERT_ADAPTERS` is set (a forward of mixed-adapter micro-batches)."""
 
-    _columns = 0  # adapter columns riding on the hidden states of the forward in progress
-
     def preprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
-        names = tuple(EXPERT_ADAPTERS)
-        self._columns = len(names)
+        names = tuple(EXPERT_ADAPTERS)  # the same for the whole forward_backward call, recomputes included
         if not names:
             return super().preprocess(hidden_states, probs, routing_map)
         # routes index the flattened [s, b] tokens of the whole sequence; under SP this rank holds a slice of s
@@ -41,7 +38,7 @@ class AdapterRoutedMoELayer(MoELayer):
         return out, probs
 
     def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        columns, self._columns = self._columns, 0
+        columns = len(EXPERT_ADAPTERS)  # those preprocess appended
         if not columns:
             return super().routed_experts_compute(hidden_states, probs)
         dispatcher = self.token_dispatcher

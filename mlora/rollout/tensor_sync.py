@@ -33,7 +33,7 @@ import json
 import re
 import socket
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 
@@ -53,13 +53,33 @@ CONFIG_KEY = "mlora_peft_config"  # __metadata__ key holding adapter_config.json
 def lora_scaling(config: dict, module: str | None = None) -> float:
     """The factor vLLM folds into B (``PEFTHelper``: alpha / r, or alpha / sqrt(r) with rsLoRA) of ``module``
     (a PEFT tensor or module name; its ``rank_pattern`` rank, as vLLM matches it), or of a module at ``r``."""
+    return lora_scalings(config)(module) if module is not None else _scaling(config, config["r"])
+
+
+def lora_scalings(config: dict) -> Callable[[str], float]:
+    """:func:`lora_scaling` of ``config`` as a function of the module, its ``rank_pattern`` read once: keys that are
+    escaped exact paths (what mlora writes) looked up directly, any other scanned as vLLM does (first match wins)."""
+    r, pattern = config["r"], config.get("rank_pattern") or {}
+    exact = {key.replace("\\.", "."): rank for key, rank in pattern.items()}
+    if all(re.escape(path) == key for path, key in zip(exact, pattern)):
+        def rank_of(module: str) -> int:
+            return exact.get(module, r)
+    else:
+        compiled = [(re.compile(rf"(.*\.)?({key})$"), rank) for key, rank in pattern.items()]
+
+        def rank_of(module: str) -> int:
+            return next((rank for key, rank in compiled if key.match(module)), r)
+
+    def scaling(module: str) -> float:
+        module = module.removeprefix("base_model.model.").removesuffix(".weight").rsplit(".lora_", 1)[0]
+        return _scaling(config, rank_of(module))
+    return scaling
+
+
+def _scaling(config: dict, r: int) -> float:
     import math
 
-    r, alpha = config["r"], config.get("lora_alpha", config["r"])
-    if module is not None:
-        module = module.removeprefix("base_model.model.").removesuffix(".weight").rsplit(".lora_", 1)[0]
-        r = next((rank for key, rank in (config.get("rank_pattern") or {}).items()
-                  if re.match(rf"(.*\.)?({key})$", module)), r)
+    alpha = config.get("lora_alpha", config["r"])
     return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
 
 
@@ -293,6 +313,9 @@ class SegmentHandoff:
         self.layout, self.tp, self.device = dict(layout), tp, torch.device(device)
         self.peft_config = config
         self.config, self.scaling = prescaled_config(config) if prescale else (config, 1.0)
+        # each B's scaling, once: with a rank_pattern it differs between modules (an adapter's experts' own rank)
+        scaling_of = lora_scalings(config) if prescale and config.get("rank_pattern") else lambda name: self.scaling
+        self._b_scales = {name: scaling_of(name) for name in self.layout if name.endswith("lora_B.weight")}
         dtypes = {d for d, _ in self.layout.values()}
         if len(dtypes) > 1:
             raise ValueError(f"adapter hand-off: one dtype per adapter, got {sorted(map(str, dtypes))}")
@@ -346,9 +369,7 @@ class SegmentHandoff:
         return f"{SCHEME}{self.segment}#{self.version}" if rank == 0 else ""
 
     def _scale(self, tname: str) -> float:
-        if not tname.endswith("lora_B.weight") or self.config is self.peft_config:  # not prescaled
-            return 1.0
-        return lora_scaling(self.peft_config, tname) if self.peft_config.get("rank_pattern") else self.scaling
+        return self._b_scales.get(tname, 1.0)
 
     def _send(self, pieces) -> None:
         dev = self.device
