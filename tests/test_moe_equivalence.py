@@ -8,7 +8,8 @@ normalises q/k over all heads at once; Mixtral routes top-k then softmax; Mixtra
 of their own, ``expert_rank``). Two grouped launches (2 and 4 CPU ranks) cover (TP, PP, EP) = (1,1,1), (1,1,2), (2,1,2)+SP on 2
 ranks (the experts split over the TP ranks), (1,2,1), and (2,1,2)+SP, (1,2,2) on 4 (DP 2): float32 logits
 equal transformers' (relative ≤ 1e-5); at TP 1 the router picks HF's experts for every token with HF's
-weights; the gradients of an all-linear LoRA (one adapter per expert and projection, and the attention's),
+weights; the gradients of an all-linear LoRA (one adapter per expert and projection, and the attention's) plus
+the router (Qwen2-MoE's in the mixed check only: PEFT refuses its router's LoRA),
 one step after initialisation so that every factor's gradient is non-zero, are the same at every layout
 (each DP rank takes its share of the rows; the reference is PP 2 on one rank each, which runs the whole
 batch as one process does); that adapter loads in transformers + PEFT with mlora's logits; save_merged at
@@ -88,6 +89,9 @@ def test_lora_gradients_of_every_expert_are_layout_independent(records):
         experts = [k for k in ref if ".experts." in k]
         # every expert's gate, up and down, A and B, in each of its sparse layers (Qwen3-MoE, Qwen2-MoE: 3 of 4)
         assert len(experts) == (0 if model not in MOE else 2 * 3 * 8 * len(SPARSE.get(model, range(4))))
+        # the router (gate), A and B, in each sparse layer (not Qwen2-MoE's: see ROUTER_IN_PEFT in the worker)
+        routers = [k for k in ref if k.rsplit(".lora_", 1)[0].endswith(".gate")]
+        assert len(routers) == (2 * len(SPARSE.get(model, range(4))) if model in MOE - {"qwen2_moe"} else 0), routers
         # Qwen2-MoE's shared expert: gate, up and down, A and B, in each sparse layer, with gradients at every layout
         assert len([k for k in ref if ".shared_expert." in k]) == (2 * 3 * 3 if model == "qwen2_moe" else 0)
         # one step on, every factor that saw a token has a gradient; an expert no token was routed to has none, and
@@ -147,11 +151,11 @@ def test_merged_experts_equal_peft_merge(records):
     merged = [r for r in records if r["check"] == "merged"]
     assert len(merged) == len(MOE) * 4
     for r in merged:
-        # attention q/k/v/o + 8 experts x 3 in each layer (Qwen3-MoE's dense MLP: not in the adapter); Qwen2-MoE:
-        # attention, the shared expert's gate/up/down in 3 sparse layers and the dense MLP of layer 2 (its routed
-        # experts' B zeroed: PEFT does not load their LoRA)
-        n_changed = {"qwen3_moe": 4 * 4 + 3 * 24, "qwen2_moe": 4 * 4 + 3 * 3 + 3, "mixtral": 4 * 28,
-                     "olmoe": 4 * 28}[r["model"]]
+        # attention q/k/v/o + the router + 8 experts x 3 in each layer (Qwen3-MoE's dense MLP: not in the adapter);
+        # Qwen2-MoE: attention, the shared expert's gate/up/down in 3 sparse layers and the dense MLP of layer 2
+        # (its routed experts' B zeroed: PEFT does not load their LoRA; its router not adapted)
+        n_changed = {"qwen3_moe": 4 * 4 + 3 * 25, "qwen2_moe": 4 * 4 + 3 * 3 + 3, "mixtral": 4 * 29,
+                     "olmoe": 4 * 29}[r["model"]]
         assert r["same_names"] and r["changed"] == n_changed and r["max_rel"] < MERGE_TOL, r
 
 
@@ -170,7 +174,7 @@ def test_moe_errors(tiny_models, tmp_path):
         mlora.from_pretrained(tiny_models / "olmoe", fake_mesh(), fp8="torch")
     with pytest.raises(ValueError, match=r"ep=3 does not divide the 1 ranks of a pipeline stage"):
         mlora.init_parallel(ep=3)
-    # LoRA on experts: the MLP names reach every expert; the router is no target
+    # LoRA on experts: the MLP names reach every expert; the router only when named (gate, or megatron's router)
     from mlora.lora.targets import resolve_targets
 
     moe = spec.moe
@@ -180,12 +184,24 @@ def test_moe_errors(tiny_models, tmp_path):
         (i, f"block_sparse_moe.experts.{e}.w1") for i in range(4) for e in range(8)}
     assert resolve_targets("layers.1.block_sparse_moe.experts.3.linear_fc1", None, 4, moe) == {
         (1, "block_sparse_moe.experts.3.w1"), (1, "block_sparse_moe.experts.3.w3")}
-    with pytest.raises(ValueError, match=r"unknown target module 'router'; valid names: .*, w1, w3, w2"):
-        resolve_targets("router", None, 4, moe)
+    routers = {(i, "block_sparse_moe.gate") for i in range(4)}
+    assert resolve_targets("gate", None, 4, moe) == resolve_targets("router", None, 4, moe) == routers
+    assert not routers & modules  # all-linear leaves the router out, as Megatron-Bridge's and SkyRL's do
+    assert resolve_targets(["all-linear", "gate"], "layers.0.block_sparse_moe.gate", 4, moe) == modules | routers - {
+        (0, "block_sparse_moe.gate")}
+    with pytest.raises(ValueError, match=r"unknown target module 'gate'; valid names: .*gate_proj"):
+        resolve_targets("gate", None, 4, None)  # a dense model has no router
     model = mlora.from_pretrained(tiny_models / "olmoe", mlora.init_parallel(tp=1, pp=1))
     with pytest.raises(ValueError, match=r"LoRA dropout=0.1 on mixture-of-experts experts is not supported"):
         model.add_adapter("d", mlora.LoraConfig(dropout=0.1))
+    with pytest.raises(ValueError, match=r"LoRA dropout=0.1 on a mixture-of-experts router is not supported"):
+        model.add_adapter("d", mlora.LoraConfig(dropout=0.1, target_modules=["q_proj", "gate"]))
     model.add_adapter("d", mlora.LoraConfig(dropout=0.1, target_modules=["q_proj", "v_proj"]))  # attention: fine
+    # PEFT 0.21 refuses a Qwen2-MoE adapter with router LoRA (no module type it adapts): said when saving it
+    q2_model = mlora.from_pretrained(tiny_models / "qwen2_moe", mlora.init_parallel(tp=1, pp=1))
+    q2_model.add_adapter("r", mlora.LoraConfig(target_modules=["q_proj", "gate"]))
+    with pytest.warns(UserWarning, match=r"adapts the router of layers \[0, 1, 3\] of a Qwen2-MoE model.*refuses"):
+        q2_model.save_adapter("r", tmp_path / "q2_router")
     # Qwen2-MoE's shared expert: the MLP names reach it and every routed expert; its sigmoid gate is no target
     q2 = model_spec(load_hf_config(tiny_models / "qwen2_moe")).moe
     shared = {(i, f"mlp.shared_expert.{p}") for i in (0, 1, 3) for p in ("gate_proj", "up_proj", "down_proj")}

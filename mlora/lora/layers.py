@@ -65,7 +65,7 @@ class LoraSite:
     """
 
     layer: int
-    parallel: str  # "column" or "row"
+    parallel: str  # "column", "row", or "router" (a MoE router: replicated, reading its SP slice of the tokens)
     subs: tuple[str, ...]
     in_local: int
     in_full: int
@@ -182,7 +182,8 @@ class LoraBranch(torch.nn.Module):
             for p in self.parameters():
                 setattr(p, EXPERT, True)
         else:
-            for p in ([self.lora_A] if parallel == "column" else list(self.lora_B)):
+            replicated = {"column": [self.lora_A], "row": list(self.lora_B)}.get(parallel, list(self.parameters()))
+            for p in replicated:
                 mark_tp_replicated(p)
 
     @property
@@ -248,7 +249,7 @@ def stacked_b(branch: LoraBranch, site: LoraSite) -> torch.Tensor:
 
 def _block_b(bs, scaling: float, subs: tuple[str, ...], site: LoraSite) -> torch.Tensor:
     """:func:`stacked_b` from the B factors ``bs`` of projections ``subs``."""
-    if site.parallel == "row":
+    if site.parallel != "column":
         return bs[0] * scaling
     r, n = bs[0].shape[1], len(subs)
     pieces = []
@@ -290,7 +291,7 @@ def row_output(out: torch.Tensor, sequence_parallel: bool, group) -> torch.Tenso
 def _placements(site: LoraSite, subs: tuple[str, ...], out_local: int) -> tuple[tuple[int, int, int], ...]:
     """``(k, offset, size)`` of each projection of a branch with ``subs``: in every one of the
     site's ``groups`` output blocks, projection k owns columns ``offset:offset+size``."""
-    if site.parallel == "row":
+    if site.parallel != "column":
         return ((0, 0, out_local),)
     return tuple((subs.index(sub), offset, size) for sub, (offset, size) in zip(site.subs, site.placement)
                  if sub in subs)

@@ -129,6 +129,18 @@ def _index(key: tuple[tuple, ...], tokens: int, device: torch.device) -> torch.T
     return torch.cat([every[slice(*k)] for k in key])
 
 
+def local_route(name: str, tokens: int, lo: int, hi: int, device: torch.device) -> torch.Tensor | Route | None:
+    """Adapter ``name``'s current route restricted to flattened tokens ``[lo, hi)`` of ``tokens`` (a rank's slice
+    of the sequence under SP, e.g. a MoE router's input), as indices into that slice: None for every token, ``()``
+    for none, else int64 indices (ascending)."""
+    route = ROUTES.get(name)
+    if not route:  # None: every token; (): none
+        return route
+    index = route_index(route, tokens, device)
+    index = index[(index >= lo) & (index < hi)] - lo
+    return () if not len(index) else None if len(index) == hi - lo else index
+
+
 # Routes through a MoE layer's experts. The dispatcher permutes tokens and sends them to other EP ranks, so a
 # slice route no longer indexes an expert's input. Instead the MoE layer (:mod:`mlora.models.moe_routes`) sends
 # one 0/1 column per adapter of :data:`EXPERT_ADAPTERS` along with the hidden states, and while its experts run,

@@ -6,11 +6,11 @@ import torch
 
 from mlora.formats.weight_map import COLUMNS, REPLICATED, ROWS
 from mlora.lora.layers import LoraSite
-from mlora.lora.targets import MLP_PROJECTIONS, expert_projection, shared_expert_projection
+from mlora.lora.targets import MLP_PROJECTIONS, expert_projection, router_projection, shared_expert_projection
 
 # How each factor is split over TP (see mlora.lora.layers): column: A replicated, B like W;
-# row: A split on the input dim, B replicated.
-FACTOR_KINDS = {"column": (REPLICATED, ROWS), "row": (COLUMNS, REPLICATED)}
+# row: A split on the input dim, B replicated; a MoE router (replicated, like its weight): both whole.
+FACTOR_KINDS = {"column": (REPLICATED, ROWS), "row": (COLUMNS, REPLICATED), "router": (REPLICATED, REPLICATED)}
 
 
 def factor_kinds(site: LoraSite) -> tuple[str, str]:
@@ -38,11 +38,19 @@ def model_sites(spec, tp: int) -> dict[tuple[int, str], LoraSite]:
                      in_full=spec.num_heads * hd, out_full=(spec.hidden_size,)),
             # a MoE layer's MLP is its experts (and shared expert): no site of its own
             *(() if spec.is_sparse(i) else mlp_sites(spec, i, MLP_PROJECTIONS, spec.intermediate_size, tp)),
-            *(expert_sites(spec, i) + shared_expert_sites(spec, i, tp) if spec.is_sparse(i) else ()),
+            *([router_site(spec, i)] + expert_sites(spec, i) + shared_expert_sites(spec, i, tp)
+              if spec.is_sparse(i) else ()),
         ):
             for sub in site.subs:
                 sites[(i, sub)] = site
     return sites
+
+
+def router_site(spec, layer: int) -> LoraSite:
+    """The site of MoE layer ``layer``'s router ``[E, hidden]``: whole on every rank, as its weight is; under SP
+    it reads this rank's slice of the sequence, so its factors' gradients are partial per TP rank."""
+    return LoraSite(layer=layer, parallel="router", subs=(router_projection(spec.moe),), in_local=spec.hidden_size,
+                    in_full=spec.hidden_size, out_full=(spec.moe.num_experts,))
 
 
 def expert_sites(spec, layer: int) -> list[LoraSite]:
@@ -91,6 +99,7 @@ def attach_lora_sites(gpt: torch.nn.Module, spec, tp: int) -> None:
             layer.mlp.linear_fc1.lora_site = sites[(i, "gate_proj")]
             layer.mlp.linear_fc2.lora_site = sites[(i, "down_proj")]
             continue
+        layer.mlp.router.lora_site = sites[(i, router_projection(spec.moe))]
         # this EP rank's experts: megatron places global experts [ep_rank·E/EP, (ep_rank+1)·E/EP) here
         for e, expert in zip(layer.mlp.local_expert_indices, layer.mlp.experts.local_experts):
             expert.linear_fc1.lora_site = sites[(i, expert_projection(spec.moe, e, 0))]

@@ -6,7 +6,11 @@ Projections are named the HF way. Megatron's fused layers stand for several:
 An expert's projection is keyed by its HF path below the layer, ``mlp.experts.{e}.gate_proj`` (Mixtral:
 ``block_sparse_moe.experts.{e}.w1``), the per-expert name HF checkpoints and PEFT adapters use: one
 adapter per expert and projection. ``gate_proj``/``up_proj``/``down_proj`` (and ``linear_fc1``/``linear_fc2``,
-``all-linear``) reach every expert of a MoE layer as they reach a dense MLP; the router is not a target.
+``all-linear``) reach every expert of a MoE layer as they reach a dense MLP.
+
+A MoE layer's router is a target when named: ``gate`` (its HF name, ``mlp.gate``; Mixtral ``block_sparse_moe.gate``)
+or megatron's ``router``, keyed by its HF path below the layer. ``all-linear`` leaves it out, as Megatron-Bridge's and
+SkyRL's all-linear do: a router's LoRA moves which experts a token reaches, a choice to make by name.
 
 A shared expert (Qwen2-MoE) is a dense MLP inside the MoE block, keyed ``mlp.shared_expert.gate_proj`` and so on
 (its HF path below the layer, as PEFT names it): the MLP names reach it as well as every routed expert. Its
@@ -33,6 +37,20 @@ _PATH_ALIASES = {"decoder": "model", "self_attention": "self_attn", "shared_expe
 VALID_NAMES = ("all-linear", *HF_PROJECTIONS, *MEGATRON_MODULES)
 
 
+ROUTER = "router"  # the canonical projection of a MoE layer's router
+ROUTER_NAMES = ("gate", "router")  # its HF and megatron names
+
+
+def router_projection(moe) -> str:
+    """The key of a MoE layer's router: its HF path below the layer, ``mlp.gate`` (Mixtral ``block_sparse_moe.gate``)."""
+    return f"{moe.block}.gate"
+
+
+def is_router(proj: str) -> bool:
+    """Whether the projection key ``proj`` is a MoE layer's router."""
+    return proj.endswith(".gate")
+
+
 def shared_expert_projection(moe, k: int) -> str:
     """The key of projection ``k`` (0 gate, 1 up, 2 down) of a MoE layer's shared expert: its HF path below the
     layer, ``mlp.shared_expert.gate_proj``."""
@@ -52,8 +70,11 @@ def expert_of(proj: str) -> int | None:
 
 def projection_order(proj: str, moe=None) -> tuple[int, int, int]:
     """Sort key of projections within a layer: attention, dense MLP, then experts by index, gate/up/down, then the
-    shared expert's gate/up/down (HF's order of the block's modules)."""
+    shared expert's gate/up/down; a MoE layer's router before its experts (HF's order of the block's modules as
+    checkpoints hold them)."""
     expert = expert_of(proj)
+    if is_router(proj):
+        return len(HF_PROJECTIONS), -1, 0
     if expert is None and "." in proj:  # the shared expert's
         return len(HF_PROJECTIONS) + 1, 0, MLP_PROJECTIONS.index(proj.rsplit(".", 1)[1])
     if expert is None:
@@ -79,6 +100,7 @@ def model_projections(num_layers: int, moe=None) -> dict[tuple[int, str], str]:
             for p in MLP_PROJECTIONS:
                 out[(i, p)] = p
             continue
+        out[(i, router_projection(moe))] = ROUTER
         for e in range(moe.num_experts):
             for k, p in enumerate(MLP_PROJECTIONS):
                 out[(i, expert_projection(moe, e, k))] = p
@@ -100,7 +122,7 @@ def _expand(pattern: str, universe: dict[tuple[int, str], str], moe) -> set[tupl
     """The (layer, projection) pairs one pattern names; raises on unknown names."""
     pattern = pattern.strip()
     if pattern in ("all-linear", "all_linear"):
-        return set(universe)
+        return {key for key, canonical in universe.items() if canonical != ROUTER}
     prefix, _, last = pattern.rpartition(".")
     leaves = MLP_PROJECTIONS if moe is None else tuple(dict.fromkeys((*MLP_PROJECTIONS, *moe.projections)))
     if last in MEGATRON_MODULES:
@@ -110,12 +132,16 @@ def _expand(pattern: str, universe: dict[tuple[int, str], str], moe) -> set[tupl
             projs = set()
     elif last in HF_PROJECTIONS or last in leaves:
         projs = {last}
+    elif last in ROUTER_NAMES and moe is not None:
+        projs = {"gate"}  # a router's leaf, whatever its name: matched below against the HF path
+        prefix = ".".join(_PATH_ALIASES.get(part, part) for part in prefix.split(".")) if prefix else ""
     elif last in ("shared_expert_gate", "gate_weight") and moe is not None and moe.shared_ffn_size is not None:
         raise ValueError(f"target module {pattern!r}: the shared expert's sigmoid gate (output width 1) is not a LoRA "
                          "target; the shared expert's projections are (shared_expert.gate_proj, .up_proj, "
                          ".down_proj, or gate_proj/up_proj/down_proj for every MLP)")
     else:
-        valid = (*VALID_NAMES, *(n for n in leaves if n not in VALID_NAMES))
+        valid = (*VALID_NAMES, *(n for n in leaves if n not in VALID_NAMES),
+                 *(f"{n} (the MoE router)" for n in ROUTER_NAMES if moe is not None))
         raise ValueError(f"unknown target module {pattern!r}; valid names: {', '.join(valid)} "
                          "(optionally with a layer path such as layers.0.self_attn.q_proj)")
     hits = set()

@@ -227,15 +227,18 @@ def block_spec(config):
 
 def route_through_experts(model: torch.nn.Module) -> None:
     """Every megatron MoE layer of ``model`` becomes an :class:`~mlora.models.moe_routes.AdapterRoutedMoELayer`
-    (mixed-adapter routes reach the experts). Swapped after the build, not in the layer spec: megatron's
-    TransformerLayer hands its process groups only to the MoE classes it knows by identity."""
+    (mixed-adapter routes reach the experts) and its router a :class:`~mlora.models.lora_router.LoraTopKRouter`
+    (a LoRA target). Swapped after the build, not in the layer spec: megatron's TransformerLayer hands its process
+    groups only to the MoE classes it knows by identity."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
+    from mlora.models.lora_router import lora_router
     from mlora.models.moe_routes import AdapterRoutedMoELayer
 
-    for module in model.modules():
+    for module in list(model.modules()):
         if type(module) is MoELayer:
             module.__class__ = AdapterRoutedMoELayer
+            lora_router(module.router)
 
 
 def build_gpt_model(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, fp8: str | None = None,

@@ -147,8 +147,9 @@ class Geometry:
 
 @dataclass(frozen=True)
 class LayerLora:
-    """The trainable LoRA of one layer: how many projections each of the four sites adapts (``qkv``: q, k,
-    v; ``proj``: o; ``fc1``: gate, up; ``fc2``: down), the rank and the experts' rank."""
+    """The trainable LoRA of one layer: how many projections each site adapts (``qkv``: q, k, v; ``proj``: o;
+    ``fc1``: gate, up; ``fc2``: down; a shared expert's ``shared_fc1``/``shared_fc2``; a MoE ``router``), the rank
+    and the experts' rank."""
 
     sites: Mapping[str, int]
     rank: int
@@ -186,24 +187,28 @@ def _experts_saved(g: Geometry, lora: LayerLora, grad: bool) -> tuple[int, bool]
     x, e, t = g.experts, g.item, g.stream_tokens
     n = x.received(t)
     total = 0
-    k1, k2, r = lora.k("fc1"), lora.k("fc2"), lora.expert_rank or lora.rank
-    if grad:  # the routing weights require grad only through the router's input
+    k1, k2, r, kr = lora.k("fc1"), lora.k("fc2"), lora.expert_rank or lora.rank, lora.k("router")
+    route_grad = grad or kr > 0  # the routing weights require grad through the router's input or its LoRA
+    if grad:
         total += t * g.hidden * e  # the gating GEMM's input
+    if kr:  # the router's LoRA (lora_delta: two GEMMs): its input, x·Aᵀ [t, r] and s·B [E, r], in the branch dtype
+        total += _branch_input(g, g.hidden, kept=grad, tokens=t) + (t + x.num_experts) * lora.rank * g.branch_item
+    if route_grad:
         total += t * x.top_k * I64 + t * (x.top_k if x.topk_softmax else x.num_experts) * F32  # top-k, softmax
         total += t * x.num_experts * (1 + F32)  # the permutation's routing map and probabilities
-    if grad or k1 or k2:
+    if route_grad or k1 or k2:
         total += t * x.top_k * I64  # the sorted indices the experts' outputs are scattered back with
     if k1:  # the received tokens (one storage, split per expert) and x·Aᵀ; one s·B block per local expert
         total += _branch_input(g, g.hidden, tokens=n) + _lora_saved(g, k1, r, 2 * x.ffn, n, x.local)
     mlp_grad = grad or k1 > 0
     if mlp_grad:  # [gate; up], silu(gate), up + 0, and the float32 routing weight the GLU output is scaled by
         total += n * 4 * x.ffn * e + n * F32
-        if grad:
-            total += n * x.ffn * e  # the GLU output itself, for the routing weight's gradient
+    if route_grad:
+        total += n * x.ffn * e  # the GLU output itself, for the routing weight's gradient
     if k2:
         total += _branch_input(g, x.ffn, tokens=n) + _lora_saved(g, k2, r, g.hidden, n, x.local)
     shared, shared_grad = _shared_expert_saved(g, lora, grad)
-    return total + shared, mlp_grad or k2 > 0 or shared_grad
+    return total + shared, mlp_grad or route_grad or k2 > 0 or shared_grad
 
 
 def _shared_expert_saved(g: Geometry, lora: LayerLora, grad: bool) -> tuple[int, bool]:

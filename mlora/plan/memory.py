@@ -56,7 +56,7 @@ import torch
 from mlora.formats.hf_config import ModelSpec
 from mlora.formats.weight_map import stage_layers
 from mlora.lora.config import LoraConfig, master_dtype
-from mlora.lora.targets import MLP_PROJECTIONS
+from mlora.lora.targets import MLP_PROJECTIONS, is_router
 from mlora.plan.activations import (
     Experts,
     Geometry,
@@ -153,7 +153,9 @@ def layer_geometries(spec: ModelSpec, layout: Layout, workload: Workload, batch:
 
 def _site_of(proj: str) -> str:
     """The :class:`LayerLora` site of a dense projection key; a shared expert's (``mlp.shared_expert.gate_proj``,
-    :mod:`mlora.lora.targets`) has its own, ``shared_fc1``/``shared_fc2``."""
+    :mod:`mlora.lora.targets`) has its own, ``shared_fc1``/``shared_fc2``, and a MoE router its own, ``router``."""
+    if is_router(proj):
+        return "router"
     leaf = proj.rsplit(".", 1)[-1]
     return SITE_OF[leaf] if leaf == proj else "shared_" + SITE_OF[leaf]
 

@@ -1,7 +1,7 @@
 """torchrun worker: mixture-of-experts bases (and Qwen3's q/k norm) against transformers at several
 TP x PP x EP layouts: logits, the router's token-to-expert assignment and weights, and the gradients of an
-all-linear LoRA (an adapter per expert and projection, and the attention's), whose backward runs through the
-experts and their all-to-all dispatch, one step after initialisation (every factor non-zero); that adapter
+all-linear LoRA (an adapter per expert and projection, and the attention's) plus the router, whose backward runs
+through the router and the experts and their all-to-all dispatch, one step after initialisation (every factor non-zero); that adapter
 saved in PEFT layout and run by transformers + PEFT; save_merged at EP > 1 against transformers + PEFT's merge;
 a mixed-adapter micro-batch (two adapters on alternate rows, routed through the experts) against each alone.
 
@@ -29,6 +29,9 @@ from mlora.testing import right_padded_batch
 MOE_MODELS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
 DENSE_MODELS = ("qwen3",)  # q/k norm per head, no experts: layouts without EP only
 LORA = dict(rank=4, alpha=8, seed=3, target_modules="all-linear", init_method="gaussian")
+# The router as a target too (named: all-linear leaves it out), where PEFT loads it; PEFT 0.21 refuses a Qwen2-MoE
+# adapter with router LoRA outright (mlora warns when saving), so there its router is adapted in the mixed check only.
+ROUTER_IN_PEFT = {"mixtral", "qwen3_moe", "olmoe"}
 # Mixtral's experts at a rank of their own: PEFT files with r = 2 and the attention's 4 in rank_pattern
 EXPERT_RANK = {"mixtral": 2}
 # PEFT 0.21 on transformers 5 maps every gate/up/down target of a Qwen3-MoE adapter onto the stacked experts, so
@@ -96,7 +99,8 @@ def mixed_adapters(model, ids: torch.Tensor, mask: torch.Tensor) -> dict:
     factor gradients, largest difference relative to the largest reference value."""
     names = ("m1", "m2")
     for i, adapter in enumerate(names):
-        model.add_adapter(adapter, mlora.LoraConfig(rank=3 + 2 * i, alpha=8, seed=5 + i, target_modules="all-linear"))
+        model.add_adapter(adapter, mlora.LoraConfig(rank=3 + 2 * i, alpha=8, seed=5 + i,
+                                                    target_modules=["all-linear", "gate"]))
     for n, p in model.gpt.named_parameters():  # random B too, so that every factor has a gradient
         if any(f".lora.{a}." in n for a in names):
             with torch.no_grad():
@@ -173,8 +177,9 @@ def main() -> None:
                                     max_weight_diff=max((a - b).abs().max().item() for a, b in zip(mine, ref))))
             # LoRA on every linear, experts included; B = 0 at first, so one step makes every factor's gradient
             # non-zero, and the attention's reach the lower layers only back through the experts above
-            model.add_adapter("a", mlora.LoraConfig(**LORA, exclude_modules=EXCLUDE.get(name),
-                                                    expert_rank=EXPERT_RANK.get(name)))
+            targets = [LORA["target_modules"], "gate"] if name in ROUTER_IN_PEFT else LORA["target_modules"]
+            model.add_adapter("a", mlora.LoraConfig(**{**LORA, "target_modules": targets},
+                                                    exclude_modules=EXCLUDE.get(name), expert_rank=EXPERT_RANK.get(name)))
             rows = slice(mesh.dp_rank, None, mesh.dp)
             batch = {"input_ids": ids[rows], "attention_mask": mask[rows]}
             for step in range(2):

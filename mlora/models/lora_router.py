@@ -1,0 +1,59 @@
+"""megatron's MoE router with LoRA on its gating linear (a MoE layer's router as a LoRA target).
+
+The router is a ``[E, hidden]`` linear held whole by every rank and computed in float32 (megatron's
+``moe_router_dtype``); under sequence parallelism each TP rank routes its own slice of the sequence. Its
+adapter follows suit: A and B whole on every rank, their gradients partial per TP rank (summed over TP × DP,
+:mod:`mlora.lora.grads`), the delta ``s·(x Aᵀ) Bᵀ`` added to the logits before the score function and top-k,
+as PEFT adds it to transformers' router (and vLLM's LoRA to its ``GateLinear``). So the routing itself, which
+experts a token reaches and with what weight, moves with the adapter; the top-k choice is not differentiable,
+the weights are.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.moe.router import TopKRouter
+
+from mlora.lora.layers import LoraBranch, LoraHost, add_deltas, branch_deltas
+from mlora.lora.routing import ROUTES, local_route
+
+
+class LoraTopKRouter(TopKRouter, LoraHost):
+    """:class:`TopKRouter` with an adapter registry (swapped in after the build, see
+    :func:`mlora.models.megatron_build.route_through_experts`; megatron's class first, so that a built router can
+    take this class: Python refuses the swap when a plain mixin precedes an ABC)."""
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        logits = super().gating(input)
+        branches, routes = self._router_branches(input)
+        if not branches:
+            return logits
+        # the branches compute in their dtype (the input's unless set) like every LoRA site; the delta joins the
+        # float32 logits
+        return add_deltas(logits, branch_deltas(branches, input, self.lora_site, routes))
+
+    def _router_branches(self, x: torch.Tensor) -> tuple[list[LoraBranch], list | None]:
+        """The active branches, each with the tokens of this rank's input it applies to while routes are set
+        (:mod:`mlora.lora.routing`: routes index the whole sequence; under SP this rank holds a slice of it)."""
+        if not ROUTES:
+            return list(self._branches()), None
+        local = x.numel() // x.shape[-1]
+        parts = self.tp_group.size() if self.config.sequence_parallel else 1
+        lo = self.tp_group.rank() * local if parts > 1 else 0
+        branches, routes = [], []
+        for name in self.active_adapters:
+            if name not in self.lora:
+                continue
+            route = local_route(name, local * parts, lo, lo + local, x.device)
+            if route != ():
+                branches.append(self.lora[name])
+                routes.append(route)
+        return branches, routes
+
+
+def lora_router(router: TopKRouter) -> LoraTopKRouter:
+    """``router`` as a :class:`LoraTopKRouter` (in place: same parameters, no adapters yet)."""
+    router.__class__ = LoraTopKRouter
+    router._init_lora()
+    router.weight_scale = None  # the router's weight is never FP8 (see LoraHost._init_fp8)
+    return router
