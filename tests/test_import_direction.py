@@ -33,9 +33,10 @@ LEVELS: tuple[tuple[str, ...], ...] = (
     ("checkpoint", "rollout", "plan"),  # 7: run state, rollouts and engines, the memory planner
     ("config",),  # 8: the typed schema and its checks
     ("train",),  # 9: engines, loops, optimizer, evaluation, metrics
-    ("testing",),  # 10: test helpers
-    ("demos",),  # 11: demo assets
-    (ENTRY,),  # 12: mlora/cli.py and every __main__.py
+    ("service",),  # 10: the Tinker-compatible server (HTTP, SQLite state, mixed-adapter scheduling)
+    ("testing",),  # 11: test helpers
+    ("demos",),  # 12: demo assets
+    (ENTRY,),  # 13: mlora/cli.py and every __main__.py
 )
 SAME_LEVEL_ALLOWED = {("fp8", "parallel")}  # (importer's package, imported package)
 

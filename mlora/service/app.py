@@ -1,0 +1,364 @@
+"""The HTTP surface of Tinker SDK 0.38 (``/api/v1/...``) on FastAPI, over one mlora base.
+
+Every training call returns a future at once (``{"request_id"}``) and runs on the scheduler's worker;
+``retrieve_future`` long-polls (the SDK re-polls ``try_again`` at once) and answers protobuf for
+``forward_backward`` results, JSON otherwise, ``{"error", "category"}`` for a failed request. The API key
+(``X-API-Key``) identifies the owner: a client sees only its own sessions, models, checkpoints and futures.
+Checkpoints are ``tinker://<model_id>/weights/<name>`` (adapter and optimizer state) and
+``tinker://<model_id>/sampler_weights/<name>`` (the PEFT adapter), directories under ``data_dir``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from mlora.service.scheduler import Job, Scheduler, error_payload
+from mlora.service.store import Store, owner_of
+from mlora.service.tenants import Tenants, lora_config
+from mlora.service.wire import decode_forward_backward, encode_forward_backward_output
+
+log = logging.getLogger("mlora.service")
+LONG_POLL = 10.0  # seconds retrieve_future holds a pending future before answering try_again (SDK timeout: 45)
+PROTOBUF = "application/x-protobuf"
+CLIENT_CONFIG = {"use_pyqwest_transport": False, "parallel_fwdbwd_chunks": True, "proto_compress_fwdbwd": False,
+                 "sample_use_retrieve_futures": False, "sample_join_sampling_session": False,
+                 "custom_loss_server_side": False, "pjwt_auth_enabled": False}
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
+
+
+class UserError(Exception):
+    """A bad request: answered 400 with the message (the SDK raises it to the caller)."""
+
+
+class Service:
+    """The state behind the routes: the store, the client models and the worker."""
+
+    def __init__(self, model, model_dir: str | Path, data_dir: str | Path, model_name: str | None = None,
+                 session_timeout: float = 120.0, batch_window: float = 0.01) -> None:
+        self.model_dir = Path(model_dir)
+        self.data_dir = Path(data_dir)
+        self.names = {str(model_dir), str(self.model_dir.resolve()), self.model_dir.name} | (
+            {model_name} if model_name else set())
+        self.model_name = model_name or str(model_dir)
+        self.store = Store(self.data_dir / "service.sqlite")
+        self.tenants = Tenants(model)
+        self.scheduler = Scheduler(self.store, self._run_fb_batch, batch_window)
+        self.session_timeout = session_timeout
+        self._reaper = threading.Thread(target=self._reap, name="mlora-service-reaper", daemon=True)
+        self._closing = threading.Event()
+        self._reaper.start()
+
+    def close(self) -> None:
+        self._closing.set()
+        self.scheduler.stop()
+        self.store.close()
+
+    # ------------------------------------------------------------------ helpers
+    def _future(self, owner: str, kind: str, run, model_id: str | None = None, seq_id: int | None = None,
+                fb=None) -> dict:
+        new = uuid.uuid4().hex
+        request_id = self.store.add_future(new, owner, kind, model_id, seq_id)
+        if request_id == new:  # not a retried submission of a request already queued or run
+            self.scheduler.submit(Job(request_id, run, model_id, seq_id, fb))
+        return {"request_id": request_id, **({"model_id": model_id} if model_id else {})}
+
+    def _owned_model(self, owner: str, model_id: str) -> dict:
+        row = self.store.model(model_id)
+        if row is None or row["owner"] != owner:
+            raise UserError(f"model {model_id!r} not found")
+        if row["state"] == "lost":
+            raise UserError(f"model {model_id!r} was lost when the server restarted; create a training client from "
+                            "one of its checkpoints (load_state / create_training_client_from_state)")
+        if row["state"] != "live":
+            raise UserError(f"model {model_id!r} was freed (its session finished or stopped sending heartbeats)")
+        return row
+
+    def _owned_checkpoint(self, owner: str, path: str) -> dict:
+        row = self.store.checkpoint(path)
+        if row is None or row["owner"] != owner:
+            raise UserError(f"checkpoint {path!r} not found (paths look like tinker://<model_id>/weights/<name>)")
+        return row
+
+    def _check_base(self, base_model: str | None) -> str:
+        if base_model is not None and base_model not in self.names:
+            raise UserError(f"base_model {base_model!r} is not served here; this server serves {self.model_name!r}")
+        return base_model or self.model_name
+
+    # ------------------------------------------------------------------ work run on the worker thread
+    def _run_fb_batch(self, jobs: list[Job]) -> list[tuple[str, bytes]]:
+        if len(jobs) > 1:
+            log.info("%d models' forward_backward in one batch (%d datums)", len(jobs), sum(len(j.fb.data) for j in jobs))
+        results = self.tenants.forward_backward([j.fb for j in jobs])
+        return [(PROTOBUF, encode_forward_backward_output(logprobs, metrics)) for logprobs, metrics in results]
+
+    def _create(self, model_id: str, config, checkpoint: dict | None = None, optimizer: bool = False):
+        def run():
+            self.tenants.create(model_id, config)
+            if checkpoint is not None:
+                self.tenants.load(model_id, Path(checkpoint["directory"]), optimizer)
+            return "application/json", json.dumps({"model_id": model_id, "type": "create_model" if checkpoint is None
+                                                   else "load_weights"}).encode()
+        return run
+
+    def _free(self, model_id: str) -> None:
+        """Free a model now (its queued requests fail) and in the store."""
+        for job in self.scheduler.forget_model(model_id):
+            self.store.finish_future(job.request_id, "error", *error_payload(
+                f"model {model_id!r} was freed before this request ran", "user"))
+        self.store.set_model_state(model_id, "freed")
+
+        def run():  # on the worker, between batches: the adapter and its optimizer state go
+            self.tenants.delete(model_id)
+            return "application/json", b"{}"
+        self.scheduler.submit(Job(uuid.uuid4().hex, run))
+
+    def _reap(self) -> None:
+        while not self._closing.wait(min(5.0, self.session_timeout / 4)):
+            for session_id in self.store.silent_sessions(time.time() - self.session_timeout):
+                log.info("session %s sent no heartbeat for %.0f s: freeing its models", session_id,
+                         self.session_timeout)
+                self.store.finish_session(session_id)
+                for model_id in self.store.session_models(session_id):
+                    self._free(model_id)
+
+    # ------------------------------------------------------------------ routes' bodies
+    def create_session(self, owner: str, body: dict) -> dict:
+        session_id = f"s{uuid.uuid4().hex[:12]}"
+        self.store.add_session(session_id, owner, body.get("user_metadata") or {})
+        return {"session_id": session_id, "type": "create_session"}
+
+    def _session(self, owner: str, session_id: str) -> None:
+        if self.store.session_owner(session_id) != owner:
+            raise UserError(f"session {session_id!r} not found")
+
+    def create_model(self, owner: str, body: dict) -> dict:
+        session_id = body["session_id"]
+        self._session(owner, session_id)
+        base = self._check_base(body.get("base_model"))
+        lora = body.get("lora_config") or {}
+        model_id = f"{session_id}:train:{int(body['model_seq_id'])}"
+        if self.store.model(model_id) is not None:
+            raise UserError(f"model {model_id!r} exists already")
+        try:
+            config = lora_config(lora.get("rank", 32), lora.get("seed"), lora.get("train_attn", True),
+                                 lora.get("train_mlp", True), lora.get("train_unembed", True), model_id)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        self.store.add_model(model_id, session_id, owner, base, {"rank": config.rank, "seed": config.seed,
+                                                                 "targets": list(config.target_modules)},
+                             body.get("user_metadata") or {})
+        self.scheduler.start_model(model_id)
+        return self._future(owner, "create_model", self._create(model_id, config))
+
+    def get_info(self, owner: str, body: dict) -> dict:
+        row = self._owned_model(owner, body["model_id"])
+        return {"model_id": row["model_id"], "type": "get_info", "is_lora": True, "lora_rank": row["config"]["rank"],
+                "model_name": row["base_model"],
+                "model_data": {"arch": self.tenants.model.spec.architecture, "model_name": row["base_model"],
+                               "tokenizer_id": row["base_model"]}}
+
+    def forward_backward(self, owner: str, body: bytes) -> dict:
+        try:
+            fb = decode_forward_backward(body)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        self._owned_model(owner, fb.model_id)
+        return self._future(owner, "forward_backward", None, fb.model_id, fb.seq_id, fb)
+
+    def optim_step(self, owner: str, body: dict) -> dict:
+        model_id = body["model_id"]
+        self._owned_model(owner, model_id)
+        adam = body.get("adam_params")
+        if adam is None:
+            raise UserError("optim_step needs adam_params (this server runs AdamW only)")
+
+        def run():
+            metrics = self.tenants.optim_step(model_id, adam)
+            return "application/json", json.dumps({"metrics": metrics, "type": "optim_step"}).encode()
+        return self._future(owner, "optim_step", run, model_id, int(body["seq_id"]))
+
+    def save(self, owner: str, body: dict, kind: str) -> dict:
+        model_id = body["model_id"]
+        self._owned_model(owner, model_id)
+        name = body.get("path")
+        if name is None:
+            raise UserError("save_weights_for_sampler without a name (a sampling client from the training client) "
+                            "needs sampling, which this server does not serve yet; save it with a name")
+        if not _NAME.fullmatch(name) or ".." in name:
+            raise UserError(f"checkpoint name {name!r} is invalid: use letters, digits, '_', '-' and '.'")
+        path = f"tinker://{model_id}/{kind}/{name}"
+        directory = self.data_dir / "checkpoints" / model_id / kind / name
+        if self.store.checkpoint(path) is not None and not body.get("overwrite", True):
+            raise UserError(f"checkpoint {path!r} exists; pass overwrite=True to replace it")
+        row = self.store.model(model_id)
+
+        def run():
+            self.tenants.save(model_id, directory, optimizer=kind == "weights")
+            self.store.add_checkpoint(path, model_id, owner, kind, name, str(directory), row["config"])
+            return "application/json", json.dumps({"path": path, "type": request_type}).encode()
+        request_type = "save_weights" if kind == "weights" else "save_weights_for_sampler"
+        return self._future(owner, request_type, run, model_id, int(body["seq_id"]))
+
+    def load_weights(self, owner: str, body: dict) -> dict:
+        checkpoint = self._owned_checkpoint(owner, body["path"])
+        if checkpoint["kind"] != "weights":
+            raise UserError(f"{body['path']!r} holds sampler weights; load_weights takes tinker://.../weights/<name>")
+        optimizer = bool(body.get("optimizer", False))
+        if "model_id" in body:  # into an existing model
+            model_id = body["model_id"]
+            row = self._owned_model(owner, model_id)
+            if row["config"]["rank"] != checkpoint["config"]["rank"]:
+                raise UserError(f"{body['path']!r} has LoRA rank {checkpoint['config']['rank']}, model {model_id!r} "
+                                f"{row['config']['rank']}")
+
+            def run():
+                self.tenants.load(model_id, Path(checkpoint["directory"]), optimizer)
+                return "application/json", json.dumps({"path": body["path"], "type": "load_weights"}).encode()
+            return self._future(owner, "load_weights", run, model_id, int(body["seq_id"]))
+        session_id = body["session_id"]  # a new model from the checkpoint
+        self._session(owner, session_id)
+        base = self._check_base(body.get("base_model"))
+        model_id = f"{session_id}:train:{int(body['model_seq_id'])}"
+        saved = checkpoint["config"]
+        config = lora_config(saved["rank"], saved["seed"], "q_proj" in saved["targets"], "gate_proj" in saved["targets"],
+                             False, model_id)
+        self.store.add_model(model_id, session_id, owner, base, saved, body.get("user_metadata") or {})
+        self.scheduler.start_model(model_id)
+        return self._future(owner, "load_weights", self._create(model_id, config, checkpoint, optimizer))
+
+    async def retrieve_future(self, owner: str, body: dict) -> tuple[int, str, bytes]:
+        request_id = body["request_id"]
+        row = self.store.future(request_id)
+        if row is None or row["owner"] != owner:
+            raise UserError(f"request {request_id!r} not found")
+        if row["state"] == "pending":
+            await asyncio.to_thread(self.scheduler.wait, request_id, LONG_POLL)
+            row = self.store.future(request_id)
+        if row["state"] == "pending":
+            return 200, "application/json", json.dumps({"type": "try_again", "request_id": request_id,
+                                                        "queue_state": "active"}).encode()
+        return 200, row["content_type"], row["payload"]
+
+    def finish_session(self, owner: str, session_id: str) -> None:
+        self._session(owner, session_id)
+        self.store.finish_session(session_id)
+        for model_id in self.store.session_models(session_id):
+            self._free(model_id)
+
+
+def build_app(service: Service):
+    """The FastAPI app of ``service``."""
+    app = FastAPI(title="mlora Tinker service")
+
+    def owner(request: Request) -> str:
+        return owner_of(request.headers.get("x-api-key"))
+
+    def answer(fn):
+        try:
+            return JSONResponse(fn())
+        except UserError as e:
+            return JSONResponse({"error": str(e), "category": "user"}, status_code=400)
+        except (KeyError, TypeError, ValueError) as e:
+            return JSONResponse({"error": f"malformed request: {type(e).__name__}: {e}", "category": "user"},
+                                status_code=400)
+
+    @app.get("/api/v1/healthz")
+    async def healthz():
+        return {"status": "ok"}
+
+    @app.post("/api/v1/client/config")
+    async def client_config():
+        return CLIENT_CONFIG
+
+    @app.post("/api/v1/client/dynamic_config")
+    async def dynamic_config():
+        return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+    @app.get("/api/v1/get_server_capabilities")
+    async def capabilities():
+        spec = service.tenants.model.spec
+        return {"supported_models": [{"model_name": service.model_name, "trainable": True, "sampleable": False,
+                                      "max_context_length": spec.max_position_embeddings}]}
+
+    @app.post("/api/v1/telemetry")
+    async def telemetry():
+        return {"status": "accepted"}
+
+    @app.post("/api/v1/create_session")
+    async def create_session(request: Request):
+        body = await request.json()
+        return answer(lambda: service.create_session(owner(request), body))
+
+    @app.post("/api/v1/session_heartbeat")
+    async def heartbeat(request: Request):
+        body = await request.json()
+        if service.store.session_owner(body.get("session_id", "")) != owner(request) or not service.store.heartbeat(
+                body["session_id"]):
+            return JSONResponse({"error": "session finished or unknown", "category": "user"}, status_code=410)
+        return {"type": "session_heartbeat"}
+
+    @app.post("/api/v1/sessions/{session_id}/finish")
+    async def finish(session_id: str, request: Request):
+        return answer(lambda: service.finish_session(owner(request), session_id) or {})
+
+    @app.post("/api/v1/create_model")
+    async def create_model(request: Request):
+        body = await request.json()
+        return answer(lambda: service.create_model(owner(request), body))
+
+    @app.post("/api/v1/get_info")
+    async def get_info(request: Request):
+        body = await request.json()
+        return answer(lambda: service.get_info(owner(request), body))
+
+    @app.post("/api/v1/forward_backward")
+    async def forward_backward(request: Request):
+        body = await request.body()
+        return answer(lambda: service.forward_backward(owner(request), body))
+
+    @app.post("/api/v1/optim_step")
+    async def optim_step(request: Request):
+        body = await request.json()
+        return answer(lambda: service.optim_step(owner(request), body))
+
+    @app.post("/api/v1/save_weights")
+    async def save_weights(request: Request):
+        body = await request.json()
+        return answer(lambda: service.save(owner(request), body, "weights"))
+
+    @app.post("/api/v1/save_weights_for_sampler")
+    async def save_for_sampler(request: Request):
+        body = await request.json()
+        return answer(lambda: service.save(owner(request), body, "sampler_weights"))
+
+    @app.post("/api/v1/load_weights")
+    async def load_weights(request: Request):
+        body = await request.json()
+        return answer(lambda: service.load_weights(owner(request), body))
+
+    @app.post("/api/v1/retrieve_future")
+    async def retrieve_future(request: Request):
+        body = await request.json()
+        try:
+            status, content_type, payload = await service.retrieve_future(owner(request), body)
+        except UserError as e:
+            return JSONResponse({"error": str(e), "category": "user"}, status_code=400)
+        return Response(payload, status_code=status, media_type=content_type)
+
+    for path in ("/api/v1/create_sampling_session", "/api/v1/asample"):
+        @app.post(path)
+        async def not_served():
+            return JSONResponse({"error": "sampling is not served by this mlora Tinker server yet (training calls "
+                                          "are)", "category": "user"}, status_code=501)
+
+    return app

@@ -1,0 +1,171 @@
+"""The service's one worker: runs client requests on the model in order, many clients' ``forward_backward``
+at once.
+
+Each client model's requests carry a ``seq_id`` (1, 2, ...): the SDK sends them pipelined, and a large batch's
+chunks concurrently with the first one last, so a model's requests run strictly in ``seq_id`` order, whatever
+their arrival. Requests that create or free models run in arrival order. When several models' next requests
+are ``forward_backward`` calls (a ready one waits ``batch_window`` seconds for others), they run together as one
+mixed-adapter batch
+(:meth:`mlora.service.tenants.Tenants.forward_backward`); a batch that fails is retried request by request, so
+one client's bad request fails that client's future only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+from mlora.service.store import Store
+
+log = logging.getLogger("mlora.service")
+GAP_TIMEOUT = 60.0  # seconds a model's later requests wait for a missing seq_id before it is skipped
+
+
+@dataclass
+class Job:
+    """One request's work: ``run()`` returns ``(content_type, payload)`` or raises."""
+
+    request_id: str
+    run: Callable[[], tuple[str, bytes]] | None = None
+    model_id: str | None = None
+    seq_id: int | None = None
+    fb: object = None  # a ForwardBackward request: batched with other models' instead of run alone
+    arrived: float = field(default_factory=time.time)
+
+
+def error_payload(message: str, category: str) -> tuple[str, bytes]:
+    """The SDK's failed-future body (``tinker.RequestFailedError``; category ``user`` or ``server``)."""
+    return "application/json", json.dumps({"error": message, "category": category}).encode()
+
+
+class Scheduler:
+    """Queues jobs and runs them on one thread (torch and the mesh's collectives stay on it)."""
+
+    def __init__(self, store: Store, run_fb_batch: Callable[[list[Job]], list[tuple[str, bytes]]],
+                 batch_window: float = 0.01) -> None:
+        self.store = store
+        self.run_fb_batch = run_fb_batch
+        self.batch_window = batch_window  # seconds a ready forward_backward waits for other clients' to join it
+        self._cond = threading.Condition()
+        self._global: list[Job] = []  # model creation and removal, in arrival order
+        self._pending: dict[str, dict[int, Job]] = {}  # model -> seq_id -> job
+        self._next: dict[str, int] = {}  # model -> the seq_id it runs next
+        self._done: dict[str, threading.Event] = {}
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="mlora-service-worker", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ submission
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            self._done.setdefault(job.request_id, threading.Event())
+            if job.model_id is None or job.seq_id is None:
+                self._global.append(job)
+            else:
+                self._pending.setdefault(job.model_id, {})[job.seq_id] = job
+            self._cond.notify_all()
+
+    def start_model(self, model_id: str, next_seq: int = 1) -> None:
+        """``model_id``'s first request to run is ``next_seq`` (called when the model is created)."""
+        with self._cond:
+            self._next[model_id] = next_seq
+            self._cond.notify_all()
+
+    def forget_model(self, model_id: str) -> list[Job]:
+        """Stop scheduling ``model_id``; its queued jobs are returned (to be failed by the caller)."""
+        with self._cond:
+            self._next.pop(model_id, None)
+            return list(self._pending.pop(model_id, {}).values())
+
+    def wait(self, request_id: str, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for ``request_id`` to finish; True when it has (or is not queued here)."""
+        with self._cond:
+            event = self._done.get(request_id)
+        return True if event is None else event.wait(timeout)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------------ the worker
+    def _ready(self) -> tuple[list[Job], list[Job]]:
+        """(global jobs, each model's next job) runnable now; called with the lock held."""
+        glob, self._global = self._global, []
+        ready = []
+        now = time.time()
+        for model_id, jobs in self._pending.items():
+            if not jobs or model_id not in self._next:
+                continue
+            want = self._next[model_id]
+            if want in jobs:
+                ready.append(jobs[want])
+            elif min(jobs) > want and now - min(j.arrived for j in jobs.values()) > GAP_TIMEOUT:
+                log.warning("model %s: seq_id %d never arrived; going on with %d", model_id, want, min(jobs))
+                ready.append(jobs[min(jobs)])
+        return glob, ready
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                glob, ready = self._ready()
+                while not glob and not ready and not self._stop:
+                    self._cond.wait(timeout=1.0)
+                    glob, ready = self._ready()
+                if self._stop:
+                    return
+                if self.batch_window > 0 and any(j.fb is not None for j in ready):
+                    self._cond.wait(self.batch_window)  # requests of other clients arriving meanwhile join the batch
+                    more, ready = self._ready()
+                    glob += more
+                for job in ready:
+                    del self._pending[job.model_id][job.seq_id]
+                    self._next[job.model_id] = job.seq_id + 1
+            for job in glob:
+                self._finish(job, self._call(job.run))
+            singles = [j for j in ready if j.fb is None]
+            for kind in (False, True):  # training batches, then forward-only ones
+                batch = [j for j in ready if j.fb is not None and j.fb.forward_only == kind]
+                if batch:
+                    self._run_batch(batch)
+            for job in singles:
+                self._finish(job, self._call(job.run))
+
+    def _run_batch(self, batch: list[Job]) -> None:
+        try:
+            results = self.run_fb_batch(batch)
+        except Exception:
+            if len(batch) == 1:
+                self._finish(batch[0], self._call(lambda: self.run_fb_batch(batch)[0]))
+                return
+            log.warning("a batch of %d forward_backward requests failed; running them one by one", len(batch))
+            for job in batch:
+                self._finish(job, self._call(lambda job=job: self.run_fb_batch([job])[0]))
+            return
+        for job, result in zip(batch, results):
+            self._finish(job, result)
+
+    @staticmethod
+    def _call(run: Callable[[], tuple[str, bytes]]) -> tuple[str, bytes] | tuple[str, bytes, str]:
+        try:
+            return run()
+        except (ValueError, KeyError, FileNotFoundError) as e:
+            message = f"model {e.args[0]!r} is not loaded on this server" if isinstance(e, KeyError) else str(e)
+            return (*error_payload(message, "user"), "error")
+        except Exception as e:  # a fault of the server, not of the request: said in the log with its traceback
+            log.error("request failed:\n%s", traceback.format_exc())
+            return (*error_payload(f"{type(e).__name__}: {e}", "server"), "error")
+
+    def _finish(self, job: Job, result) -> None:
+        content_type, payload = result[0], result[1]
+        self.store.finish_future(job.request_id, result[2] if len(result) > 2 else "done", content_type, payload)
+        with self._cond:
+            event = self._done.pop(job.request_id, None)
+        if event is not None:
+            event.set()

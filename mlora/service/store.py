@@ -1,0 +1,152 @@
+"""The service's durable state in one SQLite file: sessions, client models, checkpoints and futures.
+
+A restarted server reopens the file: sessions and checkpoints are still there (a client loads its checkpoint
+into a new training client and goes on), finished futures can still be retrieved, and futures that were
+pending when the server stopped fail with a message saying so. Every owner (an API key, stored as its hash)
+sees only its own models and checkpoints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (session_id TEXT PRIMARY KEY, owner TEXT NOT NULL, created REAL NOT NULL,
+    heartbeat REAL NOT NULL, finished INTEGER NOT NULL DEFAULT 0, metadata TEXT NOT NULL DEFAULT '{}');
+CREATE TABLE IF NOT EXISTS models (model_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, owner TEXT NOT NULL,
+    base_model TEXT NOT NULL, config TEXT NOT NULL, metadata TEXT NOT NULL DEFAULT '{}', created REAL NOT NULL,
+    state TEXT NOT NULL DEFAULT 'live', last_seq INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS checkpoints (path TEXT PRIMARY KEY, model_id TEXT NOT NULL, owner TEXT NOT NULL,
+    kind TEXT NOT NULL, name TEXT NOT NULL, directory TEXT NOT NULL, config TEXT NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS futures (request_id TEXT PRIMARY KEY, owner TEXT NOT NULL, model_id TEXT,
+    seq_id INTEGER, kind TEXT NOT NULL, state TEXT NOT NULL, content_type TEXT, payload BLOB, created REAL NOT NULL);
+CREATE UNIQUE INDEX IF NOT EXISTS futures_by_seq ON futures (model_id, seq_id) WHERE seq_id IS NOT NULL;
+"""
+
+
+def owner_of(api_key: str | None) -> str:
+    """The owner id of an API key (a hash: the key itself is never stored)."""
+    return hashlib.sha256((api_key or "").encode()).hexdigest()[:16]
+
+
+class Store:
+    """Thread-safe access to the SQLite file (one connection, one lock: the service's writes are small)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.executescript(SCHEMA)
+        self._lock = threading.Lock()
+        # what a previous server left running cannot finish now
+        self._run("UPDATE futures SET state='error', content_type='application/json', payload=? WHERE state='pending'",
+                  (json.dumps({"error": "the server restarted before this request ran; submit it again",
+                               "category": "server"}).encode(),))
+        self._run("UPDATE models SET state='lost' WHERE state='live'")
+
+    def _run(self, sql: str, args: tuple = ()) -> list[tuple]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # ------------------------------------------------------------------ sessions
+    def add_session(self, session_id: str, owner: str, metadata: dict) -> None:
+        now = time.time()
+        self._run("INSERT INTO sessions (session_id, owner, created, heartbeat, metadata) VALUES (?, ?, ?, ?, ?)",
+                  (session_id, owner, now, now, json.dumps(metadata)))
+
+    def session_owner(self, session_id: str) -> str | None:
+        rows = self._run("SELECT owner FROM sessions WHERE session_id=?", (session_id,))
+        return rows[0][0] if rows else None
+
+    def heartbeat(self, session_id: str) -> bool:
+        """Record a heartbeat; False when the session is unknown or finished (the client must stop)."""
+        rows = self._run("SELECT finished FROM sessions WHERE session_id=?", (session_id,))
+        if not rows or rows[0][0]:
+            return False
+        self._run("UPDATE sessions SET heartbeat=? WHERE session_id=?", (time.time(), session_id))
+        return True
+
+    def finish_session(self, session_id: str) -> None:
+        self._run("UPDATE sessions SET finished=1 WHERE session_id=?", (session_id,))
+
+    def silent_sessions(self, older_than: float) -> list[str]:
+        """Live sessions whose last heartbeat is older than ``older_than`` (a time)."""
+        return [r[0] for r in self._run("SELECT session_id FROM sessions WHERE finished=0 AND heartbeat<?",
+                                        (older_than,))]
+
+    def session_count(self) -> int:
+        return self._run("SELECT COUNT(*) FROM sessions")[0][0]
+
+    # ------------------------------------------------------------------ models
+    def add_model(self, model_id: str, session_id: str, owner: str, base_model: str, config: dict,
+                  metadata: dict) -> None:
+        self._run("INSERT INTO models (model_id, session_id, owner, base_model, config, metadata, created) "
+                  "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                  (model_id, session_id, owner, base_model, json.dumps(config), json.dumps(metadata), time.time()))
+
+    def model(self, model_id: str) -> dict | None:
+        rows = self._run("SELECT session_id, owner, base_model, config, metadata, state FROM models WHERE model_id=?",
+                         (model_id,))
+        if not rows:
+            return None
+        session_id, owner, base, config, metadata, state = rows[0]
+        return {"model_id": model_id, "session_id": session_id, "owner": owner, "base_model": base,
+                "config": json.loads(config), "metadata": json.loads(metadata), "state": state}
+
+    def set_model_state(self, model_id: str, state: str) -> None:
+        self._run("UPDATE models SET state=? WHERE model_id=?", (state, model_id))
+
+    def session_models(self, session_id: str) -> list[str]:
+        return [r[0] for r in self._run("SELECT model_id FROM models WHERE session_id=? AND state='live'",
+                                        (session_id,))]
+
+    # ------------------------------------------------------------------ checkpoints
+    def add_checkpoint(self, path: str, model_id: str, owner: str, kind: str, name: str, directory: str,
+                       config: dict) -> None:
+        self._run("INSERT OR REPLACE INTO checkpoints (path, model_id, owner, kind, name, directory, config, created) "
+                  "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (path, model_id, owner, kind, name, directory,
+                                                      json.dumps(config), time.time()))
+
+    def checkpoint(self, path: str) -> dict | None:
+        rows = self._run("SELECT model_id, owner, kind, name, directory, config FROM checkpoints WHERE path=?",
+                         (path,))
+        if not rows:
+            return None
+        model_id, owner, kind, name, directory, config = rows[0]
+        return {"path": path, "model_id": model_id, "owner": owner, "kind": kind, "name": name,
+                "directory": directory, "config": json.loads(config)}
+
+    # ------------------------------------------------------------------ futures
+    def add_future(self, request_id: str, owner: str, kind: str, model_id: str | None = None,
+                   seq_id: int | None = None) -> str:
+        """Record a pending future; an existing one for the same (model, seq_id), a retried submission, is
+        returned instead (its request id)."""
+        if model_id is not None and seq_id is not None:
+            rows = self._run("SELECT request_id FROM futures WHERE model_id=? AND seq_id=?", (model_id, seq_id))
+            if rows:
+                return rows[0][0]
+        self._run("INSERT INTO futures (request_id, owner, model_id, seq_id, kind, state, created) "
+                  "VALUES (?, ?, ?, ?, ?, 'pending', ?)", (request_id, owner, model_id, seq_id, kind, time.time()))
+        return request_id
+
+    def finish_future(self, request_id: str, state: str, content_type: str, payload: bytes) -> None:
+        self._run("UPDATE futures SET state=?, content_type=?, payload=? WHERE request_id=?",
+                  (state, content_type, payload, request_id))
+
+    def future(self, request_id: str) -> dict | None:
+        rows = self._run("SELECT owner, state, content_type, payload, kind FROM futures WHERE request_id=?",
+                         (request_id,))
+        if not rows:
+            return None
+        owner, state, content_type, payload, kind = rows[0]
+        return {"owner": owner, "state": state, "content_type": content_type, "payload": payload, "kind": kind}

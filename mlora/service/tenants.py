@@ -1,0 +1,203 @@
+"""Client models on one base: each a named LoRA adapter with its own AdamW, trained in mixed-adapter batches.
+
+A Tinker ``create_model`` becomes an adapter of any rank on attention and/or MLP projections (``train_attn``,
+``train_mlp``; the MLP names reach a mixture of experts' experts). ``forward_backward`` requests of several
+clients that are ready together run as one micro-batch: the frozen base once over every row, each client's
+LoRA over its own rows only (``adapter_rows``, :mod:`mlora.lora.routing`); a client's gradients accumulate
+until its ``optim_step``. Collective over the mesh: every rank runs the same calls in the same order.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mlora.checkpoint.optim_state import (
+    OptimizerStateReader,
+    adapter_pieces,
+    load_optimizer_state,
+    write_optimizer_state,
+)
+from mlora.lora.config import LoraConfig
+from mlora.lora.grads import clip_grads, finalize_grads
+from mlora.rl.vocab_parallel import vocab_parallel_logprobs
+from mlora.service.losses import check_loss, datum_loss
+from mlora.service.wire import ForwardBackward
+
+LORA_ALPHA = 32  # whatever the rank (scaling alpha / rank): tinker-cookbook's weights/README.md gives 32 for Tinker's adapters
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+INIT_KEY = "tinker"  # the name A's initial draw is keyed by: equal seeds give equal adapters, whatever the model id
+ROLE = "tinker"  # the optimizer state's role in checkpoint files
+
+
+@dataclass
+class ClientModel:
+    """One client's adapter and optimizer."""
+
+    adapter: str
+    config: LoraConfig
+    optimizer: torch.optim.Optimizer
+    steps: int = 0
+
+
+def lora_config(rank: int, seed: int | None, train_attn: bool, train_mlp: bool, train_unembed: bool,
+                model_id: str) -> LoraConfig:
+    """The adapter of a Tinker ``lora_config``; ValueError naming what this server cannot train."""
+    if train_unembed:
+        raise ValueError("train_unembed=True (LoRA on the output embedding) is not supported by this server; create "
+                         "the training client with train_unembed=False")
+    targets = (ATTENTION if train_attn else ()) + (MLP if train_mlp else ())
+    if not targets:
+        raise ValueError("lora_config trains nothing: set train_attn and/or train_mlp")
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"lora rank {rank!r} must be a positive integer")
+    seed = seed if seed is not None else zlib.crc32(model_id.encode())
+    return LoraConfig(rank=rank, alpha=LORA_ALPHA, seed=int(seed), target_modules=list(targets))
+
+
+class Tenants:
+    """Every client model of the served base (``model``: an :class:`mlora.MLoraModel`)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.clients: dict[str, ClientModel] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+    def create(self, model_id: str, config: LoraConfig) -> None:
+        """A fresh adapter (B = 0) for ``model_id`` and its AdamW."""
+        if model_id in self.clients:
+            raise ValueError(f"model {model_id!r} exists already")
+        name = _adapter_name(model_id)
+        self.model.add_adapter(name, config, key=INIT_KEY)
+        params = self.model.adapter_parameters(name)
+        opt = torch.optim.AdamW(params, lr=0.0, foreach=False)
+        self.clients[model_id] = ClientModel(name, config, opt)
+
+    def delete(self, model_id: str) -> None:
+        """Free ``model_id``'s adapter and optimizer state (a client that finished or disappeared)."""
+        client = self.clients.pop(model_id, None)
+        if client is not None:
+            self.model.delete_adapter(client.adapter)
+
+    def client(self, model_id: str) -> ClientModel:
+        if model_id not in self.clients:
+            raise KeyError(model_id)
+        return self.clients[model_id]
+
+    # ------------------------------------------------------------------ training
+    def forward_backward(self, requests: list[ForwardBackward]) -> list[tuple[list[torch.Tensor], dict[str, float]]]:
+        """Run ``requests`` (of distinct client models) as one mixed-adapter micro-batch: per request, each datum's
+        learner log-probs ``[N]`` and its metrics (``loss:sum``). All requests forward-only, or none."""
+        forward_only = requests[0].forward_only
+        if any(r.forward_only != forward_only for r in requests):
+            raise ValueError("forward-only and training requests cannot share a batch")
+        configs = []
+        for r in requests:
+            if not r.data:
+                raise ValueError("forward_backward with no data: send at least one datum")
+            names = {frozenset(d.inputs) for d in r.data}
+            if len(names) > 1:
+                raise ValueError(f"the datums of one request carry different loss_fn_inputs: {sorted(map(sorted, names))}")
+            configs.append(check_loss(r.loss_fn, r.config, set(r.data[0].inputs)))
+        rows, owner = [], []
+        for k, r in enumerate(requests):
+            for d in r.data:
+                rows.append(d)
+                owner.append(k)
+        width = max(d.tokens.shape[0] for d in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        targets = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, d in enumerate(rows):
+            n = d.tokens.shape[0]
+            ids[i, :n], mask[i, :n], targets[i, :n] = d.tokens, 1, d.inputs["target_tokens"]
+        vocab = self.model.spec.vocab_size
+        bad = [int(t) for t in torch.cat([ids[mask.bool()], targets[mask.bool()]]) if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {sorted(set(bad))[:5]} are outside this model's vocabulary [0, {vocab})")
+        names = [self.client(r.model_id).adapter for r in requests]
+        adapter_rows = {name: [i for i, k in enumerate(owner) if k == j] for j, name in enumerate(names)}
+        lo, hi = self.model.vocab_shard_range()
+        mesh = self.model.mesh
+        per_row: list[torch.Tensor | None] = [None] * len(rows)
+        losses = [0.0] * len(requests)
+
+        def loss_fn(logits, mb):
+            logp, _ = vocab_parallel_logprobs(logits, targets.to(logits.device), lo, hi - lo,
+                                              mesh.tp_group if mesh.tp > 1 else None)
+            total = logits.new_zeros(())
+            for i, d in enumerate(rows):
+                n = d.tokens.shape[0]
+                k = owner[i]
+                inputs = {key: v.to(logp.device, torch.float32) for key, v in d.inputs.items() if key != "target_tokens"}
+                loss = datum_loss(requests[k].loss_fn, logp[i, :n].float(), inputs, configs[k])
+                per_row[i] = logp[i, :n].detach().float().cpu()
+                losses[k] += float(loss.detach())
+                total = total + loss
+            return total, {}
+
+        with self.model.use_adapters(*names):
+            self.model.forward_backward([{"input_ids": ids, "attention_mask": mask, "adapter_rows": adapter_rows}],
+                                        loss_fn, forward_only=forward_only)
+        out = []
+        for k, r in enumerate(requests):
+            logprobs = [per_row[i] for i in range(len(rows)) if owner[i] == k]
+            out.append((logprobs, {"loss:sum": losses[k]}))
+        return out
+
+    def optim_step(self, model_id: str, adam: dict) -> dict[str, float]:
+        """One AdamW step of ``model_id``'s adapter on its accumulated gradients (Tinker's ``adam_params``:
+        learning_rate, beta1, beta2, eps, weight_decay, grad_clip_norm; 0 or absent: no clipping)."""
+        client = self.client(model_id)
+        params = self.model.adapter_parameters(client.adapter)
+        finalize_grads(params)
+        clip = float(adam.get("grad_clip_norm") or 0.0)
+        norm = clip_grads(params, clip if clip > 0 else None)
+        for group in client.optimizer.param_groups:
+            group.update(lr=float(adam["learning_rate"]), betas=(float(adam["beta1"]), float(adam["beta2"])),
+                         eps=float(adam["eps"]), weight_decay=float(adam["weight_decay"]))
+        client.optimizer.step()
+        for p in params:
+            p.grad = None
+        client.steps += 1
+        return {"grad_norm:mean": float(norm), "learning_rate:mean": float(adam["learning_rate"])}
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, model_id: str, directory: Path, optimizer: bool) -> None:
+        """``directory/adapter`` (PEFT files) and, with ``optimizer``, ``directory/optim`` (AdamW moments, mesh
+        independent) and ``directory/state.json`` (its step count). Collective."""
+        client = self.client(model_id)
+        self.model.save_adapter(client.adapter, directory / "adapter")
+        if optimizer:
+            mesh = self.model.mesh
+            groups = {ROLE: (client.optimizer, adapter_pieces(self.model, client.adapter))}
+            write_optimizer_state(directory / "optim" / f"pp{mesh.pp_rank}-tp{mesh.tp_rank}.safetensors", groups, mesh)
+            if mesh.rank == 0:
+                (directory / "state.json").write_text(json.dumps({"steps": client.steps}))
+
+    def load(self, model_id: str, directory: Path, optimizer: bool) -> None:
+        """Overwrite ``model_id``'s factors (and, with ``optimizer``, its AdamW state) from :meth:`save`'s files."""
+        client = self.client(model_id)
+        self.model.load_adapter_weights(client.adapter, directory / "adapter")
+        for p in self.model.adapter_parameters(client.adapter):
+            p.grad = None
+        client.optimizer.state.clear()
+        if optimizer and (directory / "optim").is_dir():
+            reader = OptimizerStateReader(directory / "optim")
+            try:
+                load_optimizer_state(reader, ROLE, client.optimizer, adapter_pieces(self.model, client.adapter),
+                                     self.model.mesh)
+            finally:
+                reader.close()
+            state = directory / "state.json"
+            client.steps = json.loads(state.read_text())["steps"] if state.is_file() else 0
+
+
+def _adapter_name(model_id: str) -> str:
+    """An adapter name for a model id (adapter names take no dots)."""
+    return "t_" + model_id.replace(".", "_")

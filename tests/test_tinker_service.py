@@ -1,0 +1,314 @@
+"""The Tinker API served by mlora (``python -m mlora.service``), driven by the real ``tinker`` SDK 0.38, unchanged,
+over HTTP on 127.0.0.1, on a tiny random Llama in float32.
+
+- ``forward_backward(cross_entropy)``: the learner log-probs the SDK gets back equal transformers' and mlora's own
+  (≤ 1e-5), and ``loss:sum`` is ``-Σ w·logp``.
+- ``optim_step``: two steps (weight decay, gradient clipping) leave the adapter where torch's AdamW takes the same
+  adapter on the same gradients in-process (≤ 2e-5 of the largest factor).
+- Two clients of different ranks (4 and 8) interleave pipelined calls, so their ``forward_backward`` requests run
+  as one mixed-adapter batch (the server says so in its log); each ends where it ends alone (≤ 1e-5).
+- ``save_state`` → server restart → ``create_training_client_from_state_with_optimizer`` continues exactly.
+- Bad requests fail that request's future with the SDK's user error and the client goes on; another API key sees
+  none of a client's models or checkpoints; a session without heartbeats has its models freed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import _free_port
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+LOGPROB_TOL = 1e-5  # float32 log-probs, server vs transformers / mlora (measured: ≤ 1e-6)
+# adapter after optim_step vs torch AdamW, relative to the largest factor (measured: 5.3e-6): the gradients agree to
+# float32 rounding across the two processes, and Adam's early steps scale a difference in g by about lr / eps
+ADAM_TOL = 2e-5
+MIX_TOL = 1e-5  # a client in mixed batches vs alone, relative (measured: ≤ 1e-6)
+KEY = "tml-mlora-test-a"
+# eps well above the gradients' float32 noise: with 1e-8, Adam's first steps divide gradients of a LoRA factor near zero
+# by their own magnitude, and the last bits of a sum taken in another order move such an element by up to lr
+ADAM = dict(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-4, weight_decay=0.01, grad_clip_norm=5.0)
+
+
+class Server:
+    """``python -m mlora.service`` in a subprocess, stopped by pid."""
+
+    def __init__(self, model: Path, data_dir: Path, log: Path) -> None:
+        self.model, self.data_dir, self.log = model, data_dir, log
+        self.proc = None
+        self.start()
+
+    def start(self, port: int | None = None) -> None:
+        self.port = port or _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        out = open(self.log, "a")
+        self.proc = subprocess.Popen([sys.executable, "-m", "mlora.service", "--model", str(self.model), "--data-dir",
+                                      str(self.data_dir), "--port", str(self.port), "--batch-window", "0.2"],
+                                     stdout=out, stderr=out,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+        import httpx
+
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.proc.returncode}):\n{self.log.read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{self.url}/api/v1/healthz", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"the server did not come up:\n{self.log.read_text()[-4000:]}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def restart(self) -> None:
+        """A new process on the same data directory and port (clients of the old one reach it)."""
+        self.stop()
+        self.start(self.port)
+
+    def weights(self, path: str) -> dict[str, torch.Tensor]:
+        """The PEFT tensors of a checkpoint ``tinker://<model>/<kind>/<name>`` (read from the server's files)."""
+        from safetensors.torch import load_file
+
+        model_id, kind, name = path.removeprefix("tinker://").split("/")
+        return load_file(self.data_dir / "checkpoints" / model_id / kind / name / "adapter" /
+                         "adapter_model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    from mlora.testing import build_tiny_model
+
+    return build_tiny_model("llama", tmp_path_factory.mktemp("tinker_base") / "llama")
+
+
+@pytest.fixture(scope="module")
+def server(base, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tinker_server")
+    s = Server(base, tmp / "data", tmp / "server.log")
+    yield s
+    s.stop()
+
+
+def _service(server: Server, key: str = KEY):
+    return tinker.ServiceClient(base_url=server.url, api_key=key)
+
+
+def _trainer(service, base: Path, rank: int, seed: int):
+    return service.create_lora_training_client(base_model=str(base), rank=rank, seed=seed,
+                                               train_unembed=False).result()
+
+
+def _batch(seed: int, lengths=(7, 12, 5), vocab: int = 1000) -> list:
+    """Datums of random tokens, each predicting its next token with random weights."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        tokens = torch.randint(0, vocab, (n + 1,), generator=g)
+        weights = torch.rand(n, generator=g)
+        out.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1].tolist()),
+                               loss_fn_inputs={"target_tokens": tokens[1:].tolist(), "weights": weights.tolist()}))
+    return out
+
+
+def _tokens(datum) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ids = torch.tensor(datum.model_input.to_ints())
+    target = datum.loss_fn_inputs["target_tokens"].to_torch()
+    weights = datum.loss_fn_inputs["weights"].to_torch()
+    return ids, target, weights
+
+
+def test_cross_entropy_logprobs_equal_transformers_and_mlora(server, base):
+    import transformers
+
+    import mlora
+
+    trainer = _trainer(_service(server), base, 4, 1)
+    data = _batch(0)
+    out = trainer.forward_backward(data, "cross_entropy").result()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    model = mlora.from_pretrained(base, mlora.init_parallel(), dtype=torch.float32)
+    total = 0.0
+    for datum, result in zip(data, out.loss_fn_outputs):
+        ids, target, weights = _tokens(datum)
+        got = result["logprobs"].to_torch()
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(ids[None]).logits[0].float(), -1).gather(-1, target[:, None])[:, 0]
+            own = torch.log_softmax(model.logits(ids[None])[0].float(), -1).gather(-1, target[:, None])[:, 0]
+        assert got.shape == target.shape
+        assert (got - ref).abs().max() <= LOGPROB_TOL and (got - own).abs().max() <= LOGPROB_TOL, (got, ref, own)
+        total -= float((ref * weights).sum())
+    assert out.metrics["loss:sum"] == pytest.approx(total, rel=1e-5)
+
+
+def test_optim_step_equals_torch_adamw(server, base):
+    trainer = _trainer(_service(server), base, 4, 7)
+    steps = [_batch(10), _batch(11)]
+    for data in steps:
+        trainer.forward_backward(data, "cross_entropy").result()
+        trainer.optim_step(types.AdamParams(**ADAM)).result()
+    got = server.weights(trainer.save_weights_for_sampler("adam").result().path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the server runs (OMP_NUM_THREADS=1): its GEMMs summed in the same order
+    try:
+        want = _torch_adamw_reference(base, steps)
+    finally:
+        torch.set_num_threads(threads)
+    assert got.keys() == want.keys()
+    scale = max(v.abs().max() for v in want.values())
+    diff = max((got[k] - want[k]).abs().max() for k in want)
+    assert scale > 0 and diff <= ADAM_TOL * scale, (diff, scale)
+
+
+def _torch_adamw_reference(base: Path, steps: list) -> dict[str, torch.Tensor]:
+    """The adapter after torch's AdamW (gradients clipped by torch) on each step's batch, computed in-process."""
+    import mlora
+    from mlora.rl.vocab_parallel import vocab_parallel_logprobs
+    from mlora.service.tenants import INIT_KEY, lora_config
+
+    model = mlora.from_pretrained(base, mlora.init_parallel(), dtype=torch.float32)
+    model.add_adapter("ref", lora_config(4, 7, True, True, False, "ref"), key=INIT_KEY)
+    params = model.adapter_parameters("ref")
+    opt = torch.optim.AdamW(params, lr=ADAM["learning_rate"], betas=(ADAM["beta1"], ADAM["beta2"]), eps=ADAM["eps"],
+                            weight_decay=ADAM["weight_decay"])
+    vocab = model.spec.vocab_size
+    for data in steps:  # the batch as the server runs it: right-padded rows of one micro-batch
+        rows = [_tokens(d) for d in data]
+        width = max(len(ids) for ids, _, _ in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask, target, weights = torch.zeros_like(ids), torch.zeros_like(ids), torch.zeros(len(rows), width)
+        for i, (x, t, w) in enumerate(rows):
+            ids[i, :len(x)], mask[i, :len(x)], target[i, :len(x)], weights[i, :len(x)] = x, 1, t, w
+
+        def loss_fn(logits, mb):  # the server's log-prob function: the same float32 sums, so the same gradients
+            logp = vocab_parallel_logprobs(logits, target, 0, vocab)[0]
+            return -(logp * weights).sum(), {}
+        with model.use_adapters("ref"):
+            model.forward_backward([{"input_ids": ids, "attention_mask": mask}], loss_fn)
+        torch.nn.utils.clip_grad_norm_(params, ADAM["grad_clip_norm"])
+        opt.step()
+        opt.zero_grad()
+    return model.adapter_tensors("ref")
+
+
+def _steps(trainer, seed: int, n: int = 3, wait: bool = True):
+    """``n`` steps of forward_backward + optim_step; pipelined (futures awaited at the end) unless ``wait``."""
+    futures = []
+    for step in range(n):
+        futures.append(trainer.forward_backward(_batch(seed + step, lengths=(6, 9)), "cross_entropy"))
+        futures.append(trainer.optim_step(types.AdamParams(**ADAM)))
+        if wait:
+            futures[-2].result(), futures[-1].result()
+    return futures
+
+
+def test_two_clients_of_different_ranks_in_mixed_batches_equal_each_alone(server, base):
+    service_a, service_b = _service(server), _service(server, "tml-mlora-test-b")
+    solo = {}
+    for name, service, rank in (("a", service_a, 4), ("b", service_b, 8)):
+        trainer = _trainer(service, base, rank, 3)
+        _steps(trainer, 100 if name == "a" else 200)
+        solo[name] = server.weights(trainer.save_weights_for_sampler("solo").result().path)
+    log_before = server.log.read_text().count("models' forward_backward in one batch")
+    a, b = _trainer(service_a, base, 4, 3), _trainer(service_b, base, 8, 3)
+    pending = []
+    for step in range(3):  # both clients' calls in flight at once, as the SDK pipelines them
+        pending += _steps(a, 100 + step, n=1, wait=False) + _steps(b, 200 + step, n=1, wait=False)
+    for f in pending:
+        f.result()
+    mixed = {"a": server.weights(a.save_weights_for_sampler("mixed").result().path),
+             "b": server.weights(b.save_weights_for_sampler("mixed").result().path)}
+    assert server.log.read_text().count("models' forward_backward in one batch") > log_before
+    for name in "ab":
+        assert mixed[name].keys() == solo[name].keys()
+        scale = max(v.abs().max() for v in solo[name].values())
+        diff = max((mixed[name][k] - solo[name][k]).abs().max() for k in solo[name])
+        assert diff <= MIX_TOL * scale, (name, diff, scale)
+    assert solo["a"]["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape[0] == 4
+    assert solo["b"]["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape[0] == 8
+
+
+def test_bad_requests_fail_alone_and_owners_are_apart(server, base):
+    service = _service(server)
+    trainer = _trainer(service, base, 4, 5)
+    with pytest.raises(tinker.RequestFailedError, match=r"loss_fn 'dpo' is not supported; valid: cross_entropy"):
+        trainer.forward_backward(_batch(1), "dpo").result()
+    with pytest.raises(tinker.RequestFailedError, match=r"outside this model's vocabulary \[0, 1001\)"):
+        trainer.forward_backward(_batch(1, vocab=5000), "cross_entropy").result()
+    bad = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={"target_tokens": [2, 3, 4]})
+    with pytest.raises(tinker.RequestFailedError, match=r"needs loss_fn_inputs \['weights'\]"):
+        trainer.forward_backward([bad], "cross_entropy").result()
+    out = trainer.forward_backward(_batch(1), "cross_entropy").result()  # the client goes on
+    assert out.metrics["loss:sum"] > 0
+    trainer.optim_step(types.AdamParams(**ADAM)).result()
+    path = trainer.save_state("mine").result().path
+    # another API key: none of this client's models or checkpoints
+    other = _service(server, "tml-mlora-test-intruder")
+    with pytest.raises(Exception, match=r"checkpoint .* not found"):
+        other.create_training_client_from_state(path).result()
+    with pytest.raises(Exception, match=r"train_unembed=True .* is not supported"):
+        service.create_lora_training_client(base_model=str(base), rank=4).result()
+    with pytest.raises(Exception, match=r"base_model 'Qwen/Qwen3-8B' is not served here"):
+        service.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4, train_unembed=False).result()
+
+
+def test_save_restart_load_continues_identically(server, base):
+    trainer = _trainer(_service(server), base, 4, 9)
+    _steps(trainer, 300, n=1)
+    path = trainer.save_state("mid").result().path
+    _steps(trainer, 301, n=1)
+    want = trainer.forward_backward(_batch(400), "cross_entropy").result()
+    server.restart()
+    resumed = _service(server).create_training_client_from_state_with_optimizer(path).result()
+    _steps(resumed, 301, n=1)
+    got = resumed.forward_backward(_batch(400), "cross_entropy").result()
+    for w, g in zip(want.loss_fn_outputs, got.loss_fn_outputs):
+        assert torch.equal(w["logprobs"].to_torch(), g["logprobs"].to_torch())
+    # the old server's model is gone, and says how to go on
+    with pytest.raises(Exception, match=r"lost when the server restarted; create a training client from"):
+        trainer.forward_backward(_batch(1), "cross_entropy").result()
+
+
+def test_silent_session_frees_its_models(base, tmp_path):
+    """In process: a session that sends no heartbeat for ``session_timeout`` has its models freed."""
+    import mlora
+    from mlora.service.app import Service
+
+    model = mlora.from_pretrained(base, mlora.init_parallel(), dtype=torch.float32)
+    service = Service(model, base, tmp_path / "data", session_timeout=1.0)
+    try:
+        session = service.create_session("owner", {})["session_id"]
+        future = service.create_model("owner", {"session_id": session, "model_seq_id": 0, "base_model": str(base),
+                                                "lora_config": {"rank": 2, "train_unembed": False}})
+        assert service.scheduler.wait(future["request_id"], 60)
+        model_id = f"{session}:train:0"
+        assert list(service.tenants.clients) == [model_id] and len(model.adapters) == 1
+        deadline = time.time() + 30
+        while service.store.model(model_id)["state"] == "live" and time.time() < deadline:
+            time.sleep(0.2)
+        assert service.store.model(model_id)["state"] == "freed"
+        deadline = time.time() + 30
+        while service.tenants.clients and time.time() < deadline:
+            time.sleep(0.2)
+        assert not service.tenants.clients and not model.adapters
+        with pytest.raises(Exception, match=re.escape(f"model {model_id!r} was freed")):
+            service.get_info("owner", {"model_id": model_id})
+    finally:
+        service.close()
