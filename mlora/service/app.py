@@ -294,10 +294,18 @@ def build_app(service: Service):
     async def telemetry():
         return {"status": "accepted"}
 
-    @app.post("/api/v1/create_session")
-    async def create_session(request: Request):
-        body = await request.json()
-        return answer(lambda: service.create_session(owner(request), body))
+    def json_route(fn):  # a JSON body in, fn(owner, body) out
+        async def route(request: Request):
+            body = await request.json()
+            return answer(lambda: fn(owner(request), body))
+        return route
+
+    for name, fn in {"create_session": service.create_session, "create_model": service.create_model,
+                     "get_info": service.get_info, "optim_step": service.optim_step,
+                     "load_weights": service.load_weights,
+                     "save_weights": lambda who, body: service.save(who, body, "weights"),
+                     "save_weights_for_sampler": lambda who, body: service.save(who, body, "sampler_weights")}.items():
+        app.post(f"/api/v1/{name}")(json_route(fn))
 
     @app.post("/api/v1/session_heartbeat")
     async def heartbeat(request: Request):
@@ -311,40 +319,10 @@ def build_app(service: Service):
     async def finish(session_id: str, request: Request):
         return answer(lambda: service.finish_session(owner(request), session_id) or {})
 
-    @app.post("/api/v1/create_model")
-    async def create_model(request: Request):
-        body = await request.json()
-        return answer(lambda: service.create_model(owner(request), body))
-
-    @app.post("/api/v1/get_info")
-    async def get_info(request: Request):
-        body = await request.json()
-        return answer(lambda: service.get_info(owner(request), body))
-
     @app.post("/api/v1/forward_backward")
     async def forward_backward(request: Request):
-        body = await request.body()
+        body = await request.body()  # protobuf
         return answer(lambda: service.forward_backward(owner(request), body))
-
-    @app.post("/api/v1/optim_step")
-    async def optim_step(request: Request):
-        body = await request.json()
-        return answer(lambda: service.optim_step(owner(request), body))
-
-    @app.post("/api/v1/save_weights")
-    async def save_weights(request: Request):
-        body = await request.json()
-        return answer(lambda: service.save(owner(request), body, "weights"))
-
-    @app.post("/api/v1/save_weights_for_sampler")
-    async def save_for_sampler(request: Request):
-        body = await request.json()
-        return answer(lambda: service.save(owner(request), body, "sampler_weights"))
-
-    @app.post("/api/v1/load_weights")
-    async def load_weights(request: Request):
-        body = await request.json()
-        return answer(lambda: service.load_weights(owner(request), body))
 
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request):
