@@ -104,11 +104,19 @@ def server(base, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tinker_server")
     s = Server(base, tmp / "data", tmp / "server.log")
     yield s
+    for client in _CLIENTS:  # their sessions finish and their heartbeat threads stop before the server goes
+        client.close("success").result()
+    _CLIENTS.clear()
     s.stop()
 
 
+_CLIENTS: list = []
+
+
 def _service(server: Server, key: str = KEY):
-    return tinker.ServiceClient(base_url=server.url, api_key=key)
+    client = tinker.ServiceClient(base_url=server.url, api_key=key)
+    _CLIENTS.append(client)
+    return client
 
 
 def _trainer(service, base: Path, rank: int, seed: int):
