@@ -89,8 +89,10 @@ def _ranks(config: LoraConfig, modules: set[tuple[int, str]]) -> dict:
     on transformers 5 (where Mixtral's ``block_sparse_moe`` is ``mlp``)."""
     if config.expert_rank is None:
         return {"r": config.rank, "rank_pattern": {}}
-    pattern = {re.escape(hf_module_name(i, p)): config.rank for i, p in sorted(modules) if expert_of(p) is None}
+    pattern = {}
     for i, p in sorted(modules):
+        if expert_of(p) is None:
+            pattern[re.escape(hf_module_name(i, p))] = config.rank
         if is_router(p):  # PEFT adapts transformers 5's router as the parameter model.layers.{i}.mlp.gate.weight
             pattern[re.escape(f"model.layers.{i}.mlp.gate.weight")] = config.rank
     return {"r": config.expert_rank, "rank_pattern": pattern}

@@ -113,13 +113,13 @@ def _warn_what_peft_drops(name: str, modules, spec) -> None:
     expert's is dropped without a word."""
     if spec.moe is None:
         return
-    routers = sorted({i for i, proj in modules if is_router(proj)})
-    if routers and spec.architecture == "Qwen2MoeForCausalLM":
-        warnings.warn(f"adapter {name!r} adapts the router of layers {routers} of a Qwen2-MoE model: mlora, vLLM and "
-                      "its merged export apply it, but PEFT 0.21 with transformers 5 refuses to load the adapter at "
-                      "all (its Qwen2MoeTopKRouter is no module type PEFT adapts); leave the router (gate) out of "
-                      "target_modules to get an adapter PEFT loads", stacklevel=3)
     if spec.architecture == "Qwen2MoeForCausalLM":
+        routers = sorted({i for i, proj in modules if is_router(proj)})
+        if routers:
+            warnings.warn(f"adapter {name!r} adapts the router of layers {routers} of a Qwen2-MoE model: mlora, vLLM "
+                          "and its merged export apply it, but PEFT 0.21 with transformers 5 refuses to load the "
+                          "adapter at all (its Qwen2MoeTopKRouter is no module type PEFT adapts); leave the router "
+                          "(gate) out of target_modules to get an adapter PEFT loads", stacklevel=3)
         experts = sorted({i for i, proj in modules if expert_of(proj) is not None})
         if experts:
             warnings.warn(f"adapter {name!r} adapts the routed experts of layers {experts} of a Qwen2-MoE model: mlora "

@@ -129,6 +129,15 @@ def _index(key: tuple[tuple, ...], tokens: int, device: torch.device) -> torch.T
     return torch.cat([every[slice(*k)] for k in key])
 
 
+def sequence_slice(local: int, group, sequence_parallel: bool) -> tuple[int, int]:
+    """``(tokens, lo)``: the flattened tokens of the whole sequence and where this rank's ``local`` of them start,
+    for a module that reads its TP rank's slice of the sequence under SP (``group``: the TP group), the whole
+    sequence otherwise."""
+    if not sequence_parallel or group.size() == 1:
+        return local, 0
+    return local * group.size(), group.rank() * local
+
+
 def local_route(name: str, tokens: int, lo: int, hi: int, device: torch.device) -> torch.Tensor | Route | None:
     """Adapter ``name``'s current route restricted to flattened tokens ``[lo, hi)`` of ``tokens`` (a rank's slice
     of the sequence under SP, e.g. a MoE router's input), as indices into that slice: None for every token, ``()``
@@ -164,14 +173,14 @@ def expert_routing(names: Sequence[str]) -> Iterator[None]:
 def token_masks(names: Sequence[str], tokens: int, lo: int, hi: int, like: torch.Tensor) -> torch.Tensor:
     """``[hi - lo, len(names)]`` in ``like``'s dtype and device: 1 where flattened token ``lo + i`` belongs to
     adapter ``names[k]``'s current route (an adapter without a route: every token) out of ``tokens``."""
-    out = like.new_zeros(tokens, len(names))
+    out = like.new_zeros(hi - lo, len(names))
     for k, name in enumerate(names):
-        route = ROUTES.get(name)
+        route = local_route(name, tokens, lo, hi, out.device)
         if route is None:
             out[:, k] = 1
-        elif route:
-            out[route_index(route, tokens, out.device), k] = 1
-    return out[lo:hi]
+        elif len(route):
+            out[route, k] = 1
+    return out
 
 
 @contextlib.contextmanager

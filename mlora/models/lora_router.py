@@ -15,7 +15,7 @@ import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
 from mlora.lora.layers import LoraBranch, LoraHost, add_deltas, branch_deltas
-from mlora.lora.routing import ROUTES, local_route
+from mlora.lora.routing import ROUTES, local_route, sequence_slice
 
 
 class LoraTopKRouter(TopKRouter, LoraHost):
@@ -38,13 +38,12 @@ class LoraTopKRouter(TopKRouter, LoraHost):
         if not ROUTES:
             return list(self._branches()), None
         local = x.numel() // x.shape[-1]
-        parts = self.tp_group.size() if self.config.sequence_parallel else 1
-        lo = self.tp_group.rank() * local if parts > 1 else 0
+        tokens, lo = sequence_slice(local, self.tp_group, self.config.sequence_parallel)
         branches, routes = [], []
         for name in self.active_adapters:
             if name not in self.lora:
                 continue
-            route = local_route(name, local * parts, lo, lo + local, x.device)
+            route = local_route(name, tokens, lo, lo + local, x.device)
             if route != ():
                 branches.append(self.lora[name])
                 routes.append(route)

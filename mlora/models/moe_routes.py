@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
-from mlora.lora.routing import EXPERT_ADAPTERS, dispatched_tokens, token_masks
+from mlora.lora.routing import EXPERT_ADAPTERS, dispatched_tokens, sequence_slice, token_masks
 
 
 class AdapterRoutedMoELayer(MoELayer):
@@ -27,9 +27,8 @@ class AdapterRoutedMoELayer(MoELayer):
             return super().preprocess(hidden_states, probs, routing_map)
         # routes index the flattened [s, b] tokens of the whole sequence; under SP this rank holds a slice of s
         local = hidden_states.shape[0] * hidden_states.shape[1]
-        parts = self.attn_tp_group.size() if self.config.sequence_parallel else 1
-        at = self.attn_tp_group.rank() * local if parts > 1 else 0
-        masks = token_masks(names, local * parts, at, at + local, hidden_states).view(*hidden_states.shape[:-1], -1)
+        tokens, at = sequence_slice(local, self.attn_tp_group, self.config.sequence_parallel)
+        masks = token_masks(names, tokens, at, at + local, hidden_states).view(*hidden_states.shape[:-1], -1)
         out, probs = super().preprocess(torch.cat([hidden_states, masks], dim=-1), probs, routing_map)
         # the combine step rebuilds the layer's output in these shapes: without the columns
         dispatcher = self.token_dispatcher

@@ -138,12 +138,12 @@ class Scheduler:
                 self._finish(job, self._call(job.run))
 
     def _run_batch(self, batch: list[Job]) -> None:
+        if len(batch) == 1:  # its failure is its own: reported, not run again
+            self._finish(batch[0], self._call(lambda: self.run_fb_batch(batch)[0]))
+            return
         try:
             results = self.run_fb_batch(batch)
         except Exception:
-            if len(batch) == 1:
-                self._finish(batch[0], self._call(lambda: self.run_fb_batch(batch)[0]))
-                return
             log.warning("a batch of %d forward_backward requests failed; running them one by one", len(batch))
             for job in batch:
                 self._finish(job, self._call(lambda job=job: self.run_fb_batch([job])[0]))

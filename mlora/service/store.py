@@ -54,6 +54,19 @@ class Store:
         with self._lock:
             return self._db.execute(sql, args).fetchall()
 
+    def _one(self, sql: str, args: tuple, json_fields: tuple[str, ...] = ()) -> dict | None:
+        """The first row of a query as a dict by column name (``json_fields`` decoded), or None."""
+        with self._lock:
+            cursor = self._db.execute(sql, args)
+            row = cursor.fetchone()
+            names = [d[0] for d in cursor.description]
+        if row is None:
+            return None
+        out = dict(zip(names, row))
+        for name in json_fields:
+            out[name] = json.loads(out[name])
+        return out
+
     def close(self) -> None:
         with self._lock:
             self._db.close()
@@ -84,9 +97,6 @@ class Store:
         return [r[0] for r in self._run("SELECT session_id FROM sessions WHERE finished=0 AND heartbeat<?",
                                         (older_than,))]
 
-    def session_count(self) -> int:
-        return self._run("SELECT COUNT(*) FROM sessions")[0][0]
-
     # ------------------------------------------------------------------ models
     def add_model(self, model_id: str, session_id: str, owner: str, base_model: str, config: dict,
                   metadata: dict) -> None:
@@ -95,13 +105,8 @@ class Store:
                   (model_id, session_id, owner, base_model, json.dumps(config), json.dumps(metadata), time.time()))
 
     def model(self, model_id: str) -> dict | None:
-        rows = self._run("SELECT session_id, owner, base_model, config, metadata, state FROM models WHERE model_id=?",
-                         (model_id,))
-        if not rows:
-            return None
-        session_id, owner, base, config, metadata, state = rows[0]
-        return {"model_id": model_id, "session_id": session_id, "owner": owner, "base_model": base,
-                "config": json.loads(config), "metadata": json.loads(metadata), "state": state}
+        return self._one("SELECT model_id, session_id, owner, base_model, config, metadata, state FROM models "
+                         "WHERE model_id=?", (model_id,), ("config", "metadata"))
 
     def set_model_state(self, model_id: str, state: str) -> None:
         self._run("UPDATE models SET state=? WHERE model_id=?", (state, model_id))
@@ -118,13 +123,8 @@ class Store:
                                                       json.dumps(config), time.time()))
 
     def checkpoint(self, path: str) -> dict | None:
-        rows = self._run("SELECT model_id, owner, kind, name, directory, config FROM checkpoints WHERE path=?",
-                         (path,))
-        if not rows:
-            return None
-        model_id, owner, kind, name, directory, config = rows[0]
-        return {"path": path, "model_id": model_id, "owner": owner, "kind": kind, "name": name,
-                "directory": directory, "config": json.loads(config)}
+        return self._one("SELECT path, model_id, owner, kind, name, directory, config FROM checkpoints WHERE path=?",
+                         (path,), ("config",))
 
     # ------------------------------------------------------------------ futures
     def add_future(self, request_id: str, owner: str, kind: str, model_id: str | None = None,
@@ -144,9 +144,5 @@ class Store:
                   (state, content_type, payload, request_id))
 
     def future(self, request_id: str) -> dict | None:
-        rows = self._run("SELECT owner, state, content_type, payload, kind FROM futures WHERE request_id=?",
+        return self._one("SELECT owner, state, content_type, payload, kind FROM futures WHERE request_id=?",
                          (request_id,))
-        if not rows:
-            return None
-        owner, state, content_type, payload, kind = rows[0]
-        return {"owner": owner, "state": state, "content_type": content_type, "payload": payload, "kind": kind}
