@@ -34,6 +34,22 @@ def test_target_resolution():
         resolve_targets(["qkv_proj"], None, L)
     with pytest.raises(ValueError, match="matches no module"):
         resolve_targets(["layers.9.self_attn.q_proj"], None, L)
+    # the output layer: only when named (HF or megatron name), keyed by the last layer; never through all-linear
+    assert resolve_targets(["q_proj", "lm_head"], None, L) == {(i, "q_proj") for i in range(L)} | {(L - 1, "lm_head")}
+    assert resolve_targets(["output_layer"], None, L) == {(L - 1, "lm_head")}
+    assert (L - 1, "lm_head") not in every
+
+
+def test_lm_head_needs_a_vocabulary_tp_divides():
+    from types import SimpleNamespace
+
+    from mlora.lora.sites import check_lm_head
+
+    spec = SimpleNamespace(num_layers=L, vocab_size=1001)
+    check_lm_head(spec, 1, {(L - 1, "lm_head")})
+    check_lm_head(spec, 2, {(0, "q_proj")})
+    with pytest.raises(ValueError, match=r"LoRA on lm_head at TP=2: the vocabulary \(1001\) must divide by TP"):
+        check_lm_head(spec, 2, {(L - 1, "lm_head")})
 
 
 def test_config_errors():

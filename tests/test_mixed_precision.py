@@ -62,6 +62,8 @@ def _updates(model, old_layout: bool = False) -> dict[str, torch.Tensor]:
     model.add_adapter("policy", mlora.LoraConfig(rank=8, alpha=16, init_method="kaiming"))
     if old_layout:  # what the code did before issue 20: factors in the base dtype, computed in it
         for linear in model._lora_linears():
+            if "policy" not in linear.lora:
+                continue
             branch = linear.lora["policy"]
             branch.to(model.dtype)
             branch.compute_dtype = None

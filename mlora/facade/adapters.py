@@ -42,7 +42,7 @@ from mlora.lora.layers import (
     is_expert_param,
     stacked_b,
 )
-from mlora.lora.sites import factor_kinds, factor_shapes, model_sites
+from mlora.lora.sites import check_lm_head, factor_kinds, factor_shapes, model_sites
 from mlora.lora.targets import MLP_PROJECTIONS, expert_of, is_router, projection_order, resolve_targets
 
 
@@ -181,7 +181,7 @@ class AdapterHost:
                 a, b = factors(site, sub)
                 a_parts.append(a)
                 b_parts.append(b)
-            device = linear.weight.device
+            device = self.mesh.device  # (a tied output layer at PP 1 holds no weight: it borrows the embedding's)
             expert = site.expert is not None
             branch = LoraBranch(subs, cfg.rank_of(expert), cfg.scaling_of(expert), cfg.dropout,
                                 torch.cat(a_parts).to(device=device, dtype=self.adapter_dtype),
@@ -211,6 +211,7 @@ class AdapterHost:
                                   self.spec.moe)
         _check_expert_dropout(config, modules)
         _check_expert_rank(config, modules)
+        check_lm_head(self.spec, self.mesh.tp, modules)
         tp, tp_rank = self.mesh.tp, self.mesh.tp_rank
 
         def factors(site: LoraSite, sub: str):
@@ -236,6 +237,7 @@ class AdapterHost:
         tp, tp_rank = self.mesh.tp, self.mesh.tp_rank
         with CheckpointReader(path) as reader:
             modules = peft_modules(reader.entries, self.spec.num_layers, path, self.spec.moe)
+            check_lm_head(self.spec, tp, modules)
             check_peft_shapes(reader, modules, model_sites(self.spec, self.mesh.tp), cfg, path)
 
             def factors(site: LoraSite, sub: str):

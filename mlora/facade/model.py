@@ -423,17 +423,26 @@ class MLoraModel(AdapterHost, torch.nn.Module):
         and of the MLP's linears (every expert's) where it adapts one of those, and of a shared expert's where it
         adapts one of its, and a MoE router's where it adapts that: whole blocks, because an engine fuses q/k/v, gate/up, a layer's experts and the shared
         expert's gate/up into one weight each and reloads such a weight whole (:mod:`mlora.rollout.vllm_weights`)."""
-        from mlora.lora.targets import PARENT, hf_module_name, is_router, model_projections
+        from mlora.lora.targets import LM_HEAD, PARENT, hf_module_name, is_router, model_projections
 
         def block(proj: str) -> str:  # the shared expert (mlp.shared_expert.*) is an MLP apart from the experts
-            if is_router(proj):  # a weight of its own
-                return "router"
+            if is_router(proj) or proj == LM_HEAD:  # a weight of its own
+                return proj
             return PARENT.get(proj, "shared_expert" if ".shared_expert." in proj else "mlp")
 
         blocks = {(layer, block(proj)) for name in adapters for layer, proj in self.adapters[name].modules}
         return {f"{hf_module_name(layer, proj)}.weight" for layer, proj in model_projections(self.spec.num_layers,
                                                                                                 self.spec.moe)
                 if (layer, block(proj)) in blocks}
+
+    def _check_tied_lm_head(self, adapters: list[str]) -> None:
+        from mlora.lora.targets import LM_HEAD
+
+        adapted = [a for a in adapters if (self.spec.num_layers - 1, LM_HEAD) in self.adapters[a].modules]
+        if adapted and self.spec.tied_embeddings:
+            raise ValueError(f"adapters {adapted} adapt lm_head, whose weight this model ties to its input embeddings: "
+                             "a merged checkpoint has one tensor for both, and merging the delta would change the "
+                             "embeddings too; serve such adapters as LoRA (vLLM and PEFT load lm_head LoRA) instead")
 
     def save_merged(self, out_dir: str | os.PathLike, adapters: Iterable[str] = (), only_adapted: bool = False) -> None:
         """Write an HF checkpoint from the shards, with ``W + s·B·A`` of ``adapters`` merged in
@@ -447,6 +456,7 @@ class MLoraModel(AdapterHost, torch.nn.Module):
         """
         adapters = list(adapters)
         self._require(*adapters)
+        self._check_tied_lm_head(adapters)
         out = Path(out_dir)
         pp, stage = self.mesh.pp, self.mesh.pp_rank
         file_name = "model.safetensors" if pp == 1 else f"model-{stage + 1:05d}-of-{pp:05d}.safetensors"

@@ -6,7 +6,7 @@ import torch
 
 from mlora.formats.weight_map import COLUMNS, REPLICATED, ROWS
 from mlora.lora.layers import LoraSite
-from mlora.lora.targets import MLP_PROJECTIONS, expert_projection, router_projection, shared_expert_projection
+from mlora.lora.targets import LM_HEAD, MLP_PROJECTIONS, expert_projection, router_projection, shared_expert_projection
 
 # How each factor is split over TP (see mlora.lora.layers): column: A replicated, B like W;
 # row: A split on the input dim, B replicated; a MoE router (replicated, like its weight): both whole.
@@ -43,7 +43,26 @@ def model_sites(spec, tp: int) -> dict[tuple[int, str], LoraSite]:
         ):
             for sub in site.subs:
                 sites[(i, sub)] = site
+    sites[(spec.num_layers - 1, LM_HEAD)] = lm_head_site(spec, tp)
     return sites
+
+
+def lm_head_site(spec, tp: int) -> LoraSite:
+    """The output layer's site: column-parallel over the vocabulary (megatron's ``output_layer``), on the last
+    stage (keyed by the last layer). B is split by vocabulary rows like the weight, so the vocabulary must divide
+    by TP (:func:`check_lm_head`): the weight's padding rows have no PEFT counterpart."""
+    rows = spec.padded_vocab_size(tp) // tp
+    return LoraSite(layer=spec.num_layers - 1, parallel="column", subs=(LM_HEAD,), in_local=spec.hidden_size,
+                    in_full=spec.hidden_size, out_full=(spec.vocab_size,), groups=1, block=rows,
+                    placement=((0, rows),))
+
+
+def check_lm_head(spec, tp: int, modules) -> None:
+    """ValueError when ``modules`` adapt the output layer of a model whose vocabulary TP does not divide."""
+    if (spec.num_layers - 1, LM_HEAD) in modules and spec.vocab_size % tp:
+        raise ValueError(f"LoRA on lm_head at TP={tp}: the vocabulary ({spec.vocab_size}) must divide by TP (the "
+                         "output layer pads it, and an adapter's B has no padding rows); use a TP that divides it, "
+                         "or leave lm_head out of target_modules")
 
 
 def router_site(spec, layer: int) -> LoraSite:
@@ -91,6 +110,8 @@ def mlp_sites(spec, layer: int, subs: tuple[str, str, str], ffn: int, tp: int) -
 def attach_lora_sites(gpt: torch.nn.Module, spec, tp: int) -> None:
     """Tell each LoRA linear of this stage where it sits: layer index, projections, output layout."""
     sites = model_sites(spec, tp)
+    if getattr(gpt, "post_process", False):
+        gpt.output_layer.lora_site = sites[(spec.num_layers - 1, LM_HEAD)]
     for layer in gpt.decoder.layers:
         i = layer.layer_number - 1
         layer.self_attention.linear_qkv.lora_site = sites[(i, "q_proj")]

@@ -12,6 +12,10 @@ A MoE layer's router is a target when named: ``gate`` (its HF name, ``mlp.gate``
 or megatron's ``router``, keyed by its HF path below the layer. ``all-linear`` leaves it out, as Megatron-Bridge's and
 SkyRL's all-linear do: a router's LoRA moves which experts a token reaches, a choice to make by name.
 
+The output layer (``lm_head``, megatron's ``output_layer``) is a target when named, never through ``all-linear``
+(PEFT's all-linear leaves the output layer out too). It has no layer of its own: it is keyed ``(last layer,
+"lm_head")``, so that it lives on the last pipeline stage, as the output layer does; its PEFT path is ``lm_head``.
+
 A shared expert (Qwen2-MoE) is a dense MLP inside the MoE block, keyed ``mlp.shared_expert.gate_proj`` and so on
 (its HF path below the layer, as PEFT names it): the MLP names reach it as well as every routed expert. Its
 ``shared_expert_gate`` (a ``[1, hidden]`` linear PEFT's all-linear would include) stays frozen and is no target:
@@ -34,7 +38,9 @@ PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # Megatron path components -> HF ones, for layer-indexed Megatron patterns.
 _PATH_ALIASES = {"decoder": "model", "self_attention": "self_attn", "shared_experts": "shared_expert"}
-VALID_NAMES = ("all-linear", *HF_PROJECTIONS, *MEGATRON_MODULES)
+LM_HEAD = "lm_head"  # the output layer's key and HF name
+LM_HEAD_NAMES = (LM_HEAD, "output_layer")  # its HF and megatron names
+VALID_NAMES = ("all-linear", *HF_PROJECTIONS, *MEGATRON_MODULES, LM_HEAD)
 
 
 ROUTER = "router"  # the canonical projection of a MoE layer's router
@@ -73,6 +79,8 @@ def projection_order(proj: str, moe=None) -> tuple[int, int, int]:
     shared expert's gate/up/down; a MoE layer's router before its experts (HF's order of the block's modules as
     checkpoints hold them)."""
     expert = expert_of(proj)
+    if proj == LM_HEAD:  # after the last layer's modules
+        return len(HF_PROJECTIONS) + 2, 0, 0
     if is_router(proj):
         return len(HF_PROJECTIONS), -1, 0
     if expert is None and "." in proj:  # the shared expert's
@@ -84,15 +92,18 @@ def projection_order(proj: str, moe=None) -> tuple[int, int, int]:
 
 
 def hf_module_name(layer: int, proj: str) -> str:
-    """``model.layers.{layer}.self_attn.q_proj`` and friends (``model.layers.{layer}.mlp.experts.{e}.gate_proj``)."""
+    """``model.layers.{layer}.self_attn.q_proj`` and friends (``model.layers.{layer}.mlp.experts.{e}.gate_proj``);
+    the output layer's is ``lm_head``."""
+    if proj == LM_HEAD:
+        return LM_HEAD
     return f"model.layers.{layer}.{proj if '.' in proj else PARENT[proj] + '.' + proj}"
 
 
 def model_projections(num_layers: int, moe=None) -> dict[tuple[int, str], str]:
     """Every adaptable (layer, projection) of the model -> its canonical HF projection (an expert's gate is
-    ``gate_proj`` whatever its family calls it)."""
+    ``gate_proj`` whatever its family calls it); the output layer is ``(num_layers - 1, "lm_head")``."""
     sparse = set(moe.sparse_layers) if moe is not None else set()
-    out: dict[tuple[int, str], str] = {}
+    out: dict[tuple[int, str], str] = {(num_layers - 1, LM_HEAD): LM_HEAD}
     for i in range(num_layers):
         for p in HF_PROJECTIONS[:4]:
             out[(i, p)] = p
@@ -122,8 +133,10 @@ def _expand(pattern: str, universe: dict[tuple[int, str], str], moe) -> set[tupl
     """The (layer, projection) pairs one pattern names; raises on unknown names."""
     pattern = pattern.strip()
     if pattern in ("all-linear", "all_linear"):
-        return {key for key, canonical in universe.items() if canonical != ROUTER}
+        return {key for key, canonical in universe.items() if canonical not in (ROUTER, LM_HEAD)}
     prefix, _, last = pattern.rpartition(".")
+    if last in LM_HEAD_NAMES and not prefix:
+        return {key for key, canonical in universe.items() if canonical == LM_HEAD}
     leaves = MLP_PROJECTIONS if moe is None else tuple(dict.fromkeys((*MLP_PROJECTIONS, *moe.projections)))
     if last in MEGATRON_MODULES:
         projs = set(MEGATRON_MODULES[last])

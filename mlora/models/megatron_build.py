@@ -241,6 +241,18 @@ def route_through_experts(model: torch.nn.Module) -> None:
             lora_router(module.router)
 
 
+def lora_output_layer(model: torch.nn.Module) -> None:
+    """The last stage's output layer becomes a :class:`~mlora.lora.layers.LoraColumnParallelLinear` (the ``lm_head``
+    target). Swapped after the build: GPTModel builds it itself, from no spec."""
+    from mlora.lora.layers import LoraColumnParallelLinear
+
+    if getattr(model, "post_process", False):
+        layer = model.output_layer
+        layer.__class__ = LoraColumnParallelLinear
+        layer._init_lora()
+        layer.weight_scale = None  # the output layer's weight is never FP8 (see LoraHost._init_fp8)
+
+
 def build_gpt_model(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, fp8: str | None = None,
                     fp8_recipe: str = "delayed", attention: str = "sdpa", recompute: Recompute | None = None):
     """This rank's GPTModel shard, parameters allocated but not initialised, base frozen.
@@ -274,6 +286,7 @@ def build_gpt_model(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, fp8: str | 
     for p in model.parameters():
         p.requires_grad_(False)
     route_through_experts(model)
+    lora_output_layer(model)
     attach_lora_sites(model, spec, mesh.tp)
     prepare_for_recompute(model, recompute)
     return model

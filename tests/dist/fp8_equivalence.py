@@ -44,7 +44,7 @@ def grad_adapter(model, path: Path) -> None:
     gen = torch.Generator().manual_seed(6)
     with torch.no_grad():
         for linear in model._lora_linears():  # noqa: SLF001 (the same walk on every rank)
-            for b in linear.lora["g"].lora_B:
+            for b in linear.lora["g"].lora_B if "g" in linear.lora else ():
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.05)
     model.save_adapter("g", path)
 

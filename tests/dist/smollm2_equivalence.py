@@ -6,6 +6,8 @@ LAYOUTS is "tp,pp;..." (world = tp*pp). Every rank that holds logits (the last P
 absolute difference at the real (unpadded) positions and the scale of the reference; each rank also records
 how many heads it holds and a checksum of the vocabulary matrix it holds (the embedding on the first stage,
 the output layer on the last: with tied embeddings the two must be the same tensor's copy).
+Then the same with the test's random PEFT adapter (q_proj, v_proj, lm_head) loaded: its logits vs transformers +
+PEFT's, and the gradients of its factors for the summed-logits loss vs PEFT's (:func:`lora_records`).
 """
 
 from __future__ import annotations
@@ -14,12 +16,38 @@ import argparse
 from pathlib import Path
 
 import torch
-from common import parse_layouts, write_records_and_exit
+from common import masked_sum_loss, merged_from_all_ranks, parse_layouts, write_records_and_exit
 
 import mlora
 from mlora.parallel import reset_parallel
 
 VOCAB_MATRICES = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def lora_records(model, ref: dict, base: dict) -> list[dict]:
+    """With the reference's PEFT adapter loaded: the logits' largest difference from PEFT's, and on rank 0 the
+    largest relative gradient difference over the factors (collective)."""
+    mesh = model.mesh
+    ids, mask = ref["input_ids"], ref["attention_mask"]
+    valid = mask.bool()
+    model.load_adapter("peft", ref["adapter"], trainable=True)
+    records = []
+    out = model.logits(ids, attention_mask=mask)
+    if out is not None:
+        records.append(dict(base, check="lora_logits", max_abs_diff=(out - ref["lora_logits"])[valid].abs().max().item(),
+                            ref_max_abs=ref["lora_logits"][valid].abs().max().item()))
+    model.forward_backward([{"input_ids": ids, "attention_mask": mask}],
+                           masked_sum_loss(model, mask, ref["grad_scale"]))
+    model.reduce_tp_replicated_grads()
+    grads = merged_from_all_ranks(model.adapter_tensors("peft", grads=True))
+    if mesh.rank == 0:
+        want = ref["lora_grads"]
+        rel = {k: ((grads[k] - want[k]).norm() / want[k].norm()).item() for k in want if k in grads}
+        records.append(dict(base, check="lora_grads", missing=sorted(set(want) - set(grads)),
+                            extra=sorted(set(grads) - set(want)), max_rel=max(rel.values()), worst=max(rel, key=rel.get),
+                            names=sorted(grads)))
+    model.delete_adapter("peft")
+    return records
 
 
 def main() -> None:
@@ -48,6 +76,7 @@ def main() -> None:
             records.append(dict(base, check="logits", shape=list(out.shape), ref_shape=list(ref_logits.shape),
                                 max_abs_diff=(out - ref_logits)[valid].abs().max().item(),
                                 ref_max_abs=ref_logits[valid].abs().max().item()))
+        records += lora_records(model, ref, base)
         del model
         reset_parallel()
     write_records_and_exit(records, args.out)
