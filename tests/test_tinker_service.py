@@ -8,22 +8,22 @@ over HTTP on 127.0.0.1, on a tiny random Llama in float32.
 - Two clients of different ranks (4 and 8) interleave pipelined calls, so their ``forward_backward`` requests run
   as one mixed-adapter batch (the server says so in its log); each ends where it ends alone (≤ 1e-5).
 - ``save_state`` → server restart → ``create_training_client_from_state_with_optimizer`` continues exactly.
+- Sampling (the server's vLLM engine, each client's sampler weights a LoRA adapter of it): the log-probs of sampled
+  and prompt tokens equal the trainer's ``forward`` of the same tokens (≤ 1e-4); two clients' samplers asked at
+  once run in one ``generate`` call and sample what each samples alone (same seeds, same tokens).
 - Bad requests fail that request's future with the SDK's user error and the client goes on; another API key sees
   none of a client's models or checkpoints; a session without heartbeats has its models freed.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import _free_port
+from tinker_server import Server
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -34,62 +34,16 @@ LOGPROB_TOL = 1e-5  # float32 log-probs, server vs transformers / mlora (measure
 ADAM_TOL = 2e-5
 MIX_TOL = 1e-5  # a client in mixed batches vs alone, relative (measured: ≤ 1e-6)
 KEY = "tml-mlora-test-a"
+SAMPLE_TOL = 1e-4  # vLLM's log-probs of sampled / prompt tokens vs the trainer's, float32 (measured: ≤ 1e-6)
+MAX_LORA_RANK = 16  # the server's sampling limit (--max-lora-rank)
 # eps well above the gradients' float32 noise: with 1e-8, Adam's first steps divide gradients of a LoRA factor near zero
 # by their own magnitude, and the last bits of a sum taken in another order move such an element by up to lr
 ADAM = dict(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-4, weight_decay=0.01, grad_clip_norm=5.0)
-
-
-class Server:
-    """``python -m mlora.service`` in a subprocess, stopped by pid."""
-
-    def __init__(self, model: Path, data_dir: Path, log: Path) -> None:
-        self.model, self.data_dir, self.log = model, data_dir, log
-        self.proc = None
-        self.start()
-
-    def start(self, port: int | None = None) -> None:
-        self.port = port or _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        out = open(self.log, "a")
-        self.proc = subprocess.Popen([sys.executable, "-m", "mlora.service", "--model", str(self.model), "--data-dir",
-                                      str(self.data_dir), "--port", str(self.port), "--batch-window", "0.2"],
-                                     stdout=out, stderr=out,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
-        import httpx
-
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({self.proc.returncode}):\n{self.log.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{self.url}/api/v1/healthz", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"the server did not come up:\n{self.log.read_text()[-4000:]}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def restart(self) -> None:
-        """A new process on the same data directory and port (clients of the old one reach it)."""
-        self.stop()
-        self.start(self.port)
-
-    def weights(self, path: str) -> dict[str, torch.Tensor]:
-        """The PEFT tensors of a checkpoint ``tinker://<model>/<kind>/<name>`` (read from the server's files)."""
-        from safetensors.torch import load_file
-
-        model_id, kind, name = path.removeprefix("tinker://").split("/")
-        return load_file(self.data_dir / "checkpoints" / model_id / kind / name / "adapter" /
-                         "adapter_model.safetensors")
+# TP2 x PP2 vs one process: the gradients differ by float32 rounding (sums in another order); an eps above the gradients
+# keeps Adam from scaling that by lr / eps, so the adapters compare at float32 precision (measured: see the test)
+MESH_ADAM = {**ADAM, "eps": 1e-1, "learning_rate": 1e-1}
+MESH_TOL = 1e-5  # relative to the largest factor
+MESH_LOGPROB_TOL = 5e-5  # log-probs near -7 after the two steps, sums in another order (measured: 1.2e-5, 2e-6 relative)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +56,8 @@ def base(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(base, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tinker_server")
-    s = Server(base, tmp / "data", tmp / "server.log")
+    s = Server(base, tmp / "data", tmp / "server.log", ["--batch-window", "0.2", "--kv-cache-bytes", str(64 << 20),
+                                                         "--max-lora-rank", str(MAX_LORA_RANK)])
     yield s
     for client in _CLIENTS:  # their sessions finish and their heartbeat threads stop before the server goes
         client.close("success").result()
@@ -216,12 +171,12 @@ def _torch_adamw_reference(base: Path, steps: list) -> dict[str, torch.Tensor]:
     return model.adapter_tensors("ref")
 
 
-def _steps(trainer, seed: int, n: int = 3, wait: bool = True):
+def _steps(trainer, seed: int, n: int = 3, wait: bool = True, adam: dict = ADAM):
     """``n`` steps of forward_backward + optim_step; pipelined (futures awaited at the end) unless ``wait``."""
     futures = []
     for step in range(n):
         futures.append(trainer.forward_backward(_batch(seed + step, lengths=(6, 9)), "cross_entropy"))
-        futures.append(trainer.optim_step(types.AdamParams(**ADAM)))
+        futures.append(trainer.optim_step(types.AdamParams(**adam)))
         if wait:
             futures[-2].result(), futures[-1].result()
     return futures
@@ -271,8 +226,6 @@ def test_bad_requests_fail_alone_and_owners_are_apart(server, base):
     other = _service(server, "tml-mlora-test-intruder")
     with pytest.raises(Exception, match=r"checkpoint .* not found"):
         other.create_training_client_from_state(path).result()
-    with pytest.raises(Exception, match=r"train_unembed=True .* is not supported"):
-        service.create_lora_training_client(base_model=str(base), rank=4).result()
     with pytest.raises(Exception, match=r"base_model 'Qwen/Qwen3-8B' is not served here"):
         service.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4, train_unembed=False).result()
 
@@ -292,6 +245,109 @@ def test_save_restart_load_continues_identically(server, base):
     # the old server's model is gone, and says how to go on
     with pytest.raises(Exception, match=r"lost when the server restarted; create a training client from"):
         trainer.forward_backward(_batch(1), "cross_entropy").result()
+
+
+def test_tp2_pp2_server_equals_the_one_process_server(server, base, tmp_path):
+    """Two clients (ranks 4 and 8, pipelined: mixed batches) on a TP2 x PP2 server (torchrun, 4 ranks; rank 0 serves
+    HTTP, every rank runs every model call) end where the same calls end on the one-process server."""
+    mesh = Server(base, tmp_path / "data", tmp_path / "server.log", ["--no-sampling", "--tp", "2", "--pp", "2",
+                                                                     "--batch-window", "0.2"], nproc=4)
+    results = {}
+    try:
+        for label, s in (("one", server), ("mesh", mesh)):
+            clients = [tinker.ServiceClient(base_url=s.url, api_key=key) for key in (KEY, "tml-mlora-test-b")]
+            try:
+                a, b = _trainer(clients[0], base, 4, 41), _trainer(clients[1], base, 8, 42)
+                pending = []
+                for step in range(2):
+                    pending += (_steps(a, 600 + step, n=1, wait=False, adam=MESH_ADAM)
+                                + _steps(b, 700 + step, n=1, wait=False, adam=MESH_ADAM))
+                for f in pending:
+                    f.result()
+                out = a.forward_backward(_batch(800), "cross_entropy").result()
+                results[label] = ([s.weights(t.save_weights_for_sampler("end").result().path) for t in (a, b)],
+                                  [o["logprobs"].to_torch() for o in out.loss_fn_outputs])
+            finally:
+                for c in clients:
+                    c.close("success").result()
+        assert "serving on 4 ranks (TP 2 x PP 2)" in mesh.log.read_text()
+        assert mesh.log.read_text().count("models' forward_backward in one batch") > 0
+    finally:
+        mesh.stop()
+    (one_adapters, one_lp), (mesh_adapters, mesh_lp) = results["one"], results["mesh"]
+    for want, got in zip(one_adapters, mesh_adapters):
+        assert want.keys() == got.keys()
+        scale = max(v.abs().max() for v in want.values())
+        diff = max((got[k] - want[k]).abs().max() for k in want)
+        assert diff <= MESH_TOL * scale, (diff, scale)
+    for want, got in zip(one_lp, mesh_lp):
+        assert (got - want).abs().max() <= MESH_LOGPROB_TOL
+
+
+def _forward_logprobs(trainer, tokens: list[int]) -> torch.Tensor:
+    """The trainer's log-probs of ``tokens[1:]`` given what precedes each (a ``forward`` call)."""
+    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+    return trainer.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
+
+
+PROMPT = [5, 17, 300, 42, 9, 77]
+
+
+def test_sampled_logprobs_equal_the_trainers(server, base):
+    service = _service(server)
+    trainer = service.create_lora_training_client(base_model=str(base), rank=8, seed=21)  # lm_head adapted too
+    _steps(trainer, 500, n=2)  # B != 0: the adapter changes what is sampled
+    sampler = trainer.save_weights_and_get_sampling_client().result()
+    params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=5, stop=[])
+    out = sampler.sample(types.ModelInput.from_ints(PROMPT), 3, params, include_prompt_logprobs=True,
+                         topk_prompt_logprobs=3).result()
+    assert len(out.sequences) == 3 and len({s.sequence_id for s in out.sequences}) == 3
+    for seq in out.sequences:
+        assert len(seq.tokens) == 8 and seq.stop_reason == "length"  # stop=[]: no EOS stop, max_tokens reached
+        want = _forward_logprobs(trainer, PROMPT + list(seq.tokens))
+        got = torch.tensor(seq.logprobs)
+        assert (got - want[len(PROMPT) - 1:]).abs().max() <= SAMPLE_TOL, (got, want)
+    assert out.prompt_logprobs[0] is None
+    prompt_lp = torch.tensor(out.prompt_logprobs[1:])
+    assert (prompt_lp - want[:len(PROMPT) - 1]).abs().max() <= SAMPLE_TOL
+    top = out.topk_prompt_logprobs
+    assert top[0] is None and all(len(row) == 3 and row[0][1] >= row[1][1] >= row[2][1] for row in top[1:])
+    assert all(row[0][1] >= lp - SAMPLE_TOL for row, lp in zip(top[1:], prompt_lp.tolist()))
+    # the base model samples another distribution: the adapter was applied
+    base_out = service.create_sampling_client(base_model=str(base)).sample(
+        types.ModelInput.from_ints(PROMPT), 1, params, include_prompt_logprobs=True).result()
+    assert (torch.tensor(base_out.prompt_logprobs[1:]) - prompt_lp).abs().max() > 1e-3
+    # a named sampler checkpoint, sampled by path, is the same adapter; another API key cannot sample it
+    path = trainer.save_weights_for_sampler("named").result().path
+    again = service.create_sampling_client(model_path=path).sample(
+        types.ModelInput.from_ints(PROMPT), 3, params).result()
+    assert [s.tokens for s in again.sequences] == [s.tokens for s in out.sequences]
+    with pytest.raises(Exception, match=r"checkpoint .* not found"):
+        _service(server, "tml-mlora-test-intruder").create_sampling_client(model_path=path).result()
+
+
+def test_two_clients_sample_in_one_generate_call_as_each_alone(server, base):
+    clients = []
+    for key, rank, seed in ((KEY, 4, 31), ("tml-mlora-test-b", 8, 32)):
+        trainer = _trainer(_service(server, key), base, rank, seed)
+        _steps(trainer, seed, n=1)
+        clients.append(trainer.save_weights_and_get_sampling_client().result())
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=11)
+    prompt = types.ModelInput.from_ints(PROMPT)
+    alone = [c.sample(prompt, 2, params).result() for c in clients]
+    before = server.log.read_text().count("sampling requests in one generate call (2 adapters)")
+    together = [f.result() for f in [c.sample(prompt, 2, params) for c in clients]]
+    assert server.log.read_text().count("sampling requests in one generate call (2 adapters)") > before
+    for a, t in zip(alone, together):
+        assert [s.tokens for s in a.sequences] == [s.tokens for s in t.sequences]
+        for x, y in zip(a.sequences, t.sequences):
+            assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) <= SAMPLE_TOL
+    assert [s.tokens for s in alone[0].sequences] != [s.tokens for s in alone[1].sequences]
+    with pytest.raises(Exception, match=r"max_tokens=None: give the number of tokens"):
+        clients[0].sample(prompt, 1, types.SamplingParams(temperature=1.0)).result()
+    with pytest.raises(Exception, match=rf"above this server's sampling limit --max-lora-rank={MAX_LORA_RANK}"):
+        _trainer(_service(server), base, 2 * MAX_LORA_RANK, 1)
 
 
 def test_silent_session_frees_its_models(base, tmp_path):

@@ -22,11 +22,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (under torchrun; world = tp x pp)")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (under torchrun; world = tp x pp)")
     ap.add_argument("--model-name", default=None, help="another name clients may give as base_model")
     ap.add_argument("--session-timeout", type=float, default=120.0,
                     help="seconds without a heartbeat after which a session's models are freed")
     ap.add_argument("--batch-window", type=float, default=0.01,
-                    help="seconds a ready forward_backward waits for other clients' to run in one mixed batch")
+                    help="seconds a ready forward_backward (or sample) waits for other clients' to run in one batch")
+    sampling = ap.add_argument_group("sampling (a vLLM engine in a child process; each client's sampler weights a "
+                                     "LoRA adapter of it)")
+    sampling.add_argument("--no-sampling", action="store_true", help="serve training calls only (no engine)")
+    sampling.add_argument("--max-lora-rank", type=int, default=64,
+                          help="the largest LoRA rank a client may create (the engine's adapter slots)")
+    sampling.add_argument("--max-loras", type=int, default=4,
+                          help="adapters one engine step mixes (more wait their turn)")
+    sampling.add_argument("--kv-cache-bytes", type=int, default=None,
+                          help="the engine's KV cache (default: vLLM's; VLLM_CPU_KVCACHE_SPACE on CPU)")
+    sampling.add_argument("--max-model-len", type=int, default=None,
+                          help="the engine's context length (default: the model's)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True)
 
@@ -35,17 +48,50 @@ def main(argv: list[str] | None = None) -> int:
     import mlora
     from mlora.service.app import Service, build_app
 
-    mesh = mlora.init_parallel()
-    if mesh.world_size > 1:
-        print("python -m mlora.service runs on one process for now (a mesh of several ranks is not served yet)",
-              file=sys.stderr)
+    mesh = mlora.init_parallel(tp=args.tp, pp=args.pp)
+    if mesh.dp > 1:
+        print(f"python -m mlora.service on {mesh.world_size} ranks with --tp {args.tp} --pp {args.pp}: every rank runs "
+              "every request, so data parallelism would repeat the work; launch tp x pp ranks", file=sys.stderr)
         return 2
+    if args.max_lora_rank < 1 or args.max_loras < 1:
+        print(f"--max-lora-rank={args.max_lora_rank} and --max-loras={args.max_loras} must be >= 1", file=sys.stderr)
+        return 2
+    if args.max_model_len is not None:
+        from mlora.rollout.model_len import read_context_limit
+
+        limit = read_context_limit(args.model)
+        if limit is not None and not 1 <= args.max_model_len <= limit:
+            print(f"--max-model-len={args.max_model_len}: give at most the model's context, {limit} tokens",
+                  file=sys.stderr)
+            return 2
+    sampler = None
+    if not args.no_sampling and mesh.rank == 0:  # started first: the engine loads while the trainer does
+        from mlora.service.sampler import Sampler
+
+        sampler = Sampler(args.model, None, dtype=args.dtype, max_lora_rank=args.max_lora_rank,
+                          max_loras=args.max_loras, kv_cache_memory_bytes=args.kv_cache_bytes,
+                          max_model_len=args.max_model_len, batch_window=args.batch_window)
     model = mlora.from_pretrained(args.model, mesh, dtype=DTYPES[args.dtype])
-    service = Service(model, args.model, args.data_dir, args.model_name, args.session_timeout, args.batch_window)
+    if mesh.rank != 0:  # rank 0 serves HTTP and sends every model call here (mlora.service.mesh)
+        from mlora.service.mesh import follow
+        from mlora.service.tenants import Tenants
+
+        follow(Tenants(model))
+        return 0
+    service = Service(model, args.model, args.data_dir, args.model_name, args.session_timeout, args.batch_window,
+                      sampler)
+    if mesh.world_size > 1:
+        from mlora.service.mesh import Broadcast
+
+        service.tenants = Broadcast(service.tenants)
+        logging.getLogger("mlora.service").info("serving on %d ranks (TP %d x PP %d)", mesh.world_size, mesh.tp,
+                                                mesh.pp)
     try:
         uvicorn.run(build_app(service), host=args.host, port=args.port, log_level="warning")
     finally:
         service.close()
+        if mesh.world_size > 1:
+            service.tenants.close()
     return 0
 
 

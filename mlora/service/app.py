@@ -5,7 +5,8 @@ Every training call returns a future at once (``{"request_id"}``) and runs on th
 ``forward_backward`` results, JSON otherwise, ``{"error", "category"}`` for a failed request. The API key
 (``X-API-Key``) identifies the owner: a client sees only its own sessions, models, checkpoints and futures.
 Checkpoints are ``tinker://<model_id>/weights/<name>`` (adapter and optimizer state) and
-``tinker://<model_id>/sampler_weights/<name>`` (the PEFT adapter), directories under ``data_dir``.
+``tinker://<model_id>/sampler_weights/<name>`` (the PEFT adapter), directories under ``data_dir``. Sampling runs on
+the vLLM engine of :mod:`mlora.service.sampler`; its results are protobuf too.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import asyncio
 import json
 import logging
 import re
+import shutil
 import threading
 import time
 import uuid
@@ -22,6 +24,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from mlora.service.sampler import SampleJob, Sampler, sampling_params
 from mlora.service.scheduler import Job, Scheduler, error_payload
 from mlora.service.store import Store, owner_of
 from mlora.service.tenants import Tenants, lora_config
@@ -34,6 +37,11 @@ CLIENT_CONFIG = {"use_pyqwest_transport": False, "parallel_fwdbwd_chunks": True,
                  "sample_use_retrieve_futures": False, "sample_join_sampling_session": False,
                  "custom_loss_server_side": False, "pjwt_auth_enabled": False}
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
+EPHEMERAL = "ephemeral-"  # the name of sampler weights saved without one (save_weights_and_get_sampling_client)
+KEEP_EPHEMERAL = 8  # a model's most recent unnamed sampler checkpoints kept (older ones' samplers expire)
+MAX_TOPK = 20  # top-k log-probs per position (vLLM's default max_logprobs)
+UNSUPPORTED_SAMPLE = {"target_prompt_logprobs": None, "prompt_alt_tokens_k": 0, "prompt_logprobs_last_n": None,
+                      "record_stability_info": None}
 
 
 class UserError(Exception):
@@ -44,7 +52,9 @@ class Service:
     """The state behind the routes: the store, the client models and the worker."""
 
     def __init__(self, model, model_dir: str | Path, data_dir: str | Path, model_name: str | None = None,
-                 session_timeout: float = 120.0, batch_window: float = 0.01) -> None:
+                 session_timeout: float = 120.0, batch_window: float = 0.01, sampler: Sampler | None = None
+                 ) -> None:
+        """``sampler``: the engine sampling requests run on (None: the server trains only, sampling is refused)."""
         self.model_dir = Path(model_dir)
         self.data_dir = Path(data_dir)
         self.names = {str(model_dir), str(self.model_dir.resolve()), self.model_dir.name} | (
@@ -53,6 +63,9 @@ class Service:
         self.store = Store(self.data_dir / "service.sqlite")
         self.tenants = Tenants(model)
         self.scheduler = Scheduler(self.store, self._run_fb_batch, batch_window)
+        self.sampler = sampler
+        if sampler is not None:
+            sampler.finish = self.store.finish_future
         self.session_timeout = session_timeout
         self._reaper = threading.Thread(target=self._reap, name="mlora-service-reaper", daemon=True)
         self._closing = threading.Event()
@@ -61,6 +74,8 @@ class Service:
     def close(self) -> None:
         self._closing.set()
         self.scheduler.stop()
+        if self.sampler is not None:
+            self.sampler.stop()
         self.store.close()
 
     # ------------------------------------------------------------------ helpers
@@ -116,6 +131,7 @@ class Service:
             self.store.finish_future(job.request_id, "error", *error_payload(
                 f"model {model_id!r} was freed before this request ran", "user"))
         self.store.set_model_state(model_id, "freed")
+        self._prune_ephemeral(model_id, keep=0)
 
         def run():  # on the worker, between batches: the adapter and its optimizer state go
             self.tenants.delete(model_id)
@@ -130,6 +146,26 @@ class Service:
                 self.store.finish_session(session_id)
                 for model_id in self.store.session_models(session_id):
                     self._free(model_id)
+
+    def _prune_ephemeral(self, model_id: str, keep: int) -> None:
+        """Remove all but the ``keep`` newest unnamed sampler checkpoints of ``model_id`` (files and rows)."""
+        rows = sorted((c for c in self.store.model_checkpoints(model_id, "sampler_weights")
+                       if c["name"].startswith(EPHEMERAL)), key=lambda c: c["created"])
+        for c in rows[:max(len(rows) - keep, 0)]:
+            self.store.remove_checkpoint(c["path"])
+            shutil.rmtree(c["directory"], ignore_errors=True)
+
+    def _need_sampler(self) -> Sampler:
+        if self.sampler is None:
+            raise UserError("this server was started without a sampling engine (--no-sampling): it serves training "
+                            "calls only")
+        return self.sampler
+
+    def _check_sampler_rank(self, rank: int, what: str) -> None:
+        if self.sampler is not None and rank > self.sampler.max_lora_rank:
+            raise UserError(f"{what} has LoRA rank {rank}, above this server's sampling limit "
+                            f"--max-lora-rank={self.sampler.max_lora_rank}; use a rank <= "
+                            f"{self.sampler.max_lora_rank} or restart the server with a larger --max-lora-rank")
 
     # ------------------------------------------------------------------ routes' bodies
     def create_session(self, owner: str, body: dict) -> dict:
@@ -154,6 +190,7 @@ class Service:
                                  lora.get("train_mlp", True), lora.get("train_unembed", True), model_id)
         except ValueError as e:
             raise UserError(str(e)) from None
+        self._check_sampler_rank(config.rank, f"model {model_id!r}")
         self.store.add_model(model_id, session_id, owner, base, {"rank": config.rank, "seed": config.seed,
                                                                  "targets": list(config.target_modules)},
                              body.get("user_metadata") or {})
@@ -189,23 +226,32 @@ class Service:
 
     def save(self, owner: str, body: dict, kind: str) -> dict:
         model_id = body["model_id"]
-        self._owned_model(owner, model_id)
+        row = self._owned_model(owner, model_id)
         name = body.get("path")
-        if name is None:
-            raise UserError("save_weights_for_sampler without a name (a sampling client from the training client) "
-                            "needs sampling, which this server does not serve yet; save it with a name")
-        if not _NAME.fullmatch(name) or ".." in name:
-            raise UserError(f"checkpoint name {name!r} is invalid: use letters, digits, '_', '-' and '.'")
+        sampler_id = None
+        if name is None:  # save_weights_and_get_sampling_client: sampler weights of a new sampling session
+            if kind != "sampler_weights" or body.get("sampling_session_seq_id") is None:
+                raise UserError(f"save_{'weights' if kind == 'weights' else 'weights_for_sampler'} needs a name (path)")
+            self._need_sampler()
+            seq = int(body["sampling_session_seq_id"])
+            sampler_id = f"{row['session_id']}:sample:{seq}"
+            name = f"{EPHEMERAL}{seq}"
+        elif name.startswith(EPHEMERAL) or not _NAME.fullmatch(name) or ".." in name:
+            raise UserError(f"checkpoint name {name!r} is invalid: use letters, digits, '_', '-' and '.' (and do not "
+                            f"start it with {EPHEMERAL!r})")
         path = f"tinker://{model_id}/{kind}/{name}"
         directory = self.data_dir / "checkpoints" / model_id / kind / name
         if self.store.checkpoint(path) is not None and not body.get("overwrite", True):
             raise UserError(f"checkpoint {path!r} exists; pass overwrite=True to replace it")
-        row = self.store.model(model_id)
 
         def run():
             self.tenants.save(model_id, directory, optimizer=kind == "weights")
             self.store.add_checkpoint(path, model_id, owner, kind, name, str(directory), row["config"])
-            return "application/json", json.dumps({"path": path, "type": request_type}).encode()
+            if sampler_id is None:
+                return "application/json", json.dumps({"path": path, "type": request_type}).encode()
+            self.store.add_sampler(sampler_id, row["session_id"], owner, row["base_model"], path)
+            self._prune_ephemeral(model_id, KEEP_EPHEMERAL)
+            return "application/json", json.dumps({"sampling_session_id": sampler_id, "type": request_type}).encode()
         request_type = "save_weights" if kind == "weights" else "save_weights_for_sampler"
         return self._future(owner, request_type, run, model_id, int(body["seq_id"]))
 
@@ -231,7 +277,7 @@ class Service:
         model_id = f"{session_id}:train:{int(body['model_seq_id'])}"
         saved = checkpoint["config"]
         config = lora_config(saved["rank"], saved["seed"], "q_proj" in saved["targets"], "gate_proj" in saved["targets"],
-                             False, model_id)
+                             "lm_head" in saved["targets"], model_id)
         self.store.add_model(model_id, session_id, owner, base, saved, body.get("user_metadata") or {})
         self.scheduler.start_model(model_id)
         return self._future(owner, "load_weights", self._create(model_id, config, checkpoint, optimizer))
@@ -242,12 +288,97 @@ class Service:
         if row is None or row["owner"] != owner:
             raise UserError(f"request {request_id!r} not found")
         if row["state"] == "pending":
-            await asyncio.to_thread(self.scheduler.wait, request_id, LONG_POLL)
+            worker = self.sampler if row["kind"] == "sample" and self.sampler is not None else self.scheduler
+            await asyncio.to_thread(worker.wait, request_id, LONG_POLL)
             row = self.store.future(request_id)
         if row["state"] == "pending":
             return 200, "application/json", json.dumps({"type": "try_again", "request_id": request_id,
                                                         "queue_state": "active"}).encode()
         return 200, row["content_type"], row["payload"]
+
+    def create_sampling_session(self, owner: str, body: dict) -> dict:
+        self._need_sampler()
+        session_id = body["session_id"]
+        self._session(owner, session_id)
+        model_path = body.get("model_path")
+        if model_path is not None:
+            base = self._sampled_checkpoint(owner, model_path)[1]
+        elif body.get("base_model") is None:
+            raise UserError("create_sampling_session needs a model_path (tinker://...) or a base_model")
+        else:
+            base = self._check_base(body["base_model"])
+        sampler_id = f"{session_id}:sample:{int(body['sampling_session_seq_id'])}"
+        self.store.add_sampler(sampler_id, session_id, owner, base, model_path)
+        return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
+
+    def get_sampler(self, owner: str, sampler_id: str) -> dict:
+        row = self.store.sampler(sampler_id)
+        if row is None or row["owner"] != owner:
+            raise UserError(f"sampling session {sampler_id!r} not found")
+        return {"sampler_id": sampler_id, "base_model": row["base_model"], "model_path": row["model_path"]}
+
+    def _sampled_checkpoint(self, owner: str, path: str) -> tuple[Path, str, float]:
+        """The adapter directory, base model and version of checkpoint ``path`` (sampler or training weights)."""
+        checkpoint = self._owned_checkpoint(owner, path)
+        directory = Path(checkpoint["directory"]) / "adapter"
+        if not directory.is_dir():
+            raise UserError(f"checkpoint {path!r} has no adapter files any more (unnamed sampler weights are kept for "
+                            f"the {KEEP_EPHEMERAL} latest saves of a model, and until its session ends)")
+        self._check_sampler_rank(checkpoint["config"]["rank"], f"checkpoint {path!r}")
+        model = self.store.model(checkpoint["model_id"])
+        return directory, model["base_model"], checkpoint["created"]
+
+    def asample(self, owner: str, body: dict) -> dict:
+        sampler = self._need_sampler()
+        for key, default in UNSUPPORTED_SAMPLE.items():
+            if body.get(key, default) not in (default, False):
+                raise UserError(f"sample request field {key}={body[key]!r} is not supported by this server")
+        sampler_id, model_path = body.get("sampling_session_id"), body.get("model_path")
+        if sampler_id is not None:
+            row = self.store.sampler(sampler_id)
+            if row is None or row["owner"] != owner:
+                raise UserError(f"sampling session {sampler_id!r} not found")
+            model_path = row["model_path"]
+        elif model_path is None:
+            self._check_base(body.get("base_model") or None)
+        adapter = None
+        if model_path is not None:
+            directory, _, version = self._sampled_checkpoint(owner, model_path)
+            adapter = sampler.adapter(directory, str(version))
+        spec = self.tenants.model.spec
+        prompt = []
+        for chunk in body["prompt"]["chunks"]:
+            if chunk.get("type", "encoded_text") != "encoded_text":
+                raise UserError(f"prompt chunk of type {chunk.get('type')!r}: this server samples from token chunks "
+                                "(encoded_text) only")
+            prompt += [int(t) for t in chunk["tokens"]]
+        bad = sorted({t for t in prompt if not 0 <= t < spec.vocab_size})
+        if not prompt or bad:
+            raise UserError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {spec.vocab_size})" if bad
+                            else "empty prompt")
+        limit = sampler.max_model_len or spec.max_position_embeddings
+        if len(prompt) >= limit:
+            raise UserError(f"a prompt of {len(prompt)} tokens leaves no room to sample within this server's context "
+                            f"of {limit} tokens")
+        n = int(body.get("num_samples", 1))
+        if n < 1:
+            raise UserError(f"num_samples={n} must be >= 1")
+        try:
+            params = sampling_params(body["sampling_params"], spec.vocab_size)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        topk = {key: int(body.get(key, 0)) for key in ("topk_prompt_logprobs", "topk_sample_logprobs")}
+        for key, k in topk.items():
+            if not 0 <= k <= MAX_TOPK:
+                raise UserError(f"{key}={k} must be in [0, {MAX_TOPK}]")
+        new = uuid.uuid4().hex
+        seq_id = body.get("seq_id")
+        request_id = self.store.add_future(new, owner, "sample", sampler_id if seq_id is not None else None,
+                                           None if seq_id is None else int(seq_id))
+        if request_id == new:  # not a retried submission
+            sampler.submit(SampleJob(request_id, prompt, n, params, adapter, bool(body.get("prompt_logprobs")),
+                                     topk["topk_prompt_logprobs"], topk["topk_sample_logprobs"]))
+        return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(n)]}
 
     def finish_session(self, owner: str, session_id: str) -> None:
         self._session(owner, session_id)
@@ -274,7 +405,7 @@ def build_app(service: Service):
 
     @app.get("/api/v1/healthz")
     async def healthz():
-        return {"status": "ok"}
+        return {"status": "ok", "sampling": "off" if service.sampler is None else service.sampler.state}
 
     @app.post("/api/v1/client/config")
     async def client_config():
@@ -287,7 +418,8 @@ def build_app(service: Service):
     @app.get("/api/v1/get_server_capabilities")
     async def capabilities():
         spec = service.tenants.model.spec
-        return {"supported_models": [{"model_name": service.model_name, "trainable": True, "sampleable": False,
+        return {"supported_models": [{"model_name": service.model_name, "trainable": True,
+                                      "sampleable": service.sampler is not None,
                                       "max_context_length": spec.max_position_embeddings}]}
 
     @app.post("/api/v1/telemetry")
@@ -302,7 +434,8 @@ def build_app(service: Service):
 
     for name, fn in {"create_session": service.create_session, "create_model": service.create_model,
                      "get_info": service.get_info, "optim_step": service.optim_step,
-                     "load_weights": service.load_weights,
+                     "load_weights": service.load_weights, "asample": service.asample,
+                     "create_sampling_session": service.create_sampling_session,
                      "save_weights": lambda who, body: service.save(who, body, "weights"),
                      "save_weights_for_sampler": lambda who, body: service.save(who, body, "sampler_weights")}.items():
         app.post(f"/api/v1/{name}")(json_route(fn))
@@ -333,10 +466,8 @@ def build_app(service: Service):
             return JSONResponse({"error": str(e), "category": "user"}, status_code=400)
         return Response(payload, status_code=status, media_type=content_type)
 
-    for path in ("/api/v1/create_sampling_session", "/api/v1/asample"):
-        @app.post(path)
-        async def not_served():
-            return JSONResponse({"error": "sampling is not served by this mlora Tinker server yet (training calls "
-                                          "are)", "category": "user"}, status_code=501)
+    @app.get("/api/v1/samplers/{sampler_id}")
+    async def get_sampler(sampler_id: str, request: Request):
+        return answer(lambda: service.get_sampler(owner(request), sampler_id))
 
     return app

@@ -1,4 +1,5 @@
-"""The service's durable state in one SQLite file: sessions, client models, checkpoints and futures.
+"""The service's durable state in one SQLite file: sessions, client models, checkpoints, sampling sessions and
+futures.
 
 A restarted server reopens the file: sessions and checkpoints are still there (a client loads its checkpoint
 into a new training client and goes on), finished futures can still be retrieved, and futures that were
@@ -25,6 +26,8 @@ CREATE TABLE IF NOT EXISTS checkpoints (path TEXT PRIMARY KEY, model_id TEXT NOT
     kind TEXT NOT NULL, name TEXT NOT NULL, directory TEXT NOT NULL, config TEXT NOT NULL, created REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS futures (request_id TEXT PRIMARY KEY, owner TEXT NOT NULL, model_id TEXT,
     seq_id INTEGER, kind TEXT NOT NULL, state TEXT NOT NULL, content_type TEXT, payload BLOB, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS samplers (sampler_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, owner TEXT NOT NULL,
+    base_model TEXT NOT NULL, model_path TEXT, created REAL NOT NULL);
 CREATE UNIQUE INDEX IF NOT EXISTS futures_by_seq ON futures (model_id, seq_id) WHERE seq_id IS NOT NULL;
 """
 
@@ -123,8 +126,25 @@ class Store:
                                                       json.dumps(config), time.time()))
 
     def checkpoint(self, path: str) -> dict | None:
-        return self._one("SELECT path, model_id, owner, kind, name, directory, config FROM checkpoints WHERE path=?",
-                         (path,), ("config",))
+        return self._one("SELECT path, model_id, owner, kind, name, directory, config, created FROM checkpoints "
+                         "WHERE path=?", (path,), ("config",))
+
+    def model_checkpoints(self, model_id: str, kind: str) -> list[dict]:
+        return [self.checkpoint(r[0]) for r in self._run("SELECT path FROM checkpoints WHERE model_id=? AND kind=?",
+                                                         (model_id, kind))]
+
+    def remove_checkpoint(self, path: str) -> None:
+        self._run("DELETE FROM checkpoints WHERE path=?", (path,))
+
+    # ------------------------------------------------------------------ sampling sessions
+    def add_sampler(self, sampler_id: str, session_id: str, owner: str, base_model: str,
+                    model_path: str | None) -> None:
+        self._run("INSERT OR REPLACE INTO samplers (sampler_id, session_id, owner, base_model, model_path, created) "
+                  "VALUES (?, ?, ?, ?, ?, ?)", (sampler_id, session_id, owner, base_model, model_path, time.time()))
+
+    def sampler(self, sampler_id: str) -> dict | None:
+        return self._one("SELECT sampler_id, session_id, owner, base_model, model_path FROM samplers "
+                         "WHERE sampler_id=?", (sampler_id,))
 
     # ------------------------------------------------------------------ futures
     def add_future(self, request_id: str, owner: str, kind: str, model_id: str | None = None,

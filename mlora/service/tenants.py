@@ -1,7 +1,8 @@
 """Client models on one base: each a named LoRA adapter with its own AdamW, trained in mixed-adapter batches.
 
 A Tinker ``create_model`` becomes an adapter of any rank on attention and/or MLP projections (``train_attn``,
-``train_mlp``; the MLP names reach a mixture of experts' experts). ``forward_backward`` requests of several
+``train_mlp``; the MLP names reach a mixture of experts' experts) and/or the output layer (``train_unembed``:
+``lm_head``). ``forward_backward`` requests of several
 clients that are ready together run as one micro-batch: the frozen base once over every row, each client's
 LoRA over its own rows only (``adapter_rows``, :mod:`mlora.lora.routing`); a client's gradients accumulate
 until its ``optim_step``. Collective over the mesh: every rank runs the same calls in the same order.
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from mlora.checkpoint.optim_state import (
     OptimizerStateReader,
@@ -31,6 +33,7 @@ from mlora.service.wire import ForwardBackward
 LORA_ALPHA = 32  # whatever the rank (scaling alpha / rank): tinker-cookbook's weights/README.md gives 32 for Tinker's adapters
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
+UNEMBED = ("lm_head",)
 INIT_KEY = "tinker"  # the name A's initial draw is keyed by: equal seeds give equal adapters, whatever the model id
 ROLE = "tinker"  # the optimizer state's role in checkpoint files
 
@@ -47,13 +50,10 @@ class ClientModel:
 
 def lora_config(rank: int, seed: int | None, train_attn: bool, train_mlp: bool, train_unembed: bool,
                 model_id: str) -> LoraConfig:
-    """The adapter of a Tinker ``lora_config``; ValueError naming what this server cannot train."""
-    if train_unembed:
-        raise ValueError("train_unembed=True (LoRA on the output embedding) is not supported by this server; create "
-                         "the training client with train_unembed=False")
-    targets = (ATTENTION if train_attn else ()) + (MLP if train_mlp else ())
+    """The adapter of a Tinker ``lora_config``; ValueError for one that trains nothing or a bad rank."""
+    targets = (ATTENTION if train_attn else ()) + (MLP if train_mlp else ()) + (UNEMBED if train_unembed else ())
     if not targets:
-        raise ValueError("lora_config trains nothing: set train_attn and/or train_mlp")
+        raise ValueError("lora_config trains nothing: set train_attn, train_mlp and/or train_unembed")
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"lora rank {rank!r} must be a positive integer")
     seed = seed if seed is not None else zlib.crc32(model_id.encode())
@@ -144,6 +144,11 @@ class Tenants:
         with self.model.use_adapters(*names):
             self.model.forward_backward([{"input_ids": ids, "attention_mask": mask, "adapter_rows": adapter_rows}],
                                         loss_fn, forward_only=forward_only)
+        if mesh.pp > 1:  # the loss ran on the last stage: its values, from its first rank, on every rank
+            parts: list = [None] * dist.get_world_size()
+            first = mesh.is_last_stage and mesh.tp_rank == 0 and mesh.dp_rank == 0
+            dist.all_gather_object(parts, (per_row, losses) if first else None)
+            per_row, losses = next(p for p in parts if p is not None)
         out = []
         for k, r in enumerate(requests):
             logprobs = [per_row[i] for i in range(len(rows)) if owner[i] == k]
