@@ -376,3 +376,36 @@ def test_silent_session_frees_its_models(base, tmp_path):
             service.get_info("owner", {"model_id": model_id})
     finally:
         service.close()
+
+
+def test_idle_clients_wait_in_host_memory_and_come_back_exactly(base):
+    """In process, ``max_resident=1`` (``--max-resident-clients 1``): two clients alternating calls swap in and out
+    at every call (factors, pending gradients and AdamW state to host memory and back) and end bit for bit where the
+    same calls end with both resident."""
+    import mlora
+    from mlora.service.tenants import Tenants, lora_config
+    from mlora.service.wire import Datum, ForwardBackward
+
+    model = mlora.from_pretrained(base, mlora.init_parallel(), dtype=torch.float32)
+    lru, every = Tenants(model, max_resident=1), Tenants(model)
+
+    def request(model_id: str, seed: int) -> ForwardBackward:
+        data = [Datum(torch.tensor(d.model_input.to_ints()), {"target_tokens": d.loss_fn_inputs["target_tokens"].to_torch(),
+                                                              "weights": d.loss_fn_inputs["weights"].to_torch()})
+                for d in _batch(seed, lengths=(6, 9))]
+        return ForwardBackward(model_id, 0, "cross_entropy", {}, False, data)
+
+    for tenants, tag in ((lru, "lru"), (every, "all")):
+        for k, rank in ((0, 4), (1, 8)):
+            tenants.create(f"{tag}{k}", lora_config(rank, 50 + k, True, True, False, f"{tag}{k}"))
+        for step in range(3):  # A's gradients wait in host memory while B computes its own, and back again
+            for k in (0, 1):
+                tenants.forward_backward([request(f"{tag}{k}", 900 + 10 * step + k)])
+            for k in (0, 1):
+                tenants.optim_step(f"{tag}{k}", ADAM)
+    assert lru.resident() == ["lru1"] and lru.client("lru1").host is None and lru.clients["lru0"].host is not None
+    assert not any(name.startswith("t_lru0") for name in model.adapters)  # its adapter left the model
+    for k in (0, 1):
+        got = model.adapter_tensors(lru.client(f"lru{k}").adapter)
+        want = model.adapter_tensors(every.client(f"all{k}").adapter)
+        assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)

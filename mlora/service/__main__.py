@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds without a heartbeat after which a session's models are freed")
     ap.add_argument("--batch-window", type=float, default=0.01,
                     help="seconds a ready forward_backward (or sample) waits for other clients' to run in one batch")
+    ap.add_argument("--max-resident-clients", type=int, default=None,
+                    help="clients whose adapters stay in the model; the least recently used others wait in host "
+                         "memory (factors, gradients, AdamW state) and come back when they call (default: all stay)")
     sampling = ap.add_argument_group("sampling (a vLLM engine in a child process; each client's sampler weights a "
                                      "LoRA adapter of it)")
     sampling.add_argument("--no-sampling", action="store_true", help="serve training calls only (no engine)")
@@ -53,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m mlora.service on {mesh.world_size} ranks with --tp {args.tp} --pp {args.pp}: every rank runs "
               "every request, so data parallelism would repeat the work; launch tp x pp ranks", file=sys.stderr)
         return 2
+    if args.max_resident_clients is not None and args.max_resident_clients < 1:
+        print(f"--max-resident-clients={args.max_resident_clients} must be >= 1", file=sys.stderr)
+        return 2
     if args.max_lora_rank < 1 or args.max_loras < 1:
         print(f"--max-lora-rank={args.max_lora_rank} and --max-loras={args.max_loras} must be >= 1", file=sys.stderr)
         return 2
@@ -76,10 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         from mlora.service.mesh import follow
         from mlora.service.tenants import Tenants
 
-        follow(Tenants(model))
+        follow(Tenants(model, args.max_resident_clients))
         return 0
     service = Service(model, args.model, args.data_dir, args.model_name, args.session_timeout, args.batch_window,
-                      sampler)
+                      sampler, args.max_resident_clients)
     if mesh.world_size > 1:
         from mlora.service.mesh import Broadcast
 

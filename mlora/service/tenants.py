@@ -6,12 +6,17 @@ A Tinker ``create_model`` becomes an adapter of any rank on attention and/or MLP
 clients that are ready together run as one micro-batch: the frozen base once over every row, each client's
 LoRA over its own rows only (``adapter_rows``, :mod:`mlora.lora.routing`); a client's gradients accumulate
 until its ``optim_step``. Collective over the mesh: every rank runs the same calls in the same order.
+
+With ``max_resident``, at most that many clients' adapters live in the model (beyond the clients of the call at hand):
+the least recently used others move to host memory, factors, gradients and AdamW state alike, and come back exactly
+when their client calls again (the same decisions on every rank: they follow the calls alone).
 """
 
 from __future__ import annotations
 
 import json
 import zlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,8 +49,9 @@ class ClientModel:
 
     adapter: str
     config: LoraConfig
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None
     steps: int = 0
+    host: dict | None = None  # while offloaded: factors, gradients and optimizer state in host memory
 
 
 def lora_config(rank: int, seed: int | None, train_attn: bool, train_mlp: bool, train_unembed: bool,
@@ -63,9 +69,13 @@ def lora_config(rank: int, seed: int | None, train_attn: bool, train_mlp: bool, 
 class Tenants:
     """Every client model of the served base (``model``: an :class:`mlora.MLoraModel`)."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, max_resident: int | None = None) -> None:
+        """``max_resident``: the clients whose adapters stay in the model (None: all)."""
+        if max_resident is not None and max_resident < 1:
+            raise ValueError(f"max_resident={max_resident} must be >= 1 (or None: every client resident)")
         self.model = model
-        self.clients: dict[str, ClientModel] = {}
+        self.max_resident = max_resident
+        self.clients: OrderedDict[str, ClientModel] = OrderedDict()  # least recently used first
 
     # ------------------------------------------------------------------ lifecycle
     def create(self, model_id: str, config: LoraConfig) -> None:
@@ -77,17 +87,64 @@ class Tenants:
         params = self.model.adapter_parameters(name)
         opt = torch.optim.AdamW(params, lr=0.0, foreach=False)
         self.clients[model_id] = ClientModel(name, config, opt)
+        self._evict({model_id})
 
     def delete(self, model_id: str) -> None:
         """Free ``model_id``'s adapter and optimizer state (a client that finished or disappeared)."""
         client = self.clients.pop(model_id, None)
-        if client is not None:
+        if client is not None and client.host is None:
             self.model.delete_adapter(client.adapter)
 
-    def client(self, model_id: str) -> ClientModel:
+    def client(self, model_id: str, keep: set[str] = frozenset()) -> ClientModel:
+        """``model_id``'s client, resident (brought back from host memory if it was offloaded), now the most recently
+        used; others beyond ``max_resident`` go to host memory, never those in ``keep`` (the call's other clients)."""
         if model_id not in self.clients:
             raise KeyError(model_id)
-        return self.clients[model_id]
+        client = self.clients[model_id]
+        self.clients.move_to_end(model_id)
+        if client.host is not None:
+            self._restore(client)
+        self._evict({model_id, *keep})
+        return client
+
+    # ------------------------------------------------------------------ residency
+    def _evict(self, keep: set[str]) -> None:
+        if self.max_resident is None:
+            return
+        resident = [m for m, c in self.clients.items() if c.host is None]
+        for model_id in resident[:max(len(resident) - self.max_resident, 0)]:
+            if model_id not in keep:
+                self._offload(self.clients[model_id])
+
+    def _offload(self, client: ClientModel) -> None:
+        """The client's factors, gradients and AdamW state to host memory; its adapter leaves the model."""
+        params = self.model.adapter_parameters(client.adapter)
+        state = client.optimizer.state_dict()
+        for slot in state["state"].values():
+            for key, value in slot.items():
+                if torch.is_tensor(value):
+                    slot[key] = value.to("cpu", copy=True)
+        client.host = {"factors": [p.detach().to("cpu", copy=True) for p in params],
+                       "grads": [None if p.grad is None else p.grad.to("cpu", copy=True) for p in params],
+                       "optimizer": state}
+        client.optimizer = None
+        self.model.delete_adapter(client.adapter)
+
+    def _restore(self, client: ClientModel) -> None:
+        """Undo :meth:`_offload`: the same adapter, values, gradients and optimizer state as before it."""
+        host, client.host = client.host, None
+        self.model.add_adapter(client.adapter, client.config, key=INIT_KEY)
+        params = self.model.adapter_parameters(client.adapter)
+        with torch.no_grad():
+            for p, value, grad in zip(params, host["factors"], host["grads"]):
+                p.copy_(value)
+                p.grad = None if grad is None else grad.to(p.device)
+        client.optimizer = torch.optim.AdamW(params, lr=0.0, foreach=False)
+        client.optimizer.load_state_dict(host["optimizer"])
+
+    def resident(self) -> list[str]:
+        """The clients whose adapters are in the model, least recently used first."""
+        return [m for m, c in self.clients.items() if c.host is None]
 
     # ------------------------------------------------------------------ training
     def forward_backward(self, requests: list[ForwardBackward]) -> list[tuple[list[torch.Tensor], dict[str, float]]]:
@@ -120,7 +177,8 @@ class Tenants:
         bad = [int(t) for t in torch.cat([ids[mask.bool()], targets[mask.bool()]]) if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token ids {sorted(set(bad))[:5]} are outside this model's vocabulary [0, {vocab})")
-        names = [self.client(r.model_id).adapter for r in requests]
+        in_batch = {r.model_id for r in requests}
+        names = [self.client(r.model_id, keep=in_batch).adapter for r in requests]
         adapter_rows = {name: [i for i, k in enumerate(owner) if k == j] for j, name in enumerate(names)}
         lo, hi = self.model.vocab_shard_range()
         mesh = self.model.mesh
