@@ -15,7 +15,7 @@ import torch
 from conftest import torchrun
 
 import mlora
-from mlora.models.packing import PackedRows, pack_bins
+from mlora.models.packing import PackedRows, balanced_shares, pack_bins
 from mlora.testing import right_padded_batch
 from mlora.train.micro_batches import Packing, group_units
 
@@ -42,6 +42,15 @@ def test_packed_layout_by_hand():
         PackedRows.of(torch.tensor([[0, 1, 1]]))
     with pytest.raises(ValueError, match="at least one token"):
         PackedRows.of(torch.tensor([[1, 1], [0, 0]]))
+
+
+def test_balanced_shares():
+    # longest first to the share with the fewest tokens: 9 -> s0, 7 -> s1, 5 -> s1, 4 -> s0, 1 -> s1 (13 and 13)
+    assert balanced_shares([5, 9, 1, 7, 4], 2) == [[1, 4], [0, 2, 3]]
+    assert balanced_shares([3], 2) == [[0], []]  # fewer rows than shares: one stays empty
+    assert balanced_shares([2, 2, 2], 1) == [[0, 1, 2]]
+    with pytest.raises(ValueError, match="parts=0 must be >= 1"):
+        balanced_shares([1], 0)
 
 
 def test_first_fit_decreasing_groups():

@@ -10,7 +10,8 @@ over HTTP on 127.0.0.1, on a tiny random Llama in float32.
 - ``save_state`` → server restart → ``create_training_client_from_state_with_optimizer`` continues exactly.
 - Sampling (the server's vLLM engine, each client's sampler weights a LoRA adapter of it): the log-probs of sampled
   and prompt tokens equal the trainer's ``forward`` of the same tokens (≤ 1e-4); two clients' samplers asked at
-  once run in one ``generate`` call and sample what each samples alone (same seeds, same tokens).
+  once run in one batch and sample what each samples alone (same seeds, same tokens); a short request sent while a
+  long one decodes joins it and is answered first (continuous batching).
 - Bad requests fail that request's future with the SDK's user error and the client goes on; another API key sees
   none of a client's models or checkpoints; a session without heartbeats has its models freed.
 """
@@ -18,6 +19,7 @@ over HTTP on 127.0.0.1, on a tiny random Llama in float32.
 from __future__ import annotations
 
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -143,6 +145,7 @@ def test_optim_step_equals_torch_adamw(server, base):
 def _torch_adamw_reference(base: Path, steps: list) -> dict[str, torch.Tensor]:
     """The adapter after torch's AdamW (gradients clipped by torch) on each step's batch, computed in-process."""
     import mlora
+    from mlora.models.packing import PackedRows
     from mlora.rl.vocab_parallel import vocab_parallel_logprobs
     from mlora.service.tenants import INIT_KEY, lora_config
 
@@ -152,19 +155,17 @@ def _torch_adamw_reference(base: Path, steps: list) -> dict[str, torch.Tensor]:
     opt = torch.optim.AdamW(params, lr=ADAM["learning_rate"], betas=(ADAM["beta1"], ADAM["beta2"]), eps=ADAM["eps"],
                             weight_decay=ADAM["weight_decay"])
     vocab = model.spec.vocab_size
-    for data in steps:  # the batch as the server runs it: right-padded rows of one micro-batch
+    for data in steps:  # the batch as the server runs it: the rows packed back to back in one micro-batch
         rows = [_tokens(d) for d in data]
-        width = max(len(ids) for ids, _, _ in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        mask, target, weights = torch.zeros_like(ids), torch.zeros_like(ids), torch.zeros(len(rows), width)
-        for i, (x, t, w) in enumerate(rows):
-            ids[i, :len(x)], mask[i, :len(x)], target[i, :len(x)], weights[i, :len(x)] = x, 1, t, w
+        lengths = tuple(len(ids) for ids, _, _ in rows)
+        packed = PackedRows(lengths, max(lengths), sum(lengths))
+        ids, target, weights = (torch.cat(parts)[None] for parts in zip(*rows))
 
         def loss_fn(logits, mb):  # the server's log-prob function: the same float32 sums, so the same gradients
             logp = vocab_parallel_logprobs(logits, target, 0, vocab)[0]
             return -(logp * weights).sum(), {}
         with model.use_adapters("ref"):
-            model.forward_backward([{"input_ids": ids, "attention_mask": mask}], loss_fn)
+            model.forward_backward([{"input_ids": ids, "packed": packed}], loss_fn)
         torch.nn.utils.clip_grad_norm_(params, ADAM["grad_clip_norm"])
         opt.step()
         opt.zero_grad()
@@ -247,12 +248,22 @@ def test_save_restart_load_continues_identically(server, base):
         trainer.forward_backward(_batch(1), "cross_entropy").result()
 
 
-def test_tp2_pp2_server_equals_the_one_process_server(server, base, tmp_path):
+MESHES = {  # label: (ranks, command-line arguments, what the server says)
+    # micro-batches of at most 24 tokens: a batch of the two clients' rows fills the pipeline with two or three
+    "tp2-pp2": (4, ["--tp", "2", "--pp", "2", "--max-tokens-per-microbatch", "24"], "TP 2 x PP 2 x DP 1"),
+    # each replica runs its share of the rows; a one-datum call leaves one replica without rows
+    "dp2": (2, [], "TP 1 x PP 1 x DP 2"),
+}
+
+
+@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+def test_mesh_server_equals_the_one_process_server(server, base, tmp_path, mesh_name):
     """Two clients (ranks 4 and 8, pipelined: their calls run in mixed batches when they meet, which a loaded machine
-    may not make happen) on a TP2 x PP2 server (torchrun, 4 ranks; rank 0 serves HTTP, every rank runs every model
-    call) end where the same calls end on the one-process server."""
-    mesh = Server(base, tmp_path / "data", tmp_path / "server.log", ["--no-sampling", "--tp", "2", "--pp", "2",
-                                                                     "--batch-window", "0.5"], nproc=4)
+    may not make happen) on a server over several ranks (torchrun; rank 0 serves HTTP, every rank runs every model
+    call, each DP replica its share of a batch's rows) end where the same calls end on the one-process server."""
+    nproc, args, says = MESHES[mesh_name]
+    mesh = Server(base, tmp_path / "data", tmp_path / "server.log", ["--no-sampling", "--batch-window", "0.5", *args],
+                  nproc=nproc)
     results = {}
     try:
         for label, s in (("one", server), ("mesh", mesh)):
@@ -266,12 +277,13 @@ def test_tp2_pp2_server_equals_the_one_process_server(server, base, tmp_path):
                 for f in pending:
                     f.result()
                 out = a.forward_backward(_batch(800), "cross_entropy").result()
+                one = a.forward(_batch(801, lengths=(11,)), "cross_entropy").result()
                 results[label] = ([s.weights(t.save_weights_for_sampler("end").result().path) for t in (a, b)],
-                                  [o["logprobs"].to_torch() for o in out.loss_fn_outputs])
+                                  [o["logprobs"].to_torch() for o in out.loss_fn_outputs + one.loss_fn_outputs])
             finally:
                 for c in clients:
                     c.close("success").result()
-        assert "serving on 4 ranks (TP 2 x PP 2)" in mesh.log.read_text()
+        assert f"serving on {nproc} ranks ({says})" in mesh.log.read_text()
     finally:
         mesh.stop()
     (one_adapters, one_lp), (mesh_adapters, mesh_lp) = results["one"], results["mesh"]
@@ -280,6 +292,7 @@ def test_tp2_pp2_server_equals_the_one_process_server(server, base, tmp_path):
         scale = max(v.abs().max() for v in want.values())
         diff = max((got[k] - want[k]).abs().max() for k in want)
         assert diff <= MESH_TOL * scale, (diff, scale)
+    assert len(one_lp) == len(mesh_lp) == 4
     for want, got in zip(one_lp, mesh_lp):
         assert (got - want).abs().max() <= MESH_LOGPROB_TOL
 
@@ -327,7 +340,7 @@ def test_sampled_logprobs_equal_the_trainers(server, base):
         _service(server, "tml-mlora-test-intruder").create_sampling_client(model_path=path).result()
 
 
-def test_two_clients_sample_in_one_generate_call_as_each_alone(server, base):
+def test_two_clients_sample_in_one_batch_as_each_alone(server, base):
     clients = []
     for key, rank, seed in ((KEY, 4, 31), ("tml-mlora-test-b", 8, 32)):
         trainer = _trainer(_service(server, key), base, rank, seed)
@@ -336,14 +349,30 @@ def test_two_clients_sample_in_one_generate_call_as_each_alone(server, base):
     params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=11)
     prompt = types.ModelInput.from_ints(PROMPT)
     alone = [c.sample(prompt, 2, params).result() for c in clients]
-    before = server.log.read_text().count("sampling requests in one generate call (2 adapters)")
+    before = server.log.read_text().count("sampling requests running (2 adapters)")
     together = [f.result() for f in [c.sample(prompt, 2, params) for c in clients]]
-    assert server.log.read_text().count("sampling requests in one generate call (2 adapters)") > before
+    assert server.log.read_text().count("sampling requests running (2 adapters)") > before
     for a, t in zip(alone, together):
         assert [s.tokens for s in a.sequences] == [s.tokens for s in t.sequences]
         for x, y in zip(a.sequences, t.sequences):
             assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) <= SAMPLE_TOL
     assert [s.tokens for s in alone[0].sequences] != [s.tokens for s in alone[1].sequences]
+    # continuous batching: a short request sent while a long one decodes joins it and is answered first, not after it
+    finished: dict[str, float] = {}
+
+    def wait(name: str, future) -> None:
+        future.result()
+        finished[name] = time.monotonic()
+    long = clients[0].sample(prompt, 4, types.SamplingParams(max_tokens=240, temperature=1.0, seed=1, stop=[]))
+    waiters = [threading.Thread(target=wait, args=("long", long))]
+    waiters[0].start()
+    time.sleep(0.5)  # the long request is decoding
+    short = clients[1].sample(prompt, 1, types.SamplingParams(max_tokens=2, temperature=1.0, seed=2, stop=[]))
+    waiters.append(threading.Thread(target=wait, args=("short", short)))
+    waiters[1].start()
+    for w in waiters:
+        w.join()
+    assert finished["short"] < finished["long"], finished
     with pytest.raises(Exception, match=r"max_tokens=None: give the number of tokens"):
         clients[0].sample(prompt, 1, types.SamplingParams(temperature=1.0)).result()
     with pytest.raises(Exception, match=rf"above this server's sampling limit --max-lora-rank={MAX_LORA_RANK}"):
@@ -354,9 +383,10 @@ def test_silent_session_frees_its_models(base, tmp_path):
     """In process: a session that sends no heartbeat for ``session_timeout`` has its models freed."""
     import mlora
     from mlora.service.app import Service
+    from mlora.service.tenants import Tenants
 
     model = mlora.from_pretrained(base, mlora.init_parallel(), dtype=torch.float32)
-    service = Service(model, base, tmp_path / "data", session_timeout=1.0)
+    service = Service(Tenants(model), base, tmp_path / "data", session_timeout=1.0)
     try:
         session = service.create_session("owner", {})["session_id"]
         future = service.create_model("owner", {"session_id": session, "model_seq_id": 0, "base_model": str(base),
@@ -409,3 +439,42 @@ def test_idle_clients_wait_in_host_memory_and_come_back_exactly(base):
         got = model.adapter_tensors(lru.client(f"lru{k}").adapter)
         want = model.adapter_tensors(every.client(f"all{k}").adapter)
         assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_micro_batches_leave_a_mixed_batch_unchanged(base):
+    """In process, ``max_tokens=13`` (``--max-tokens-per-microbatch 13``): two clients' mixed batch packed into
+    micro-batches of at most 13 tokens (rows of 9 + 4 tokens of each client, and one micro-batch holding the 6-token
+    rows of both) gives the log-probs and gradients of the same batch in one micro-batch
+    (≤ 1e-5, relative to the largest gradient); a datum longer than the budget is refused, naming it."""
+    import mlora
+    from mlora.service.tenants import Tenants, lora_config
+    from mlora.service.wire import Datum, ForwardBackward
+
+    model = mlora.from_pretrained(base, mlora.init_parallel(), dtype=torch.float32)
+    split, whole = Tenants(model, max_tokens=13), Tenants(model)
+
+    def request(model_id: str, seed: int, lengths=(6, 9, 4)) -> ForwardBackward:
+        data = [Datum(torch.tensor(d.model_input.to_ints()), {"target_tokens": d.loss_fn_inputs["target_tokens"].to_torch(),
+                                                              "weights": d.loss_fn_inputs["weights"].to_torch()})
+                for d in _batch(seed, lengths=lengths)]
+        return ForwardBackward(model_id, 0, "cross_entropy", {}, False, data)
+
+    outs = {}
+    for tenants, tag in ((split, "split"), (whole, "whole")):
+        for k, rank in ((0, 4), (1, 8)):
+            tenants.create(f"{tag}{k}", lora_config(rank, 60 + k, True, True, False, f"{tag}{k}"))
+        tenants.forward_backward([request(f"{tag}{k}", 950 + k) for k in (0, 1)])
+        for k in (0, 1):  # B != 0 from here: A's gradients too
+            tenants.optim_step(f"{tag}{k}", ADAM)
+        outs[tag] = tenants.forward_backward([request(f"{tag}{k}", 960 + k) for k in (0, 1)])
+    for (lp_split, m_split), (lp_whole, m_whole) in zip(outs["split"], outs["whole"]):
+        assert all((a - b).abs().max() <= MIX_TOL for a, b in zip(lp_split, lp_whole))
+        assert m_split["loss:sum"] == pytest.approx(m_whole["loss:sum"], rel=1e-6)
+    for k in (0, 1):
+        got = [p.grad for p in model.adapter_parameters(split.client(f"split{k}").adapter)]
+        want = [p.grad for p in model.adapter_parameters(whole.client(f"whole{k}").adapter)]
+        scale = max(g.abs().max() for g in want)
+        assert scale > 0 and max((a - b).abs().max() for a, b in zip(got, want)) <= MIX_TOL * scale
+    with pytest.raises(ValueError, match=r"a datum of 14 tokens is longer than this server's "
+                                         r"--max-tokens-per-microbatch=13"):
+        split.forward_backward([request("split0", 970, lengths=(14,))])

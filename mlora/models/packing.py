@@ -142,3 +142,20 @@ def pack_bins(lengths: Sequence[int], budget: int, what: str = "trainer.max_toke
             groups.append([i])
             room.append(budget - lengths[i])
     return sorted((sorted(g) for g in groups), key=lambda g: g[0])
+
+
+def balanced_shares(lengths: Sequence[int], parts: int) -> list[list[int]]:
+    """Indices of ``lengths`` split into ``parts`` shares of near-equal token sums (e.g. one per DP rank).
+
+    Longest first to the share with the fewest tokens so far (ties: the lowest share), as
+    :func:`pack_bins` does: the result depends on the lengths alone, so every rank computes the same
+    shares. Each share's indices come back sorted; a share is empty when there are fewer rows than parts."""
+    if parts < 1:
+        raise ValueError(f"parts={parts} must be >= 1")
+    shares: list[list[int]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for i in sorted(range(len(lengths)), key=lambda k: (-lengths[k], k)):
+        j = min(range(parts), key=lambda p: (load[p], p))
+        shares[j].append(i)
+        load[j] += lengths[i]
+    return [sorted(s) for s in shares]

@@ -22,13 +22,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (under torchrun; world = tp x pp)")
-    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (under torchrun; world = tp x pp)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (under torchrun; world = tp x pp x dp)")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (under torchrun; world = tp x pp x dp)")
     ap.add_argument("--model-name", default=None, help="another name clients may give as base_model")
     ap.add_argument("--session-timeout", type=float, default=120.0,
                     help="seconds without a heartbeat after which a session's models are freed")
     ap.add_argument("--batch-window", type=float, default=0.01,
                     help="seconds a ready forward_backward (or sample) waits for other clients' to run in one batch")
+    ap.add_argument("--max-tokens-per-microbatch", type=int, default=0,
+                    help="tokens of one micro-batch: a forward_backward batch's rows (split over the DP replicas) are "
+                         "packed into micro-batches of at most this many tokens, which bounds activation memory "
+                         "however many clients' requests a batch holds (default 0: each batch in one micro-batch)")
     ap.add_argument("--max-resident-clients", type=int, default=None,
                     help="clients whose adapters stay in the model; the least recently used others wait in host "
                          "memory (factors, gradients, AdamW state) and come back when they call (default: all stay)")
@@ -50,11 +54,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import mlora
     from mlora.service.app import Service, build_app
+    from mlora.service.tenants import Tenants
 
-    mesh = mlora.init_parallel(tp=args.tp, pp=args.pp)
-    if mesh.dp > 1:
-        print(f"python -m mlora.service on {mesh.world_size} ranks with --tp {args.tp} --pp {args.pp}: every rank runs "
-              "every request, so data parallelism would repeat the work; launch tp x pp ranks", file=sys.stderr)
+    if args.max_tokens_per_microbatch < 0:
+        print(f"--max-tokens-per-microbatch={args.max_tokens_per_microbatch} must be >= 0 (0: each batch in one "
+              "micro-batch)", file=sys.stderr)
         return 2
     if args.max_resident_clients is not None and args.max_resident_clients < 1:
         print(f"--max-resident-clients={args.max_resident_clients} must be >= 1", file=sys.stderr)
@@ -70,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--max-model-len={args.max_model_len}: give at most the model's context, {limit} tokens",
                   file=sys.stderr)
             return 2
+    mesh = mlora.init_parallel(tp=args.tp, pp=args.pp)
     sampler = None
     if not args.no_sampling and mesh.rank == 0:  # started first: the engine loads while the trainer does
         from mlora.service.sampler import Sampler
@@ -78,26 +83,26 @@ def main(argv: list[str] | None = None) -> int:
                           max_loras=args.max_loras, kv_cache_memory_bytes=args.kv_cache_bytes,
                           max_model_len=args.max_model_len, batch_window=args.batch_window)
     model = mlora.from_pretrained(args.model, mesh, dtype=DTYPES[args.dtype])
+    tenants = Tenants(model, args.max_resident_clients, args.max_tokens_per_microbatch)
     if mesh.rank != 0:  # rank 0 serves HTTP and sends every model call here (mlora.service.mesh)
         from mlora.service.mesh import follow
-        from mlora.service.tenants import Tenants
 
-        follow(Tenants(model, args.max_resident_clients))
+        follow(tenants)
         return 0
-    service = Service(model, args.model, args.data_dir, args.model_name, args.session_timeout, args.batch_window,
-                      sampler, args.max_resident_clients)
     if mesh.world_size > 1:
         from mlora.service.mesh import Broadcast
 
-        service.tenants = Broadcast(service.tenants)
-        logging.getLogger("mlora.service").info("serving on %d ranks (TP %d x PP %d)", mesh.world_size, mesh.tp,
-                                                mesh.pp)
+        tenants = Broadcast(tenants)
+        logging.getLogger("mlora.service").info("serving on %d ranks (TP %d x PP %d x DP %d)", mesh.world_size,
+                                                mesh.tp, mesh.pp, mesh.dp)
+    service = Service(tenants, args.model, args.data_dir, args.model_name, args.session_timeout, args.batch_window,
+                      sampler)
     try:
         uvicorn.run(build_app(service), host=args.host, port=args.port, log_level="warning")
     finally:
         service.close()
         if mesh.world_size > 1:
-            service.tenants.close()
+            tenants.close()
     return 0
 
 

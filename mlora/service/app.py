@@ -51,18 +51,18 @@ class UserError(Exception):
 class Service:
     """The state behind the routes: the store, the client models and the worker."""
 
-    def __init__(self, model, model_dir: str | Path, data_dir: str | Path, model_name: str | None = None,
-                 session_timeout: float = 120.0, batch_window: float = 0.01, sampler: Sampler | None = None,
-                 max_resident: int | None = None) -> None:
-        """``sampler``: the engine sampling requests run on (None: the server trains only, sampling is refused);
-        ``max_resident``: the clients whose adapters stay in the model, the others in host memory (None: all)."""
+    def __init__(self, tenants: Tenants, model_dir: str | Path, data_dir: str | Path, model_name: str | None = None,
+                 session_timeout: float = 120.0, batch_window: float = 0.01, sampler: Sampler | None = None) -> None:
+        """``tenants``: the client models on the served base (or, on a mesh, :class:`mlora.service.mesh.Broadcast`
+        of them); ``sampler``: the engine sampling requests run on (None: the server trains only, sampling is
+        refused)."""
         self.model_dir = Path(model_dir)
         self.data_dir = Path(data_dir)
         self.names = {str(model_dir), str(self.model_dir.resolve()), self.model_dir.name} | (
             {model_name} if model_name else set())
         self.model_name = model_name or str(model_dir)
         self.store = Store(self.data_dir / "service.sqlite")
-        self.tenants = Tenants(model, max_resident)
+        self.tenants = tenants
         self.scheduler = Scheduler(self.store, self._run_fb_batch, batch_window)
         self.sampler = sampler
         if sampler is not None:

@@ -1,5 +1,6 @@
-"""Tinker's sampling on a vLLM engine: every client's sampler weights served as a LoRA adapter of one engine,
-the ``asample`` requests that are ready together in one ``generate`` call.
+"""Tinker's sampling on a vLLM engine: every client's sampler weights served as a LoRA adapter of one engine, the
+``asample`` requests batched continuously (each joins the engine's running batch at its next step, whatever adapter
+it names, and is answered when it finishes).
 
 A sampler checkpoint (``save_weights_for_sampler``) is a PEFT adapter directory; each directory (each version of
 a name that was overwritten) gets a ``LoRARequest`` id of its own, so vLLM loads it on first use, keeps the
@@ -27,6 +28,7 @@ from mlora.service.scheduler import error_payload
 
 log = logging.getLogger("mlora.service")
 STOP, LENGTH = 0, 1  # tinker_public_pb2.StopReason
+STEP_SECONDS = 0.05  # the longest the engine steps before new requests may join (it returns earlier when one finishes)
 MASK_LOGPROB = -99999.0  # the SDK's sentinel of a top-k cell (token 0) or row not computed (tinker.types.topk_logprobs)
 
 
@@ -45,8 +47,8 @@ class SampleJob:
     arrived: float = field(default_factory=time.time)
 
     def engine_request(self) -> dict:
-        return {"prompt": self.prompt, "n": self.num_samples, "params": self.params, "adapter": self.adapter,
-                "prompt_logprobs": self.prompt_logprobs, "topk_prompt": self.topk_prompt_logprobs,
+        return {"id": self.request_id, "prompt": self.prompt, "n": self.num_samples, "params": self.params,
+                "adapter": self.adapter, "prompt_logprobs": self.prompt_logprobs, "topk_prompt": self.topk_prompt_logprobs,
                 "topk_sample": self.topk_sample_logprobs}
 
 
@@ -91,33 +93,64 @@ def sampling_params(params: dict, vocab_size: int) -> dict:
 
 
 class TinkerEngineServer(VLLMServer):
-    """The engine process's side: :meth:`sample` runs a batch of Tinker requests in one ``generate`` call."""
+    """The engine process's side, continuously batched: :meth:`add` puts requests into the running engine between
+    two of its steps, :meth:`run` steps it until some finish. A request that arrives while others decode joins
+    them at the next step instead of waiting for the whole batch to end."""
 
-    def sample(self, requests: list[dict]) -> list[dict]:
-        """Per request: ``sequences`` (tokens, log-probs, stop reason, top-k ids and log-probs or None) and
-        ``prompt_logprobs`` (NaN at position 0) and ``topk_prompt`` when asked."""
+    def __init__(self, model: str, kwargs: dict, cpu_cores: list[int] | None = None) -> None:
+        super().__init__(model, kwargs, cpu_cores)
+        self._running: dict[str, dict] = {}  # request id -> its Tinker request, until it finishes
+
+    def add(self, requests: list[dict]) -> list[str | None]:
+        """Add each request (``id``: its Tinker request id) to the engine; per request None, or why vLLM refused it
+        (then it is not running)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.lora.request import LoRARequest
+        from vllm.sampling_params import RequestOutputKind
 
-        params, loras = [], []
+        refused = []
         for r in requests:
             p = r["params"]
             ask_prompt = r["prompt_logprobs"] or r["topk_prompt"] > 0
-            params.append(SamplingParams(
-                n=r["n"], temperature=p["temperature"], top_k=p["top_k"], top_p=p["top_p"],
-                max_tokens=p["max_tokens"], seed=p["seed"], stop=p["stop"] or None,
-                stop_token_ids=p["stop_token_ids"] or None, ignore_eos=p["ignore_eos"],
-                include_stop_str_in_output=True, logprobs=r["topk_sample"],
-                prompt_logprobs=r["topk_prompt"] if ask_prompt else None))
-            loras.append(None if r["adapter"] is None else LoRARequest(*r["adapter"]))
-        prompts = [r["prompt"] for r in requests]
-        outs = []
-        for part in self._prefill_groups(prompts, params):
-            outs += self.llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in part],
-                                      [params[i] for i in part], lora_request=[loras[i] for i in part],
-                                      use_tqdm=False)
-        return [_result(r, out) for r, out in zip(requests, outs)]
+            try:
+                params = SamplingParams(
+                    n=r["n"], temperature=p["temperature"], top_k=p["top_k"], top_p=p["top_p"],
+                    max_tokens=p["max_tokens"], seed=p["seed"], stop=p["stop"] or None,
+                    stop_token_ids=p["stop_token_ids"] or None, ignore_eos=p["ignore_eos"],
+                    include_stop_str_in_output=True, logprobs=r["topk_sample"],
+                    prompt_logprobs=r["topk_prompt"] if ask_prompt else None,
+                    output_kind=RequestOutputKind.FINAL_ONLY)  # one output per request, when it has finished
+                self.llm.llm_engine.add_request(r["id"], TokensPrompt(prompt_token_ids=r["prompt"]), params,
+                                                lora_request=None if r["adapter"] is None else LoRARequest(*r["adapter"]))
+            except (ValueError, TypeError) as e:
+                refused.append(f"{type(e).__name__}: {e}")
+            else:
+                self._running[r["id"]] = r
+                refused.append(None)
+        return refused
+
+    def run(self, seconds: float) -> list[tuple[str, dict]]:
+        """Step the engine until a request finishes or ``seconds`` have passed; the finished requests' results
+        (sequences with tokens, log-probs, stop reason, top-k ids and log-probs or None; ``prompt_logprobs``, NaN at
+        position 0, and ``topk_prompt`` when asked)."""
+        engine = self.llm.llm_engine
+        deadline = time.monotonic() + seconds
+        done = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done.append((out.request_id, _result(self._running.pop(out.request_id), out)))
+            if done or time.monotonic() >= deadline:
+                break
+        return done
+
+    def abort(self) -> list[str]:
+        """Stop every running request (after a failed step); their ids."""
+        ids = list(self._running)
+        self.llm.llm_engine.abort_request(ids)
+        self._running.clear()
+        return ids
 
 
 def _topk(steps, k: int) -> tuple[list[list[int]], list[list[float]]]:
@@ -181,8 +214,8 @@ def _fill_topk(msg, ids: list[list[int]], logprobs: list[list[float]]) -> None:
 
 
 class Sampler:
-    """One vLLM engine and the thread that feeds it: ``asample`` requests that wait together (``batch_window``
-    seconds after the first) run as one ``generate`` call, whatever adapters they name."""
+    """One vLLM engine and the thread that feeds it, continuously: ``asample`` requests join the engine's running
+    batch as they arrive (whatever adapters they name), and each is answered as soon as it has finished."""
 
     def __init__(self, model_dir: str | Path, finish: Callable[[str, str, str, bytes], None] | None = None, *,
                  dtype: str,
@@ -193,6 +226,18 @@ class Sampler:
         self.finish, self.batch_window = finish, batch_window
         self.max_lora_rank, self.max_model_len = max_lora_rank, max_model_len
         extra = {} if kv_cache_memory_bytes is None else {"kv_cache_memory_bytes": kv_cache_memory_bytes}
+        from mlora.rollout.vllm_engine import _sees_cuda
+
+        if not _sees_cuda():
+            # vLLM's CPU sampler cannot rewind a seeded generator ("CPU Generator does not use offset"), so a seeded
+            # prompt must never be prefilled in chunks, which a prompt joining a running batch would be when the
+            # step's token budget runs out: whole prompts only, and a step may hold one of the longest
+            from mlora.rollout.model_len import read_context_limit
+
+            longest = max_model_len or read_context_limit(model_dir)
+            if longest is None:
+                raise ValueError(f"{model_dir} has no config.json context length: give the engine's max_model_len")
+            extra.update(enable_chunked_prefill=False, max_num_batched_tokens=int(longest))
         self.engine = LocalVLLMEngine(model_dir, max_lora_rank=max_lora_rank, dtype=dtype, seed=seed,
                                       max_loras=max_loras, max_model_len=max_model_len,
                                       server_factory=TinkerEngineServer, wait=False, **extra)
@@ -244,31 +289,48 @@ class Sampler:
         else:
             failure = None
             self.state = "ready"
+        running: dict[str, SampleJob] = {}
         while True:
             with self._cond:
-                while not self._queue and not self._stop:
+                while not self._queue and not running and not self._stop:
                     self._cond.wait(1.0)
                 if self._stop:
                     return
-                if self.batch_window > 0:
-                    self._cond.wait(self.batch_window)
-                batch, self._queue = self._queue, []
+                if self.batch_window > 0 and not running:
+                    self._cond.wait(self.batch_window)  # an idle engine: the rest of a burst starts with its first
+                new, self._queue = self._queue, []
             if failure is not None:
-                for job in batch:
+                for job in new:
                     self._done(job.request_id, "error", *error_payload(failure, "server"))
                 continue
             try:
-                results = self.engine.result(self.engine.submit("sample", [j.engine_request() for j in batch]))
+                if new:
+                    refused = self._call("add", [j.engine_request() for j in new])
+                    for job, why in zip(new, refused):
+                        if why is None:
+                            running[job.request_id] = job
+                        else:
+                            self._done(job.request_id, "error", *error_payload(f"sampling refused: {why}", "user"))
+                    if len(running) > 1:
+                        log.info("%d sampling requests running (%d adapters)", len(running),
+                                 len({j.adapter for j in running.values()}))
+                finished = self._call("run", STEP_SECONDS) if running else []
             except Exception as e:
-                log.error("a sampling batch of %d requests failed:\n%s", len(batch), traceback.format_exc())
-                for job in batch:
-                    self._done(job.request_id, "error", *error_payload(f"sampling failed: {e}", "server"))
+                log.error("sampling failed, %d requests with it:\n%s", len(running), traceback.format_exc())
+                for request_id in running:
+                    self._done(request_id, "error", *error_payload(f"sampling failed: {e}", "server"))
+                running.clear()
+                try:
+                    self._call("abort")
+                except Exception:
+                    log.error("the sampling engine did not stop its requests:\n%s", traceback.format_exc())
                 continue
-            if len(batch) > 1:
-                log.info("%d sampling requests in one generate call (%d adapters)", len(batch),
-                         len({j.adapter for j in batch}))
-            for job, result in zip(batch, results):
-                self._done(job.request_id, "done", "application/x-protobuf", encode_sample_response(result))
+            for request_id, result in finished:
+                running.pop(request_id, None)
+                self._done(request_id, "done", "application/x-protobuf", encode_sample_response(result))
+
+    def _call(self, method: str, *args):
+        return self.engine.result(self.engine.submit(method, *args))
 
     def _done(self, request_id: str, state: str, content_type: str, payload: bytes) -> None:
         self.finish(request_id, state, content_type, payload)

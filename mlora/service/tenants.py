@@ -3,9 +3,10 @@
 A Tinker ``create_model`` becomes an adapter of any rank on attention and/or MLP projections (``train_attn``,
 ``train_mlp``; the MLP names reach a mixture of experts' experts) and/or the output layer (``train_unembed``:
 ``lm_head``). ``forward_backward`` requests of several
-clients that are ready together run as one micro-batch: the frozen base once over every row, each client's
-LoRA over its own rows only (``adapter_rows``, :mod:`mlora.lora.routing`); a client's gradients accumulate
-until its ``optim_step``. Collective over the mesh: every rank runs the same calls in the same order.
+clients that are ready together run as one batch: the frozen base once over every row, each client's LoRA over its
+own rows only (``adapter_rows``, :mod:`mlora.lora.routing`), the rows packed into micro-batches of a token budget and
+split over the DP replicas; a client's gradients accumulate until its ``optim_step``. Collective over the mesh:
+every rank makes the same calls in the same order.
 
 With ``max_resident``, at most that many clients' adapters live in the model (beyond the clients of the call at hand):
 the least recently used others move to host memory, factors, gradients and AdamW state alike, and come back exactly
@@ -31,6 +32,7 @@ from mlora.checkpoint.optim_state import (
 )
 from mlora.lora.config import LoraConfig
 from mlora.lora.grads import clip_grads, finalize_grads
+from mlora.models.packing import PackedRows, balanced_shares, pack_bins
 from mlora.rl.vocab_parallel import vocab_parallel_logprobs
 from mlora.service.losses import check_loss, datum_loss
 from mlora.service.wire import ForwardBackward
@@ -69,12 +71,16 @@ def lora_config(rank: int, seed: int | None, train_attn: bool, train_mlp: bool, 
 class Tenants:
     """Every client model of the served base (``model``: an :class:`mlora.MLoraModel`)."""
 
-    def __init__(self, model, max_resident: int | None = None) -> None:
-        """``max_resident``: the clients whose adapters stay in the model (None: all)."""
+    def __init__(self, model, max_resident: int | None = None, max_tokens: int = 0) -> None:
+        """``max_resident``: the clients whose adapters stay in the model (None: all); ``max_tokens``: the tokens
+        of one micro-batch of a ``forward_backward`` batch (0: the whole batch in one)."""
         if max_resident is not None and max_resident < 1:
             raise ValueError(f"max_resident={max_resident} must be >= 1 (or None: every client resident)")
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens={max_tokens} must be >= 0 (0: each batch in one micro-batch)")
         self.model = model
         self.max_resident = max_resident
+        self.max_tokens = max_tokens
         self.clients: OrderedDict[str, ClientModel] = OrderedDict()  # least recently used first
 
     # ------------------------------------------------------------------ lifecycle
@@ -148,8 +154,13 @@ class Tenants:
 
     # ------------------------------------------------------------------ training
     def forward_backward(self, requests: list[ForwardBackward]) -> list[tuple[list[torch.Tensor], dict[str, float]]]:
-        """Run ``requests`` (of distinct client models) as one mixed-adapter micro-batch: per request, each datum's
-        learner log-probs ``[N]`` and its metrics (``loss:sum``). All requests forward-only, or none."""
+        """Run ``requests`` (of distinct client models) as one mixed-adapter batch: per request, each datum's
+        learner log-probs ``[N]`` and its metrics (``loss:sum``). All requests forward-only, or none.
+
+        The rows are split over the DP replicas (near-equal tokens, :func:`balanced_shares`); each replica packs
+        its rows into micro-batches of at most ``max_tokens`` tokens (:func:`pack_bins`; 0: one micro-batch) that
+        run through the pipeline schedule, gradients accumulating. Losses are sums over datums, so the gradient is
+        the same whatever the split: :func:`finalize_grads` sums the replicas' at ``optim_step``."""
         forward_only = requests[0].forward_only
         if any(r.forward_only != forward_only for r in requests):
             raise ValueError("forward-only and training requests cannot share a batch")
@@ -161,57 +172,72 @@ class Tenants:
             if len(names) > 1:
                 raise ValueError(f"the datums of one request carry different loss_fn_inputs: {sorted(map(sorted, names))}")
             configs.append(check_loss(r.loss_fn, r.config, set(r.data[0].inputs)))
-        rows, owner = [], []
-        for k, r in enumerate(requests):
-            for d in r.data:
-                rows.append(d)
-                owner.append(k)
-        width = max(d.tokens.shape[0] for d in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        mask = torch.zeros(len(rows), width, dtype=torch.long)
-        targets = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, d in enumerate(rows):
-            n = d.tokens.shape[0]
-            ids[i, :n], mask[i, :n], targets[i, :n] = d.tokens, 1, d.inputs["target_tokens"]
+        rows = [d for r in requests for d in r.data]
+        owner = [k for k, r in enumerate(requests) for _ in r.data]
+        lengths = [d.tokens.shape[0] for d in rows]
+        if self.max_tokens and max(lengths) > self.max_tokens:
+            raise ValueError(f"a datum of {max(lengths)} tokens is longer than this server's "
+                             f"--max-tokens-per-microbatch={self.max_tokens}")
         vocab = self.model.spec.vocab_size
-        bad = [int(t) for t in torch.cat([ids[mask.bool()], targets[mask.bool()]]) if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token ids {sorted(set(bad))[:5]} are outside this model's vocabulary [0, {vocab})")
+        for d in rows:
+            ids = torch.cat([d.tokens, d.inputs["target_tokens"].long()])
+            if bool(((ids < 0) | (ids >= vocab)).any()):
+                bad = sorted({int(t) for t in ids if not 0 <= t < vocab})
+                raise ValueError(f"token ids {bad[:5]} are outside this model's vocabulary [0, {vocab})")
         in_batch = {r.model_id for r in requests}
         names = [self.client(r.model_id, keep=in_batch).adapter for r in requests]
-        adapter_rows = {name: [i for i, k in enumerate(owner) if k == j] for j, name in enumerate(names)}
-        lo, hi = self.model.vocab_shard_range()
         mesh = self.model.mesh
-        per_row: list[torch.Tensor | None] = [None] * len(rows)
+        mine = balanced_shares(lengths, mesh.dp)[mesh.dp_rank]
+        per_row: dict[int, torch.Tensor] = {}
         losses = [0.0] * len(requests)
+        if mine:  # a DP replica with no rows (fewer rows than replicas) has nothing to run
+            bins = pack_bins([lengths[i] for i in mine], self.max_tokens or sum(lengths),
+                             "--max-tokens-per-microbatch")
+            micro_batches = [self._micro_batch([mine[j] for j in b], rows, owner, names) for b in bins]
+            lo, hi = self.model.vocab_shard_range()
+            group = mesh.tp_group if mesh.tp > 1 else None
 
-        def loss_fn(logits, mb):
-            logp, _ = vocab_parallel_logprobs(logits, targets.to(logits.device), lo, hi - lo,
-                                              mesh.tp_group if mesh.tp > 1 else None)
-            total = logits.new_zeros(())
-            for i, d in enumerate(rows):
-                n = d.tokens.shape[0]
-                k = owner[i]
-                inputs = {key: v.to(logp.device, torch.float32) for key, v in d.inputs.items() if key != "target_tokens"}
-                loss = datum_loss(requests[k].loss_fn, logp[i, :n].float(), inputs, configs[k])
-                per_row[i] = logp[i, :n].detach().float().cpu()
-                losses[k] += float(loss.detach())
-                total = total + loss
-            return total, {}
+            def loss_fn(logits, mb):
+                logp = vocab_parallel_logprobs(logits, mb["targets"].to(logits.device), lo, hi - lo, group)[0][0]
+                total = logits.new_zeros(())
+                for i, start in zip(mb["rows"], mb["packed"].starts):
+                    d, k = rows[i], owner[i]
+                    row = logp[start:start + d.tokens.shape[0]].float()
+                    inputs = {key: v.to(logp.device, torch.float32) for key, v in d.inputs.items()
+                              if key != "target_tokens"}
+                    loss = datum_loss(requests[k].loss_fn, row, inputs, configs[k])
+                    per_row[i] = row.detach().cpu()
+                    losses[k] += float(loss.detach())
+                    total = total + loss
+                return total, {}
 
-        with self.model.use_adapters(*names):
-            self.model.forward_backward([{"input_ids": ids, "attention_mask": mask, "adapter_rows": adapter_rows}],
-                                        loss_fn, forward_only=forward_only)
-        if mesh.pp > 1:  # the loss ran on the last stage: its values, from its first rank, on every rank
-            parts: list = [None] * dist.get_world_size()
-            first = mesh.is_last_stage and mesh.tp_rank == 0 and mesh.dp_rank == 0
+            with self.model.use_adapters(*names):
+                self.model.forward_backward(micro_batches, loss_fn, forward_only=forward_only)
+        if mesh.world_size > 1:  # the loss ran on each replica's last stage: its values, from its first rank, everywhere
+            parts: list = [None] * mesh.world_size
+            first = mesh.is_last_stage and mesh.tp_rank == 0
             dist.all_gather_object(parts, (per_row, losses) if first else None)
-            per_row, losses = next(p for p in parts if p is not None)
+            per_row, losses = {}, [0.0] * len(requests)
+            for part in parts:
+                if part is not None:
+                    per_row.update(part[0])
+                    losses = [a + b for a, b in zip(losses, part[1])]
         out = []
         for k, r in enumerate(requests):
             logprobs = [per_row[i] for i in range(len(rows)) if owner[i] == k]
             out.append((logprobs, {"loss:sum": losses[k]}))
         return out
+
+    @staticmethod
+    def _micro_batch(indices: list[int], rows: list, owner: list[int], names: list[str]) -> dict:
+        """One packed micro-batch of ``rows[indices]``: ids and targets back to back, each client's LoRA routed to
+        its own rows (``adapter_rows``: every client of the batch named, with no rows here if it has none)."""
+        layout = PackedRows(tuple(rows[i].tokens.shape[0] for i in indices), max(rows[i].tokens.shape[0] for i in indices),
+                            sum(rows[i].tokens.shape[0] for i in indices))
+        ids = torch.cat([rows[i].tokens for i in indices])[None]
+        targets = torch.cat([rows[i].inputs["target_tokens"].long() for i in indices])[None]
+        adapter_rows = {name: [j for j, i in enumerate(indices) if owner[i] == k] for k, name in enumerate(names)}
+        return {"input_ids": ids, "packed": layout, "targets": targets, "rows": indices, "adapter_rows": adapter_rows}
 
     def optim_step(self, model_id: str, adam: dict) -> dict[str, float]:
         """One AdamW step of ``model_id``'s adapter on its accumulated gradients (Tinker's ``adam_params``:
