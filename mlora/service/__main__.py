@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--session-timeout", type=float, default=120.0,
                     help="seconds without a heartbeat after which a session's models are freed")
     ap.add_argument("--batch-window", type=float, default=0.01,
-                    help="seconds a ready forward_backward (or sample) waits for other clients' to run in one batch")
+                    help="seconds a ready forward_backward waits for other clients' to run in one batch (and an idle "
+                         "sampling engine for the rest of a burst of sample requests)")
     ap.add_argument("--max-tokens-per-microbatch", type=int, default=0,
                     help="tokens of one micro-batch: a forward_backward batch's rows (split over the DP replicas) are "
                          "packed into micro-batches of at most this many tokens, which bounds activation memory "

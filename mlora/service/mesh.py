@@ -1,11 +1,12 @@
 """The service on a mesh of ranks (torchrun): rank 0 serves HTTP, every rank makes the same client-model calls.
 
 Each DP replica (a TP x PP group) runs its share of a ``forward_backward`` batch's rows; the replicas' gradients are
-summed at ``optim_step`` (:meth:`mlora.service.tenants.Tenants.forward_backward`). Every call that touches the model (:class:`mlora.service.tenants.Tenants`: create, load, delete, forward_backward,
-optim_step, save) is made on rank 0's one worker thread; :class:`Broadcast` sends it to the other ranks first
-(``broadcast_object_list`` from rank 0), then runs it, so every rank makes the same calls in the same order and their
-collectives meet. The other ranks run :func:`follow` until rank 0 sends the end. A call that fails its checks fails
-on every rank alike (the checks come before any collective) and every rank goes on.
+summed at ``optim_step`` (:meth:`mlora.service.tenants.Tenants.forward_backward`). Every call that touches the model
+(:class:`mlora.service.tenants.Tenants`: create, load, delete, forward_backward, optim_step, save) is made on rank
+0's one worker thread; :class:`Broadcast` sends it to the other ranks first (``broadcast_object_list`` from rank 0),
+then runs it, so every rank makes the same calls in the same order and their collectives meet. The other ranks run
+:func:`follow` until rank 0 sends the end. A call that fails its checks fails on every rank alike (the checks come
+before any collective) and every rank goes on.
 """
 
 from __future__ import annotations
