@@ -408,29 +408,33 @@ def test_silent_session_frees_its_models(base, tmp_path):
         service.close()
 
 
+def _request(model_id: str, seed: int, lengths=(6, 9)):
+    """An in-process ``forward_backward`` request (:class:`mlora.service.wire.ForwardBackward`) of ``_batch``'s
+    datums, cross-entropy."""
+    from mlora.service.wire import Datum, ForwardBackward
+
+    data = [Datum(torch.tensor(d.model_input.to_ints()), {"target_tokens": d.loss_fn_inputs["target_tokens"].to_torch(),
+                                                          "weights": d.loss_fn_inputs["weights"].to_torch()})
+            for d in _batch(seed, lengths=lengths)]
+    return ForwardBackward(model_id, 0, "cross_entropy", {}, False, data)
+
+
 def test_idle_clients_wait_in_host_memory_and_come_back_exactly(base):
     """In process, ``max_resident=1`` (``--max-resident-clients 1``): two clients alternating calls swap in and out
     at every call (factors, pending gradients and AdamW state to host memory and back) and end bit for bit where the
     same calls end with both resident."""
     import mlora
     from mlora.service.tenants import Tenants, lora_config
-    from mlora.service.wire import Datum, ForwardBackward
 
     model = mlora.from_pretrained(base, mlora.init_parallel(), dtype=torch.float32)
     lru, every = Tenants(model, max_resident=1), Tenants(model)
-
-    def request(model_id: str, seed: int) -> ForwardBackward:
-        data = [Datum(torch.tensor(d.model_input.to_ints()), {"target_tokens": d.loss_fn_inputs["target_tokens"].to_torch(),
-                                                              "weights": d.loss_fn_inputs["weights"].to_torch()})
-                for d in _batch(seed, lengths=(6, 9))]
-        return ForwardBackward(model_id, 0, "cross_entropy", {}, False, data)
 
     for tenants, tag in ((lru, "lru"), (every, "all")):
         for k, rank in ((0, 4), (1, 8)):
             tenants.create(f"{tag}{k}", lora_config(rank, 50 + k, True, True, False, f"{tag}{k}"))
         for step in range(3):  # A's gradients wait in host memory while B computes its own, and back again
             for k in (0, 1):
-                tenants.forward_backward([request(f"{tag}{k}", 900 + 10 * step + k)])
+                tenants.forward_backward([_request(f"{tag}{k}", 900 + 10 * step + k)])
             for k in (0, 1):
                 tenants.optim_step(f"{tag}{k}", ADAM)
     assert lru.resident() == ["lru1"] and lru.client("lru1").host is None and lru.clients["lru0"].host is not None
@@ -448,25 +452,18 @@ def test_micro_batches_leave_a_mixed_batch_unchanged(base):
     (≤ 1e-5, relative to the largest gradient); a datum longer than the budget is refused, naming it."""
     import mlora
     from mlora.service.tenants import Tenants, lora_config
-    from mlora.service.wire import Datum, ForwardBackward
 
     model = mlora.from_pretrained(base, mlora.init_parallel(), dtype=torch.float32)
     split, whole = Tenants(model, max_tokens=13), Tenants(model)
-
-    def request(model_id: str, seed: int, lengths=(6, 9, 4)) -> ForwardBackward:
-        data = [Datum(torch.tensor(d.model_input.to_ints()), {"target_tokens": d.loss_fn_inputs["target_tokens"].to_torch(),
-                                                              "weights": d.loss_fn_inputs["weights"].to_torch()})
-                for d in _batch(seed, lengths=lengths)]
-        return ForwardBackward(model_id, 0, "cross_entropy", {}, False, data)
 
     outs = {}
     for tenants, tag in ((split, "split"), (whole, "whole")):
         for k, rank in ((0, 4), (1, 8)):
             tenants.create(f"{tag}{k}", lora_config(rank, 60 + k, True, True, False, f"{tag}{k}"))
-        tenants.forward_backward([request(f"{tag}{k}", 950 + k) for k in (0, 1)])
+        tenants.forward_backward([_request(f"{tag}{k}", 950 + k, (6, 9, 4)) for k in (0, 1)])
         for k in (0, 1):  # B != 0 from here: A's gradients too
             tenants.optim_step(f"{tag}{k}", ADAM)
-        outs[tag] = tenants.forward_backward([request(f"{tag}{k}", 960 + k) for k in (0, 1)])
+        outs[tag] = tenants.forward_backward([_request(f"{tag}{k}", 960 + k, (6, 9, 4)) for k in (0, 1)])
     for (lp_split, m_split), (lp_whole, m_whole) in zip(outs["split"], outs["whole"]):
         assert all((a - b).abs().max() <= MIX_TOL for a, b in zip(lp_split, lp_whole))
         assert m_split["loss:sum"] == pytest.approx(m_whole["loss:sum"], rel=1e-6)
@@ -477,4 +474,4 @@ def test_micro_batches_leave_a_mixed_batch_unchanged(base):
         assert scale > 0 and max((a - b).abs().max() for a, b in zip(got, want)) <= MIX_TOL * scale
     with pytest.raises(ValueError, match=r"a datum of 14 tokens is longer than this server's "
                                          r"--max-tokens-per-microbatch=13"):
-        split.forward_backward([request("split0", 970, lengths=(14,))])
+        split.forward_backward([_request("split0", 970, (14,))])

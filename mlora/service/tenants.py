@@ -213,7 +213,8 @@ class Tenants:
 
             with self.model.use_adapters(*names):
                 self.model.forward_backward(micro_batches, loss_fn, forward_only=forward_only)
-        if mesh.world_size > 1:  # the loss ran on each replica's last stage: its values, from its first rank, everywhere
+        if mesh.pp > 1 or mesh.dp > 1:  # the loss ran on each replica's last stage: its values, from its first rank,
+            # everywhere (TP ranks alone all hold every value already: the vocab-parallel log-probs are all-reduced)
             parts: list = [None] * mesh.world_size
             first = mesh.is_last_stage and mesh.tp_rank == 0
             dist.all_gather_object(parts, (per_row, losses) if first else None)
@@ -232,8 +233,8 @@ class Tenants:
     def _micro_batch(indices: list[int], rows: list, owner: list[int], names: list[str]) -> dict:
         """One packed micro-batch of ``rows[indices]``: ids and targets back to back, each client's LoRA routed to
         its own rows (``adapter_rows``: every client of the batch named, with no rows here if it has none)."""
-        layout = PackedRows(tuple(rows[i].tokens.shape[0] for i in indices), max(rows[i].tokens.shape[0] for i in indices),
-                            sum(rows[i].tokens.shape[0] for i in indices))
+        lengths = tuple(rows[i].tokens.shape[0] for i in indices)
+        layout = PackedRows(lengths, max(lengths), sum(lengths))
         ids = torch.cat([rows[i].tokens for i in indices])[None]
         targets = torch.cat([rows[i].inputs["target_tokens"].long() for i in indices])[None]
         adapter_rows = {name: [j for j, i in enumerate(indices) if owner[i] == k] for k, name in enumerate(names)}
