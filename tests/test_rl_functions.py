@@ -47,10 +47,14 @@ def test_gae_by_hand():
 def test_gae_skips_masked_tokens_and_whitens():
     r, v = T([[1.0, 0.0, 2.0, 0.0]]), T([[0.1, 0.2, 0.3, 9.0]])
     m = T([[1.0, 1.0, 1.0, 0.0]])  # the last position is padding: its value must not leak
-    adv, _ = gae_advantages(r, v, m, gamma=1.0, lam=1.0, whiten=False)
+    adv, _ = gae_advantages(r, v, m, gamma=1.0, lam=1.0, whiten=False, skip_masked=True)
     # γ=λ=1: A_t = Σ_{k≥t} r_k - V_t
     torch.testing.assert_close(adv, T([[3.0 - 0.1, 2.0 - 0.2, 2.0 - 0.3, 0.0]]))
-    w, _ = gae_advantages(r, v, m, gamma=1.0, lam=1.0, whiten=True)
+    # SkyRL's GAE (the default) runs through every position: a value there enters the step before it
+    skyrl, _ = gae_advantages(r, v, m, gamma=1.0, lam=0.5, whiten=False)
+    # t3: δ = -9; t2: δ = 2 + 9 - 0.3 = 10.7, A = 10.7 - 4.5; t1: δ = 0.1, A = 0.1 + 3.1; t0: δ = 1.1, A = 1.1 + 1.6
+    torch.testing.assert_close(skyrl, T([[2.7, 3.2, 6.2, -9.0]]))
+    w, _ = gae_advantages(r, v, m, gamma=1.0, lam=1.0, whiten=True, skip_masked=True)
     vals = w[0, :3]
     assert abs(vals.mean().item()) < 1e-6 and abs(vals.std().item() - 1) < 1e-5 and w[0, 3] == 0
 
@@ -65,8 +69,9 @@ def test_grpo_and_rloo_by_hand():
     torch.testing.assert_close(rloo_advantages(s, 3), T([1.0, -0.5, -0.5, 0, 0, 0]))
     with pytest.raises(ValueError, match="cannot be split into groups of 4"):
         grpo_advantages(s, 4)
-    with pytest.raises(ValueError, match="at least 2 samples"):
-        rloo_advantages(s, 1)
+    # groups of one, as SkyRL: GRPO's mean 0 and std 1 (the advantage is the reward), RLOO's 0
+    torch.testing.assert_close(grpo_advantages(s, 1), s / (1 + 1e-6))
+    torch.testing.assert_close(rloo_advantages(s, 1), torch.zeros(6))
 
 
 def test_kl_estimators_by_hand():

@@ -183,8 +183,11 @@ def test_registered_id_with_kwargs_and_dictconfig(tok):
 def test_step_output_checks():
     step = check_step_output({"observations": [], "reward": np.float32(0.25), "done": np.bool_(True)})
     assert step.reward == 0.25 and type(step.reward) is float and step.done is True and type(step.done) is bool
+    # an integer done, as SkyRL reads it (a truth value)
+    assert check_step_output({"observations": [], "reward": 1.0, "done": 1}).done is True
+    assert check_step_output({"observations": [], "reward": 1.0, "done": np.int64(0)}).done is False
     for bad, message in (({"observations": [], "reward": float("nan"), "done": True}, "finite number"),
-                         ({"observations": [], "reward": 1.0, "done": 1}, "done must be a bool"),
+                         ({"observations": [], "reward": 1.0, "done": 2}, "done must be a bool"),
                          ({"observations": [], "reward": 1.0, "done": True, "postprocessed_action": 3},
                           "postprocessed_action must be a str")):
         with pytest.raises(ValueError, match=message):

@@ -1221,8 +1221,8 @@ def test_overlong_penalty_hand_computed():
     assert torch.equal(overlong_penalty(lengths, 8, 8, 1.0), -torch.tensor([1, 4, 5, 6, 7, 8]) / 8)
     with pytest.raises(ValueError, match="overlong_buffer_len=9 must be in"):
         overlong_penalty(lengths, 8, 9, 1.0)
-    with pytest.raises(ValueError, match="response lengths 9 > max_generate_length=8"):
-        overlong_penalty(torch.tensor([9]), 8, 4, 1.0)
+    # longer than L_max (a multi-turn span): no penalty here, the reward is zeroed by dapo_shaping
+    assert torch.equal(overlong_penalty(torch.tensor([9]), 8, 4, 1.0), torch.tensor([0.0]))
 
 
 def test_overlong_filtering_and_shaping_of_a_batch():

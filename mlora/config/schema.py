@@ -169,17 +169,83 @@ class OffPolicyCorrectionSection:
 
 
 @dataclass
+class SapoSection:
+    """SkyRL's ``trainer.algorithm.sapo`` (policy_loss_type=sapo): the soft gate's temperatures."""
+
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+
+
+@dataclass
+class CispoSection:
+    """SkyRL's ``trainer.algorithm.cispo`` (policy_loss_type=cispo): the IS weight's clip offsets."""
+
+    cispo_eps_clip_low: float = 0.0
+    cispo_eps_clip_high: float = 5.0
+
+
+@dataclass
+class DppoSection:
+    """SkyRL's ``trainer.algorithm.dppo`` (policy_loss_type=dppo): binary_tv | binary_kl and its thresholds."""
+
+    dppo_type: str = "binary_tv"
+    delta_low: float = 0.2
+    delta_high: float = 0.2
+
+
+@dataclass
+class ClipCovSection:
+    """SkyRL's ``trainer.algorithm.clip_cov`` (policy_loss_type=clip_cov)."""
+
+    clip_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+
+
+@dataclass
+class KlCovSection:
+    """SkyRL's ``trainer.algorithm.kl_cov`` (policy_loss_type=kl_cov)."""
+
+    kl_cov_frac: float = 0.2
+    ppo_kl_coef: float = 1.0
+
+
+@dataclass
+class DynamicSamplingSection:
+    """SkyRL's ``trainer.algorithm.dynamic_sampling`` (DAPO's): prompt groups whose rewards are all equal carry no
+    GRPO signal. filter: drop them and sample more prompts until the batch is full; replace: put groups with a
+    signal in their place (POLARIS); null: off."""
+
+    type: Optional[str] = None
+    max_sample_batches: int = 30  # generation calls for one step at most; -1: no limit
+    min_replace_ratio: float = 0.3  # replace: the share of groups with a signal needed to replace the others
+
+
+@dataclass
 class AlgorithmSection:
-    advantage_estimator: str = "gae"  # gae | grpo | rloo
+    advantage_estimator: str = "gae"  # gae | grpo | rloo | reinforce++ | maxrl
     gamma: float = 1.0
     lambd: float = 1.0
     grpo_norm_by_std: bool = True
+    advantage_batch_normalize: bool = False  # SkyRL: z-score the advantages over the batch before the reduction
+    # SkyRL: mask out of the loss the prompt groups (> 1 live sample) whose rewards lie within the tolerance
+    zero_variance_filter: bool = False
+    zero_variance_filter_tol: float = 1e-6
+    # mlora: GAE of a multi-turn row skips the environment's tokens between the model's turns (false: SkyRL's
+    # GAE, through them with the critic's values there)
+    gae_skip_observations: bool = False
+    # the temperature of the trainer's log-probs (SkyRL: null = generator.sampling_params.temperature)
+    temperature: Optional[float] = None
+    value_head_prefix: str = "value_head"  # SkyRL's attribute name of the critic's head; no effect here
     eps_clip_low: float = 0.2
     eps_clip_high: float = 0.2
-    policy_loss_type: str = "regular"  # regular | dual_clip
+    # regular | dual_clip | gspo | sapo | cispo | rollout_is | dppo | clip_cov | kl_cov | cross_entropy |
+    # importance_sampling (SkyRL's registry; mlora.rl.policy_losses)
+    policy_loss_type: str = "regular"
     clip_ratio_c: float = 3.0  # the dual-clip bound (policy_loss_type=dual_clip)
-    value_clip: float = 0.2
-    loss_reduction: str = "token_mean"  # token_mean | sequence_mean | seq_mean_token_sum_norm
+    value_clip: Optional[float] = 0.2  # null: the critic's loss unclipped
+    # token_mean | sequence_mean | seq_mean_token_sum_norm | token_mean_legacy | prompt_mean
+    loss_reduction: str = "token_mean"
     max_seq_len: Optional[int] = None  # seq_mean_token_sum_norm; None: max_prompt_length + max_generate_length
     use_kl_loss: bool = True
     kl_loss_coef: float = 0.001
@@ -196,6 +262,12 @@ class AlgorithmSection:
     # overlong_buffer_len tokens of max_generate_length) / overlong_buffer_len; null: off
     overlong_buffer_len: Optional[int] = None
     overlong_buffer_penalty_factor: float = 1.0
+    sapo: SapoSection = field(default_factory=SapoSection)
+    cispo: CispoSection = field(default_factory=CispoSection)
+    dppo: DppoSection = field(default_factory=DppoSection)
+    clip_cov: ClipCovSection = field(default_factory=ClipCovSection)
+    kl_cov: KlCovSection = field(default_factory=KlCovSection)
+    dynamic_sampling: DynamicSamplingSection = field(default_factory=DynamicSamplingSection)
 
 
 @dataclass
@@ -210,6 +282,7 @@ class FullyAsyncSection:
     # train_batch_size x (max_staleness_steps + 1)
     num_parallel_generation_workers: int = 768
     clear_kv_cache_on_weight_sync: bool = False  # SkyRL: drop the engines' prefix cache at each adapter swap
+    sample_full_batch: bool = False  # SkyRL: with zero_variance_filter, keep pulling groups until the batch is full
 
 
 @dataclass
@@ -232,6 +305,7 @@ class TrainerSection:
     micro_forward_batch_size_per_gpu: int = 4  # sequences
     micro_train_batch_size_per_gpu: int = 2  # sequences
     update_epochs_per_batch: int = 1
+    update_ref_every_epoch: bool = False  # SkyRL: the reference becomes the policy at each epoch's start
     max_prompt_length: int = 512  # tokens after the chat template; longer prompts are dropped (as SkyRL)
     # mlora: compute dtype of the trainer's base and the engines' dtype; null: bfloat16 on CUDA (vLLM's CUDA LoRA
     # kernels take 16-bit only), float32 on CPU (exact checks). Adapters, heads and AdamW state stay float32
@@ -313,6 +387,16 @@ class InferenceEngineSection:
 
 
 @dataclass
+class ChatTemplateSection:
+    """SkyRL's ``generator.chat_template``: the chat template prompts and conversations are rendered with.
+    source name: ``name_or_path`` names one of SkyRL's templates; source file: a Jinja file; null name_or_path:
+    the tokenizer's own."""
+
+    source: str = "name"
+    name_or_path: Optional[str] = None
+
+
+@dataclass
 class GeneratorSection:
     inference_engine: InferenceEngineSection = field(default_factory=InferenceEngineSection)
     # the flat names of skyrl_train (aliases of inference_engine.*)
@@ -339,6 +423,13 @@ class GeneratorSection:
     max_turns: int = 1
     use_conversation_multi_turn: Optional[bool] = None
     turn_rewards: str = "turn_end"
+    # SkyRL: with use_conversation_multi_turn and sampling_params.stop, a turn that ended on a stop string gets
+    # the tokenizer's EOS appended (a turn cut at max_generate_length does not)
+    append_eos_token_after_stop_str_in_multi_turn: bool = True
+    chat_template: ChatTemplateSection = field(default_factory=ChatTemplateSection)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # SkyRL: passed to apply_chat_template
+    step_wise_trajectories: bool = False  # SkyRL: each turn of a trajectory a training sample of its own
+    merge_stepwise_output: bool = False  # SkyRL: step_wise_trajectories' turns merged back where prefixes match
     vision_language_generator: bool = False
     sampling_params: SamplingSection = field(default_factory=SamplingSection)
     eval_sampling_params: SamplingSection = field(

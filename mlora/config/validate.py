@@ -22,15 +22,17 @@ from mlora.config.schema import TrainConfig
 from mlora.rl.advantages import ADVANTAGE_ESTIMATORS
 from mlora.rl.kl import KL_CONTROLLERS, KL_ESTIMATORS
 from mlora.rl.lr_schedule import LR_SCHEDULES
+from mlora.rl.policy_losses import POLICY_LOSSES, PolicyLossParams
 from mlora.rl.preference import DPO_LOSS_TYPES, PREFERENCE_STAGES
+from mlora.rl.sampling_filters import DYNAMIC_SAMPLING_TYPES
 from mlora.rollout.multi_turn import TURN_REWARDS
 
 STRATEGIES = ("megatron", "fsdp", "fsdp2")
 DATA_PARALLEL_STRATEGIES = ("fsdp", "fsdp2")  # SkyRL's: run as a TP1 x PP1 megatron-core mesh (DP = world)
 REFUSED_STRATEGIES = ("deepspeed",)
 LOSS_REDUCTIONS = {"token_mean": "token-mean", "sequence_mean": "seq-mean-token-mean",
-                   "seq_mean_token_sum_norm": "seq-mean-token-sum-norm", "token_mean_legacy": "token-mean-legacy"}
-POLICY_LOSS_TYPES = ("regular", "dual_clip", "rollout_is")
+                   "seq_mean_token_sum_norm": "seq-mean-token-sum-norm", "token_mean_legacy": "token-mean-legacy",
+                   "prompt_mean": "prompt-mean"}
 WEIGHT_SYNC = ("disk", "memory", "tensors")
 # trainer.logger -> the package its backend needs (installed by the extra ``mlora[logging]``)
 LOGGER_PACKAGES = {"console": None, "wandb": "wandb", "tensorboard": "tensorboard"}
@@ -62,6 +64,8 @@ NO_EFFECT = {
     "trainer.policy.fsdp_config.reshard_after_forward": "trainer.strategy=fsdp|fsdp2 runs as a data-parallel "
                                                         "megatron-core mesh: the frozen base is replicated, there are "
                                                         "no parameter shards to gather or reshard",
+    "trainer.algorithm.value_head_prefix": "the critic's value head lives in mlora's checkpoints under the critic "
+                                           "adapter's name (SkyRL's prefix names an attribute of its HF critic model)",
     "trainer.log_path": "mlora has no separate infrastructure log: every rank logs to stdout/stderr, and metrics, "
                         "plots and dumps go to trainer.run_dir (exports to trainer.export_path)",
 }
@@ -281,7 +285,7 @@ def _check_trainer(cfg: TrainConfig) -> None:
     _check_packing(t, cfg.generator.max_turns > 1)
     _check_choice(a.advantage_estimator, ADVANTAGE_ESTIMATORS, "trainer.algorithm.advantage_estimator")
     _check_choice(a.loss_reduction, tuple(LOSS_REDUCTIONS), "trainer.algorithm.loss_reduction")
-    _check_choice(a.policy_loss_type, POLICY_LOSS_TYPES, "trainer.algorithm.policy_loss_type")
+    _check_choice(a.policy_loss_type, tuple(POLICY_LOSSES), "trainer.algorithm.policy_loss_type")
     _check_choice(a.kl_estimator_type, KL_ESTIMATORS, "trainer.algorithm.kl_estimator_type")
     _check_choice(a.kl_ctrl.type, KL_CONTROLLERS, "trainer.algorithm.kl_ctrl.type")
     if a.loss_reduction == "seq_mean_token_sum_norm" and a.max_seq_len is None:
@@ -299,6 +303,88 @@ def _check_trainer(cfg: TrainConfig) -> None:
             raise ConfigError(f"trainer.{role}.model.path={section.path!r} differs from trainer.policy.model.path="
                               f"{policy_path!r}: mlora shares one frozen base between policy, critic and reference "
                               "(set both to the same model)")
+
+
+# SkyRL keys mlora does not implement: refused by name, with why (key -> (value that is off, reason))
+NOT_IMPLEMENTED = {
+    "generator.step_wise_trajectories": (False, "each turn of a trajectory as a training sample of its own is not "
+                                                "implemented: mlora trains a trajectory as one sequence, the "
+                                                "environment's tokens masked out of the loss"),
+    "generator.merge_stepwise_output": (False, "it merges step_wise_trajectories' samples, which mlora does not "
+                                               "make (each trajectory is one sequence already)"),
+    "trainer.update_ref_every_epoch": (False, "the reference is the shared base with the RL adapters off (plus a "
+                                              "frozen stacked adapter); moving it to the policy at each epoch would "
+                                              "need a frozen copy of the policy adapter, which is not implemented"),
+    "trainer.fully_async.sample_full_batch": (False, "asynchronous training does not drop zero-variance groups yet; "
+                                                     "use trainer.algorithm.zero_variance_filter (their loss masked)"),
+}
+
+
+def loss_settings(a) -> PolicyLossParams:
+    """``trainer.algorithm``'s policy-loss settings (clip_ratio_c and the sapo, cispo, dppo, clip_cov, kl_cov
+    sections) as :class:`~mlora.rl.policy_losses.PolicyLossParams` (PPO's clip range is the PPOConfig's)."""
+    return PolicyLossParams(
+        eps_clip_low=a.eps_clip_low, eps_clip_high=a.eps_clip_high, clip_ratio_c=a.clip_ratio_c,
+        tau_pos=a.sapo.tau_pos, tau_neg=a.sapo.tau_neg, cispo_eps_clip_low=a.cispo.cispo_eps_clip_low,
+        cispo_eps_clip_high=a.cispo.cispo_eps_clip_high, dppo_type=a.dppo.dppo_type, delta_low=a.dppo.delta_low,
+        delta_high=a.dppo.delta_high, clip_cov_ratio=a.clip_cov.clip_ratio, clip_cov_lb=a.clip_cov.clip_cov_lb,
+        clip_cov_ub=a.clip_cov.clip_cov_ub, kl_cov_frac=a.kl_cov.kl_cov_frac, ppo_kl_coef=a.kl_cov.ppo_kl_coef)
+
+
+def _check_algorithm(cfg: TrainConfig) -> list[str]:
+    """The algorithm keys a type cannot check: SkyRL's policy-loss sections, KL placement, the signal filters,
+    the trainer's temperature, and the SkyRL keys mlora refuses (:data:`NOT_IMPLEMENTED`). Returns notes."""
+    a, g, notes = cfg.trainer.algorithm, cfg.generator, []
+    for key, (off, why) in NOT_IMPLEMENTED.items():
+        if _get(cfg, key) != off:
+            raise ConfigError(f"{key}={_get(cfg, key)!r}: {why}; valid: {off!r}")
+    if a.use_kl_in_reward and a.use_kl_loss:
+        raise ConfigError("trainer.algorithm.use_kl_in_reward=true and trainer.algorithm.use_kl_loss=true: the KL "
+                          "penalty goes in the reward or in the loss, not both (SkyRL: mutually exclusive); set "
+                          "trainer.algorithm.use_kl_loss=false")
+    try:
+        loss_settings(a)
+    except ValueError as exc:
+        raise ConfigError(f"trainer.algorithm.{exc}") from None
+    if a.value_clip is not None and not a.value_clip > 0:
+        raise ConfigError(f"trainer.algorithm.value_clip={a.value_clip} must be > 0 (or null: unclipped)")
+    if a.temperature is not None and not a.temperature > 0:
+        raise ConfigError(f"trainer.algorithm.temperature={a.temperature} must be > 0 (or null: "
+                          "generator.sampling_params.temperature)")
+    if a.temperature is not None and a.temperature != g.sampling_params.temperature:
+        notes.append(f"trainer.algorithm.temperature={a.temperature} differs from generator.sampling_params."
+                     f"temperature={g.sampling_params.temperature}: the trainer's log-probs are of softmax(logits / "
+                     f"{a.temperature}), not of the distribution the engines sampled from")
+    from mlora.rollout.chat_template import resolve_chat_template
+
+    try:
+        resolve_chat_template(g.chat_template.source, g.chat_template.name_or_path)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if not a.zero_variance_filter_tol >= 0:
+        raise ConfigError(f"trainer.algorithm.zero_variance_filter_tol={a.zero_variance_filter_tol} must be >= 0")
+    ds = a.dynamic_sampling
+    if ds.type is not None:
+        _check_choice(ds.type, DYNAMIC_SAMPLING_TYPES, "trainer.algorithm.dynamic_sampling.type")
+        if cfg.trainer.fully_async.enabled:
+            raise ConfigError(f"trainer.algorithm.dynamic_sampling.type={ds.type} with trainer.fully_async.enabled="
+                              "true: SkyRL's asynchronous trainer has no dynamic sampling; use trainer.algorithm."
+                              "zero_variance_filter")
+        if ds.max_sample_batches == 0 or ds.max_sample_batches < -1:
+            raise ConfigError(f"trainer.algorithm.dynamic_sampling.max_sample_batches={ds.max_sample_batches} must "
+                              "be >= 1 (or -1: no limit)")
+        if not 0.0 <= ds.min_replace_ratio <= 1.0:
+            raise ConfigError(f"trainer.algorithm.dynamic_sampling.min_replace_ratio={ds.min_replace_ratio} must be "
+                              "in [0, 1]")
+    if a.gae_skip_observations and a.advantage_estimator != "gae":
+        raise ConfigError(f"trainer.algorithm.gae_skip_observations=true applies to advantage_estimator=gae, not "
+                          f"{a.advantage_estimator!r}")
+    if a.advantage_estimator != "gae" and cfg.generator.n_samples_per_prompt == 1 and a.advantage_estimator in (
+            "grpo", "rloo", "maxrl"):
+        notes.append(f"trainer.algorithm.advantage_estimator={a.advantage_estimator} with generator."
+                     "n_samples_per_prompt=1: every group has one sample (SkyRL's rule: grpo and maxrl give each its "
+                     "reward, rloo gives 0)")
+    return notes
 
 
 def _check_off_policy(cfg: TrainConfig) -> list[str]:
@@ -322,9 +408,13 @@ def _check_off_policy(cfg: TrainConfig) -> list[str]:
         raise ConfigError(f"trainer.algorithm.tis_imp_ratio_cap={a.tis_imp_ratio_cap} applies with "
                           "trainer.algorithm.use_tis=true only (or use off_policy_correction.token_tis_ratio_clip_high)")
     try:
-        OffPolicyCorrection(**vars(o))
+        correction = OffPolicyCorrection(**vars(o))
     except ValueError as exc:
         raise ConfigError(f"trainer.algorithm.{exc}") from None
+    if correction.enabled and not POLICY_LOSSES[a.policy_loss_type][1]:
+        raise ConfigError(f"trainer.algorithm.policy_loss_type={a.policy_loss_type!r} takes no off-policy correction "
+                          "(SkyRL applies none to it): turn trainer.algorithm.off_policy_correction off or choose one "
+                          "of " + ", ".join(k for k, (_, takes) in POLICY_LOSSES.items() if takes))
     return notes
 
 
@@ -804,6 +894,11 @@ def _finalize_experiments(cfg: TrainConfig, raw: TrainConfig, explicit: Iterable
             own = _finalize_one(one, [*explicit, *spec.overrides], **world)
         except ConfigError as exc:
             raise ConfigError(f"experiments[{i}] {spec.name!r}: {exc}") from None
+        if one.trainer.algorithm.dynamic_sampling.type is not None:
+            raise ConfigError(f"experiments[{i}] {spec.name!r}: trainer.algorithm.dynamic_sampling.type="
+                              f"{one.trainer.algorithm.dynamic_sampling.type} with experiments: the experiments' "
+                              "steps generate together, one batch each; dynamic sampling runs without experiments "
+                              "(trainer.algorithm.zero_variance_filter works with them)")
         extra += [f"experiment {spec.name!r}: {n}" for n in own if n not in notes]
         configs[spec.name] = one
     check_engines_fit(cfg, configs)
@@ -827,7 +922,7 @@ def _finalize_one(cfg: TrainConfig, explicit: Iterable[str], world_size: int, cu
     _resolve_recompute(cfg.trainer)
     _check_placement(cfg, world_size, gpus_per_node if cuda else None, ranks_per_node)
     _check_reward_model(cfg)
-    notes += _check_off_policy(cfg) + _check_async(cfg, cuda)
+    notes += _check_algorithm(cfg) + _check_off_policy(cfg) + _check_async(cfg, cuda)
     if cfg.trainer.strategy in DATA_PARALLEL_STRATEGIES:
         notes.append(f"trainer.strategy={cfg.trainer.strategy} runs as a data-parallel megatron-core mesh (TP1 x PP1 x "
                      f"DP{world_size}): the frozen base is replicated on every rank, not sharded; only the LoRA "

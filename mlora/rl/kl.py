@@ -15,7 +15,9 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: str 
 
     - ``k1 = d`` (unbiased, high variance, can be negative)
     - ``k2 = ½ d²``
-    - ``k3 = exp(-d) - 1 + d`` (unbiased, low variance, ≥ 0; "low_var_kl", clamped to [-10, 10] as verl)
+    - ``k3 = exp(-d) - 1 + d`` (unbiased, low variance, ≥ 0; "low_var_kl"), as SkyRL's ``compute_approx_kl``:
+      ``-d`` clamped to ±20 first (a finite value and gradient however far the policies are apart), the result
+      to [-10, 10]
     - ``abs = |d|``
     """
     d = logprob - ref_logprob
@@ -24,7 +26,8 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: str 
     if estimator == "k2":
         return 0.5 * d.square()
     if estimator == "k3":
-        return torch.clamp(torch.exp(-d) - 1 + d, min=-10, max=10)
+        neg = torch.clamp(-d, min=-20, max=20)
+        return torch.clamp(torch.exp(neg) - neg - 1, min=-10, max=10)
     if estimator == "abs":
         return d.abs()
     raise ValueError(f"unknown KL estimator {estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from mlora.rl.masked import masked_mean, safe_exp
+from mlora.rl.masked import masked_mean
+from mlora.rl.policy_losses import PolicyLossParams, token_policy_loss
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
-                  "token-mean-legacy")
+                  "token-mean-legacy", "prompt-mean")
 
 
 def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
@@ -33,6 +34,9 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean
     into micro-batches sums to the mini-batch loss: pass the mini-batch's :func:`loss_normalizer`.
     """
     mask = mask.to(loss_mat.dtype)
+    if mode == "prompt-mean":
+        raise ValueError("loss aggregation 'prompt-mean' needs the mini-batch's prompt groups: scale the advantages "
+                         "with reduction_scale(..., group_size=n) and sum")
     if mode == "token-mean":
         denom = mask.sum().clamp(min=1) if normalizer is None else max(float(normalizer), 1.0)
         return (loss_mat * mask).sum() / denom
@@ -73,45 +77,90 @@ def loss_normalizer(mask: torch.Tensor, mode: str, micro_batch_size: int | None 
     raise ValueError(f"unknown loss aggregation mode {mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
 
 
+def reduction_scale(mask: torch.Tensor, mode: str, micro_batch_size: int | None = None,
+                    max_seq_len: int | None = None, group_size: int = 1) -> torch.Tensor:
+    """``[B, 1]`` factors ``w`` for one mini-batch's ``[B, T]`` loss mask such that ``Σ ℓ·m·w`` is the loss
+    reduced by ``mode``; SkyRL multiplies the advantages by them (``apply_loss_reduction_to_advantages_minibatch``)
+    and sums every policy loss:
+
+    - ``token-mean``: ``1 / Σ m``
+    - ``token-mean-legacy``: ``1 / (Σ m_c · n)`` for chunk ``c`` of ``micro_batch_size`` rows, ``n`` chunks
+    - ``seq-mean-token-mean``: ``1 / (B · Σ_t m_b)`` (SkyRL's ``sequence_mean``)
+    - ``seq-mean-token-sum-norm``: ``1 / (B · max_seq_len)`` (Dr. GRPO)
+    - ``seq-mean-token-sum``: ``1 / B'``, ``B'`` the rows with a token (verl)
+    - ``prompt-mean``: ``1 / (P · Σ m_p)`` for the ``P`` prompt groups of ``group_size`` adjacent rows (SkyRL's
+      ``prompt_mean``: a token mean within each prompt, then a mean over prompts)
+
+    Counts are clamped at 1, so an empty row or group contributes 0 and still counts in ``B`` (or ``P``)."""
+    m = mask.float()
+    b = m.shape[0]
+    per_row = m.sum(-1)
+    if mode == "token-mean":
+        w = torch.full((b,), 1.0) / per_row.sum().clamp(min=1)
+    elif mode == "token-mean-legacy":
+        size = micro_batch_size or b
+        if b % size:
+            raise ValueError(f"a mini-batch of {b} rows is not a whole number of micro-batches of {size}")
+        chunks = per_row.view(-1, size).sum(-1).clamp(min=1)
+        w = (1.0 / (chunks * (b // size))).repeat_interleave(size)
+    elif mode == "seq-mean-token-mean":
+        w = 1.0 / (b * per_row.clamp(min=1))
+    elif mode == "seq-mean-token-sum-norm":
+        if max_seq_len is None or max_seq_len < 1:
+            raise ValueError(f"loss aggregation 'seq-mean-token-sum-norm' needs max_seq_len >= 1, got {max_seq_len}")
+        w = torch.full((b,), 1.0 / (b * max_seq_len))
+    elif mode == "seq-mean-token-sum":
+        w = torch.full((b,), 1.0) / (per_row > 0).sum().clamp(min=1)
+    elif mode == "prompt-mean":
+        if b % group_size:
+            raise ValueError(f"a mini-batch of {b} rows is not a whole number of prompt groups of {group_size}")
+        groups = per_row.view(-1, group_size).sum(-1).clamp(min=1)
+        w = (1.0 / (groups * (b // group_size))).repeat_interleave(group_size)
+    else:
+        raise ValueError(f"unknown loss aggregation mode {mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
+    return w[:, None].to(mask.dtype if mask.is_floating_point() else torch.float32)
+
+
+def sequence_mean_term(x: torch.Tensor, mask: torch.Tensor, rows: int) -> torch.Tensor:
+    """SkyRL's KL loss term: each row's token mean, summed over this micro-batch's rows and divided by the
+    mini-batch's ``rows``: over the micro-batches (and DP ranks) it sums to ``mean_b mean_t x``, whatever
+    ``loss_reduction`` says (``worker.py``: ``masked_mean(kl, loss_mask, dim=-1).mean()``)."""
+    return masked_mean(x, mask.to(x.dtype), dim=-1).sum() / max(rows, 1)
+
+
+def micro_batch_token_mean_term(x: torch.Tensor, mask: torch.Tensor, rows: int) -> torch.Tensor:
+    """SkyRL's entropy loss term: this micro-batch's token mean weighted by its share of the mini-batch's
+    ``rows`` (``worker.py``: ``masked_mean(entropy, loss_mask) · microbatch_weight``), whatever
+    ``loss_reduction`` says."""
+    return masked_mean(x, mask.to(x.dtype)) * (x.shape[0] / max(rows, 1))
+
+
 def policy_loss(logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
                 agg_mode: str = "token-mean", normalizer: float | None = None, max_seq_len: int | None = None,
                 token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate with separate low/high clip (DAPO's clip-higher) and optional dual clip.
-
-    ``ρ = exp(clamp(log π - log π_old, -20, 20))`` (SkyRL's ``ppo_policy_loss`` with ``safe_exp_delta``: a
-    ratio past ``e^±20`` is held there, and its gradient is zero); per token
-    ``ℓ = max(-A·ρ, -A·clip(ρ, 1 - ε_low, 1 + ε_high))``; with dual clip ``c > 1`` and ``A < 0``
-    the loss is further capped: ``ℓ = min(ℓ, -A·c)`` (Ye et al., 2020). ``token_weights`` multiplies
-    each ``ℓ`` before aggregation (rollout correction: :func:`mlora.rl.rollout_correction.off_policy_correction`'s
-    TIS weights and masks). Returns the aggregated loss and metrics (clip fraction, approximate KL to the
-    old policy).
-    """
+    """PPO's clipped surrogate (SkyRL's ``regular``; ``dual_clip`` when ``dual_clip`` is set,
+    :func:`mlora.rl.policy_losses.ppo_clip`) aggregated by :func:`agg_loss`; ``token_weights`` multiplies each
+    token's loss first (rollout correction). Returns the loss and metrics (``clipfrac``, ``ppo_kl``)."""
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip={dual_clip} must be > 1")
-    log_ratio = logprob - old_logprob
-    ratio = safe_exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
-    loss = torch.maximum(unclipped, clipped)
-    metrics = {"clipfrac": masked_mean((clipped > unclipped).to(loss.dtype), mask.to(loss.dtype)).detach(),
-               "ppo_kl": masked_mean(-log_ratio, mask.to(loss.dtype)).detach()}
-    if dual_clip is not None:
-        capped = torch.minimum(loss, -advantages * dual_clip)
-        loss = torch.where(advantages < 0, capped, loss)
-        metrics["dual_clipfrac"] = masked_mean(((advantages < 0) & (capped < torch.maximum(unclipped, clipped)))
-                                               .to(loss.dtype), mask.to(loss.dtype)).detach()
+    params = PolicyLossParams(eps_clip_low=clip_low, eps_clip_high=clip_high, clip_ratio_c=dual_clip or 3.0)
+    loss, metrics = token_policy_loss("regular" if dual_clip is None else "dual_clip", logprob, old_logprob,
+                                      advantages, mask, params)
     if token_weights is not None:
         loss = loss * token_weights
     return agg_loss(loss, mask, agg_mode, normalizer, max_seq_len), metrics
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               clip_range: float = 0.2, agg_mode: str = "token-mean", normalizer: float | None = None,
+               clip_range: float | None = 0.2, agg_mode: str = "token-mean", normalizer: float | None = None,
                max_seq_len: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped value loss: ``½·max((V - R)², (V_old + clip(V - V_old, ±ε) - R)²)``."""
-    clipped_values = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
+    """Clipped value loss: ``½·max((V - R)², (V_old + clip(V - V_old, ±ε) - R)²)``; ``clip_range`` None:
+    ``½·(V - R)²`` (SkyRL's ``ppo_critic_loss`` with ``value_clip`` null)."""
     unclipped = (values - returns).square()
+    if clip_range is None:
+        return agg_loss(0.5 * unclipped, mask, agg_mode, normalizer, max_seq_len), {"vf_clipfrac": torch.zeros(())}
+    clipped_values = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
     clipped = (clipped_values - returns).square()
     loss = 0.5 * torch.maximum(unclipped, clipped)
     metrics = {"vf_clipfrac": masked_mean((clipped > unclipped).to(loss.dtype), mask.to(loss.dtype)).detach()}

@@ -18,16 +18,20 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer_len: int, fa
         penalty(L) = 0                                 L <= L_max - B
                    = -f · (L - (L_max - B)) / B        L_max - B < L <= L_max
 
-    0 up to ``L_max - B`` tokens, then linearly down to ``-f`` at ``L_max``. SkyRL's
-    ``examples/train/algorithms/dapo/main_dapo.py`` also sets the reward of a response longer than
-    ``L_max`` to 0; single-turn engines stop at ``L_max``, so that case is the caller's to refuse.
+    0 up to ``L_max - B`` tokens, then linearly down to ``-f`` at ``L_max``; a response longer than ``L_max``
+    (a multi-turn trajectory, whose length counts the environment's tokens) gets 0 here and its reward set to
+    0 by :func:`overlong_zeroed` (SkyRL's ``apply_dapo_soft_overlong_punishment``).
     """
     if not 0 < buffer_len <= max_length:
         raise ValueError(f"overlong_buffer_len={buffer_len} must be in [1, max_generate_length={max_length}]")
-    if (lengths > max_length).any():
-        raise ValueError(f"response lengths {lengths.max().item()} > max_generate_length={max_length}")
     start = max_length - buffer_len
-    return -factor * (lengths.float() - start).clamp(min=0) / buffer_len
+    penalty = -factor * (lengths.float() - start).clamp(min=0) / buffer_len
+    return torch.where(lengths > max_length, torch.zeros_like(penalty), penalty)
+
+
+def overlong_zeroed(lengths: torch.Tensor, max_length: int) -> torch.Tensor:
+    """``[B]`` bool: the responses longer than ``max_length``, whose reward DAPO's shaping sets to 0."""
+    return lengths > max_length
 
 
 def overlong_filter_mask(finish_reasons: Sequence[str | None]) -> torch.Tensor:

@@ -115,8 +115,10 @@ def check_step_output(out: Any) -> StepResult:
     if not isinstance(reward, (numbers.Real, np.bool_)) or not math.isfinite(float(reward)):
         raise ValueError(f"step() reward must be a finite number, got {reward!r}")
     done = out["done"]
-    if not isinstance(done, (bool, np.bool_)):
-        raise ValueError(f"step() done must be a bool, got {done!r} ({type(done).__name__})")
+    # SkyRL reads done as a truth value: an integer 0/1 (or numpy's) is as good as a bool
+    if not isinstance(done, (bool, np.bool_, numbers.Integral)) or (
+            isinstance(done, numbers.Integral) and not isinstance(done, bool) and int(done) not in (0, 1)):
+        raise ValueError(f"step() done must be a bool (or 0/1), got {done!r} ({type(done).__name__})")
     metadata = out.get("metadata") or {}
     if not isinstance(metadata, Mapping):
         raise ValueError(f"step() metadata must be a dict, got {type(metadata).__name__}")

@@ -54,28 +54,45 @@ TURN_REWARDS = ("turn_end", "final")  # generator.turn_rewards: where a trajecto
 
 
 class TurnFormat:
-    """Tokens of what the environment says between two model turns.
+    """Tokens of what the environment says between two model turns, as SkyRL's generator makes them
+    (``skyrl_gym_generator.py``).
 
-    ``conversation=True`` (SkyRL's ``use_conversation_multi_turn``) with a tokenizer that has a chat
-    template: the model's turn is closed as the template closes an assistant message (its end-of-turn
-    token if the model stopped on something else, then what the template puts after it), and the
-    observations are the template's rendering of the new messages followed by the generation prompt,
-    taken as the difference of two renderings (SkyRL's way). Otherwise (no template, or
-    ``conversation=False``): one assistant message goes on, the model's EOS dropped (:meth:`open_turn`) and the
-    observations' contents appended as they are (SkyRL's ``use_conversation_multi_turn=false``)."""
+    ``conversation=True`` (SkyRL's ``use_conversation_multi_turn``) with a tokenizer that has a chat template:
+    SkyRL's fixed base conversation ``[system, user]`` is rendered to tokens and cut after its last EOS; a turn's
+    observations are the tokens of ``base + observations`` (with the generation prompt) past that base, so
+    what the template puts after an end of turn (ChatML's newline) comes with them. The model's turn stays as
+    it was sampled, except that a turn which ended on one of ``stop`` (a stop string, not EOS) gets EOS
+    appended when ``append_eos_after_stop`` (SkyRL's ``append_eos_token_after_stop_str_in_multi_turn``); a turn
+    cut at the length limit gets nothing. Otherwise (no template, or ``conversation=False``): one assistant
+    message goes on, the model's EOS dropped (:meth:`open_turn`) and the observations' contents appended as they
+    are (SkyRL's ``use_conversation_multi_turn=false``)."""
 
-    _BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+    BASE = [{"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "I am a user."}]
 
-    def __init__(self, tokenizer, conversation: bool = True) -> None:
+    def __init__(self, tokenizer, conversation: bool = True, stop: Sequence[str] | None = None,
+                 append_eos_after_stop: bool = True) -> None:
         self.tokenizer = tokenizer
         self.eos = tokenizer.eos_token_id
         self.chat = bool(conversation and getattr(tokenizer, "chat_template", None))
-        self.suffix: list[int] = []
+        self.stop = tuple(stop or ())
+        self.append_eos_after_stop = append_eos_after_stop
+        self.base_ids: list[int] = []
         if self.chat:
-            self._base_text = tokenizer.apply_chat_template(self._BASE, tokenize=False)
-            base_ids = self._encode(self._base_text)
-            ends = [i for i, t in enumerate(base_ids) if t == self.eos]
-            self.suffix = base_ids[ends[-1] + 1:] if ends else []
+            base = self._render(self.BASE, False)
+            ends = [i for i, t in enumerate(base) if t == self.eos]
+            self.base_ids = base[:ends[-1] + 1] if ends else base
+            probe = self._render(self.BASE + [{"role": "user", "content": "An observation."}], True)
+            if probe[:len(self.base_ids)] != self.base_ids:
+                raise ValueError("the chat template renders SkyRL's base conversation [system, user] differently when "
+                                 "a message follows, so observations cannot be cut from it: give a template that "
+                                 "renders a conversation's start the same however it goes on (generator."
+                                 "chat_template), or set generator.use_conversation_multi_turn=false to append "
+                                 "observations as text")
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
+                                                       tokenize=True, return_dict=False))
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -85,23 +102,21 @@ class TurnFormat:
         the conversation stays one assistant message (the message goes on, so SkyRL drops the EOS)."""
         return int(not self.chat and bool(action_ids) and action_ids[-1] == self.eos)
 
-    def close_turn(self, action_ids: Sequence[int]) -> list[int]:
-        """Environment tokens that end the model's turn before the observations."""
-        if not self.chat:
-            return []
-        head = [] if (action_ids and action_ids[-1] == self.eos) or self.eos is None else [self.eos]
-        return head + self.suffix
+    def close_turn(self, action_ids: Sequence[int], text: str = "") -> list[int]:
+        """Tokens that end the model's turn before the observations: EOS after a turn that stopped on a stop
+        string (SkyRL's ``append_eos_token_after_stop_str_in_multi_turn``), nothing else."""
+        if (self.chat and self.append_eos_after_stop and self.stop and self.eos is not None and text.endswith(self.stop)
+                and not (action_ids and action_ids[-1] == self.eos)):
+            return [self.eos]
+        return []
 
     def observation_ids(self, messages: list[dict]) -> list[int]:
         """The observations as tokens, ready for the model's next turn."""
         if not self.chat:
             return [t for m in messages for t in self._encode(m["content"])]
-        full = self.tokenizer.apply_chat_template(self._BASE + list(messages), tokenize=False,
-                                                  add_generation_prompt=True)
-        if not full.startswith(self._base_text):
-            raise ValueError("the chat template renders a conversation's start differently when messages follow; "
-                             "set generator.use_conversation_multi_turn=false to append observations as text")
-        return self._encode(full[len(self._base_text):])
+        if not messages:
+            return self._render(self.BASE, True)[len(self._render(self.BASE, False)):]  # the generation prompt
+        return self._render(self.BASE + list(messages), True)[len(self.base_ids):]
 
 
 @dataclass
@@ -219,7 +234,7 @@ def run_episodes(generate: Callable[[list[list[int]], SamplingConfig], list[Gene
                     reason = "max_turns"
                 if reason is None and not done:
                     try:
-                        more = fmt.close_turn(action_ids) + fmt.observation_ids(obs)
+                        more = fmt.close_turn(action_ids, g.text) + fmt.observation_ids(obs)
                     except Exception as exc:  # noqa: BLE001
                         t.fail(_error("malformed", exc), turn + 1)
                         reason = t.end_reason

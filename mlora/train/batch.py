@@ -68,3 +68,26 @@ class RolloutBatch:
                             None if self.rollout_logprobs is None else self.rollout_logprobs[index],
                             None if self.loss_mask is None else self.loss_mask[index],
                             None if self.token_rewards is None else self.token_rewards[index])
+
+
+def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
+    """Rows of several batches as one, right-padded to the widest (``pad_id`` tokens, zero masks, log-probs and
+    rewards); optional fields kept when every batch has them."""
+    width = max(b.input_ids.shape[1] for b in batches)
+
+    def padded(t: torch.Tensor, value: float, w: int) -> torch.Tensor:
+        pad = t.new_full((t.shape[0], w - t.shape[1]), value)
+        return torch.cat([t, pad], dim=1)
+
+    def joined(name: str, value: float, w: int) -> torch.Tensor | None:
+        parts = [getattr(b, name) for b in batches]
+        if any(p is None for p in parts):
+            return None
+        return torch.cat([padded(p, value, w) if p.dim() == 2 else p for p in parts])
+
+    return RolloutBatch(joined("input_ids", pad_id, width), joined("attention_mask", 0, width),
+                        joined("response_mask", 0, width), torch.cat([b.rewards for b in batches]),
+                        joined("rollout_logprobs", 0.0, width - 1),
+                        None if all(b.loss_mask is None for b in batches)
+                        else torch.cat([torch.ones(b.size) if b.loss_mask is None else b.loss_mask for b in batches]),
+                        joined("token_rewards", 0.0, width - 1))

@@ -2,25 +2,29 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from mlora.rl.advantages import ADVANTAGE_ESTIMATORS
+from mlora.rl.advantages import ADVANTAGE_ESTIMATORS, CRITIC_ESTIMATORS
 from mlora.rl.kl import KL_CONTROLLERS, KL_ESTIMATORS
 from mlora.rl.losses import LOSS_AGG_MODES
 from mlora.rl.lr_schedule import LR_SCHEDULES
+from mlora.rl.policy_losses import POLICY_LOSSES, PolicyLossParams
 from mlora.rl.rollout_correction import OffPolicyCorrection
 from mlora.rollout.generator import check_truncation
 from mlora.train.micro_batches import Packing
 
-POLICY_LOSSES = ("regular", "rollout_is")
-
 
 @dataclass
 class PPOConfig:
-    advantage_estimator: str = "gae"  # gae | grpo | rloo (no critic for the latter two)
+    advantage_estimator: str = "gae"  # gae | grpo | rloo | reinforce++ | maxrl (only gae has a critic)
     gamma: float = 1.0
     lam: float = 0.95
     norm_adv_by_std_in_grpo: bool = True
+    # SkyRL's advantage_batch_normalize: advantages z-scored over the batch's response tokens before the reduction
+    advantage_batch_normalize: bool = False
+    # mlora's multi-turn GAE (opt-in): the recursion skips the environment's tokens between turns; SkyRL's
+    # (default) runs through them with the critic's values there
+    gae_skip_observations: bool = False
     n_samples_per_prompt: int = 1
     ppo_epochs: int = 1
     mini_batch_size: int = 8  # sequences per optimizer step (global, over DP)
@@ -30,12 +34,12 @@ class PPOConfig:
     packing: Packing = field(default_factory=Packing)  # sequence packing (trainer.use_sample_packing)
     eps_clip_low: float = 0.2
     eps_clip_high: float = 0.2
-    dual_clip: float | None = None
-    # regular (PPO's clipped ratio to π_old; dual clip when dual_clip is set) | rollout_is (SkyRL's: ratio to the
-    # engine's μ, hard-zeroed outside the clip range; mlora.rl.rollout_correction.rollout_is_loss)
+    # SkyRL's policy losses (mlora.rl.policy_losses): regular, dual_clip, gspo, sapo, cispo, rollout_is, dppo,
+    # clip_cov, kl_cov, cross_entropy, importance_sampling; their other settings in loss_settings
     policy_loss_type: str = "regular"
+    loss_settings: PolicyLossParams = field(default_factory=PolicyLossParams)
     off_policy: OffPolicyCorrection = field(default_factory=OffPolicyCorrection)  # TIS and masks (off by default)
-    value_clip: float = 0.2
+    value_clip: float | None = 0.2  # None: unclipped
     loss_agg_mode: str = "token-mean"
     max_seq_len: int | None = None  # the constant divisor of "seq-mean-token-sum-norm" (Dr. GRPO); required there
     # The distribution the rollouts were sampled from (generator.sampling_params): every trainer
@@ -79,9 +83,10 @@ class PPOConfig:
             raise ValueError(f"unknown loss aggregation mode {self.loss_agg_mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
         if self.policy_loss_type not in POLICY_LOSSES:
             raise ValueError(f"unknown policy_loss_type {self.policy_loss_type!r}; valid: {', '.join(POLICY_LOSSES)}")
-        if self.policy_loss_type == "rollout_is" and self.dual_clip is not None:
-            raise ValueError("policy_loss_type='rollout_is' has no dual clip (it zeroes ratios outside the clip "
-                             "range): leave dual_clip None")
+        if self.off_policy.enabled and not POLICY_LOSSES[self.policy_loss_type][1]:
+            raise ValueError(f"policy_loss_type={self.policy_loss_type!r} takes no off-policy correction (SkyRL "
+                             "applies none to it): turn off_policy_correction off or choose one of "
+                             + ", ".join(k for k, (_, takes) in POLICY_LOSSES.items() if takes))
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
         if self.kl_ctrl not in KL_CONTROLLERS:
@@ -120,4 +125,9 @@ class PPOConfig:
 
     @property
     def uses_critic(self) -> bool:
-        return self.advantage_estimator == "gae"
+        return self.advantage_estimator in CRITIC_ESTIMATORS
+
+    @property
+    def loss_params(self) -> PolicyLossParams:
+        """The policy loss's settings, PPO's clip range included."""
+        return replace(self.loss_settings, eps_clip_low=self.eps_clip_low, eps_clip_high=self.eps_clip_high)

@@ -22,22 +22,19 @@ import torch
 from mlora.checkpoint.run_state import VALUE_HEAD, StageState, TrainedAdapter, head_parameters
 from mlora.facade.model import MLoraModel
 from mlora.lora.config import LoraConfig
-from mlora.rl import (
-    AdaptiveKLController,
-    FixedKLController,
-    agg_loss,
-    gae_advantages,
+from mlora.rl import AdaptiveKLController, FixedKLController, gae_advantages, kl_penalty, value_loss
+from mlora.rl.advantages import (
+    broadcast_to_tokens,
     grpo_advantages,
-    kl_penalty,
-    policy_loss,
+    maxrl_advantages,
+    reinforce_pp_advantages,
     rloo_advantages,
-    value_loss,
 )
-from mlora.rl.advantages import broadcast_to_tokens
 from mlora.rl.kl import apply_kl_in_reward
-from mlora.rl.losses import loss_normalizer
+from mlora.rl.losses import micro_batch_token_mean_term, reduction_scale, sequence_mean_term
 from mlora.rl.masked import masked_mean, masked_sum
-from mlora.rl.rollout_correction import off_policy_correction, rollout_is_loss
+from mlora.rl.policy_losses import POLICY_LOSSES, READS_ROLLOUT_LOGPROBS, token_policy_loss
+from mlora.rl.rollout_correction import off_policy_correction
 from mlora.rl.vocab_parallel import next_token_logits, vocab_parallel_logprobs, vocab_parallel_truncation_logmass
 from mlora.train import joint_passes
 from mlora.train.batch import RolloutBatch
@@ -83,6 +80,7 @@ class ActorCriticEngine:
         self.kl_ctrl = (AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_ctrl == "adaptive"
                         else FixedKLController(cfg.kl_coef))
         self.global_step = 0
+        self.last_trained: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ checkpoint
     def stage_state(self) -> StageState:
@@ -190,70 +188,55 @@ class ActorCriticEngine:
     # ------------------------------------------------------------------ advantages
     def compute_advantages(self, batch: RolloutBatch, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
                            values: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """Token rewards (outcome reward on the last response token, or the batch's per-token turn rewards;
-        KL penalty if in reward), then GAE / GRPO / RLOO advantages (GAE skips the environment tokens of a
-        multi-turn row: they are outside the mask). Pure given its inputs; identical on every rank."""
-        # a filtered row (batch.loss_mask) keeps its reward at its last token: it counts in its group's statistics
-        c, mask = self.cfg, batch.response_positions
-        if batch.token_rewards is not None:  # multi-turn: each turn's reward where the trainer placed it
-            token_rewards = batch.token_rewards.float() * mask
-        else:
-            last = mask.shape[1] - 1 - torch.flip(mask, dims=[1]).argmax(dim=1)  # last response position per row
-            token_rewards = torch.zeros_like(mask)
-            token_rewards[torch.arange(batch.size), last] = batch.rewards.float()
-        kl = kl_penalty(old_logprobs, ref_logprobs, c.kl_estimator) * mask
-        out = {"kl": kl}
-        if c.use_kl_in_reward:
-            token_rewards = apply_kl_in_reward(token_rewards, kl, mask, self.kl_ctrl.value)
-        if c.advantage_estimator == "gae":
-            adv, returns = gae_advantages(token_rewards, values, mask, c.gamma, c.lam)
-            out["returns"] = returns
-        else:
-            scores = (token_rewards * mask).sum(-1)
-            per_seq = (grpo_advantages(scores, c.n_samples_per_prompt, c.norm_adv_by_std_in_grpo)
-                       if c.advantage_estimator == "grpo" else rloo_advantages(scores, c.n_samples_per_prompt))
-            adv = broadcast_to_tokens(per_seq, mask)
-        out["advantages"] = adv
-        out["token_rewards"] = token_rewards
-        return out
+        """:func:`compute_advantages` with this engine's settings and KL-in-reward coefficient."""
+        return compute_advantages(self.cfg, batch, old_logprobs, ref_logprobs, values, self.kl_ctrl.value)
 
     # ------------------------------------------------------------------ updates
-    def _normalizer(self, mask: torch.Tensor) -> float:
-        # the whole mini-batch's count (all DP ranks' rows): tokens, rows, or its micro-batches (legacy)
-        return loss_normalizer(mask, self.cfg.loss_agg_mode, self.cfg.micro_train_batch_size)
+    def _clip_cov_generator(self, mb: dict) -> torch.Generator | None:
+        """clip_cov's random token choice: seeded by the step and the micro-batch's first row, so that every
+        TP rank of a micro-batch cuts the same tokens."""
+        if self.cfg.policy_loss_type != "clip_cov":
+            return None
+        seed = (self.global_step * 1_000_003 + self.mesh.dp_rank * 10_007 + int(mb["rows"][0])) % (2 ** 63)
+        return torch.Generator().manual_seed(seed)
 
-    def _actor_loss(self, normalizer: float, tokens: float):
-        c = self.cfg
+    def _actor_loss(self, rows: int, tokens: float):
+        """The actor's loss of a micro-batch of a mini-batch of ``rows`` rows and ``tokens`` loss tokens, as SkyRL
+        forms it (``worker.py``): the policy loss summed over the tokens (its advantages already scaled by the
+        loss reduction), the KL term a per-row token mean averaged over the mini-batch's rows, the entropy term
+        this micro-batch's token mean weighted by its share of the rows; both whatever ``loss_reduction`` is."""
+        c, params = self.cfg, self.cfg.loss_params
 
         def loss_fn(logits, mb):
             mask = mb["action_mask"].to(logits.device)
             logprob, entropy = self._token_logprobs(logits, mb, with_entropy=True)
+            tok, m = token_policy_loss(c.policy_loss_type, logprob, mb["old_logprobs"], mb["advantages"], mask,
+                                       params, mb.get("rollout_logprobs"), self._clip_cov_generator(mb))
             weights = mb.get("is_weights")  # rollout correction (TIS, masks): None when off
-            if c.policy_loss_type == "rollout_is":
-                pg, m = rollout_is_loss(logprob, mb["rollout_logprobs"], mb["advantages"], mask, c.eps_clip_low,
-                                        c.eps_clip_high, weights, c.loss_agg_mode, normalizer, c.max_seq_len)
-            else:
-                pg, m = policy_loss(logprob, mb["old_logprobs"], mb["advantages"], mask, c.eps_clip_low,
-                                    c.eps_clip_high, c.dual_clip, c.loss_agg_mode, normalizer, c.max_seq_len,
-                                    weights)
-            ent = agg_loss(entropy, mask, c.loss_agg_mode, normalizer, c.max_seq_len)
-            kl = agg_loss(kl_penalty(logprob, mb["ref_logprobs"], c.kl_estimator), mask, c.loss_agg_mode, normalizer,
-                          c.max_seq_len)
+            if weights is not None:
+                tok = tok * weights
+            pg = (tok * mask).sum()
+            ent = micro_batch_token_mean_term(entropy, mask, rows)
+            kl = sequence_mean_term(kl_penalty(logprob, mb["ref_logprobs"], c.kl_estimator) * mask, mask, rows)
             loss = pg - c.entropy_coeff * ent + (c.kl_loss_coef * kl if c.use_kl_loss else 0.0)
             share = mask.sum() / max(tokens, 1.0)  # token-weighted, so micro-batch sums are mini-batch means
-            return loss, {"pg_loss": pg.detach(), "entropy": ent.detach(), "kl_loss": kl.detach(),
+            # the entropy metric: the mini-batch's token mean (the loss term's weighting depends on the micro-batch cut)
+            return loss, {"pg_loss": pg.detach(), "entropy": (masked_sum(entropy, mask) / max(tokens, 1.0)).detach(),
+                          "kl_loss": kl.detach(),
                           "loss": loss.detach(), "clipfrac": m["clipfrac"] * share, "ppo_kl": m["ppo_kl"] * share}
 
         return loss_fn
 
-    def _critic_loss(self, normalizer: float, tokens: float):
+    def _critic_loss(self, rows: int, tokens: float):
+        """SkyRL's critic loss (``ppo_critic_loss``): each row's token mean of the (clipped) squared error, averaged
+        over the mini-batch's rows, whatever ``loss_reduction`` is."""
         c = self.cfg
 
         def loss_fn(hidden, mb):
             mask = mb["action_mask"].to(hidden.device)
             values = self._values(hidden, mb)
-            vl, m = value_loss(values, mb["old_values"], mb["returns"], mask, c.value_clip, c.loss_agg_mode,
-                               normalizer, c.max_seq_len)
+            vl, m = value_loss(values, mb["old_values"], mb["returns"], mask, c.value_clip, "seq-mean-token-mean",
+                               float(rows))
             share = mask.sum() / max(tokens, 1.0)
             return vl, {"value_loss": vl.detach(), "values": (masked_sum(values, mask) / max(tokens, 1.0)).detach(),
                         "vf_clipfrac": m["vf_clipfrac"] * share}
@@ -273,6 +256,8 @@ class ActorCriticEngine:
         """After the forward-only passes: advantages, the step's metrics so far, and what the actor's and the
         critic's updates read per row (None: no critic). Advances the adaptive KL controller."""
         adv = self.compute_advantages(batch, old, ref, values)
+        # what the update trained on, for trainer.dump_data_batch (SkyRL dumps the batch with its advantages)
+        self.last_trained = {"token_rewards": adv["token_rewards"], "advantages": adv["advantages"]}
         mask = batch.action_mask
         metrics: dict[str, float] = {
             "reward/mean": float(batch.rewards.float().mean()),
@@ -280,7 +265,7 @@ class ActorCriticEngine:
             "advantages/mean": float(masked_mean(adv["advantages"], mask)),
             "response_length/mean": float(batch.response_positions.sum(-1).mean()),  # filtered rows too
         }
-        actor_extra = {"old_logprobs": old, "ref_logprobs": ref, "advantages": adv["advantages"]}
+        actor_extra = {"old_logprobs": old, "ref_logprobs": ref, "advantages": self._reduced(adv["advantages"], mask)}
         if batch.rollout_logprobs is not None:
             # like with like: the engine reports log-probs of its processed (tempered, truncated) distribution
             gap = torch.where(mask > 0, (batch.rollout_logprobs - sampled_logprobs).abs(), 0.0)
@@ -291,9 +276,9 @@ class ActorCriticEngine:
             mu = batch.rollout_logprobs - (sampled_logprobs - old)
             weights, corr = off_policy_correction(old, mu, mask, self.cfg.off_policy)
             metrics.update({f"off_policy/{k}": v for k, v in corr.items()})
-            if self.cfg.off_policy.enabled:
+            if self.cfg.off_policy.enabled and POLICY_LOSSES[self.cfg.policy_loss_type][1]:
                 actor_extra["is_weights"] = weights
-            if self.cfg.policy_loss_type == "rollout_is":
+            if self.cfg.policy_loss_type in READS_ROLLOUT_LOGPROBS:
                 actor_extra["rollout_logprobs"] = mu
         elif self.cfg.policy_loss_type == "rollout_is" or self.cfg.off_policy.enabled:
             raise ValueError("rollout correction (policy_loss_type='rollout_is', off_policy_correction) needs the "
@@ -303,6 +288,16 @@ class ActorCriticEngine:
             metrics["kl/coef"] = self.kl_ctrl.value
         critic_extra = {"old_values": values, "returns": adv["returns"]} if self.critic is not None else None
         return metrics, actor_extra, critic_extra
+
+    def _reduced(self, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The advantages each actor mini-batch trains on: scaled by its loss reduction
+        (:func:`mlora.rl.losses.reduction_scale`), as SkyRL's ``_normalize_advantages`` does before the update."""
+        c, out = self.cfg, torch.zeros_like(advantages)
+        for start in range(0, advantages.shape[0], c.mini_batch_size):
+            rows = slice(start, start + c.mini_batch_size)
+            out[rows] = advantages[rows] * reduction_scale(mask[rows], c.loss_agg_mode, c.micro_train_batch_size,
+                                                           c.max_seq_len, c.n_samples_per_prompt)
+        return out
 
     def _schedule(self, batch: RolloutBatch, mini_batch_size: int) -> list[tuple[int, int]]:
         """``(start, size)`` of each optimizer step's mini-batch: ``ppo_epochs`` passes over the batch."""
@@ -320,7 +315,7 @@ class ActorCriticEngine:
         global counts."""
         mask = batch.action_mask[start:start + count]
         factory = self._critic_loss if critic else self._actor_loss
-        return factory(self._normalizer(mask), float(mask.sum()))
+        return factory(count, float(mask.sum()))
 
     def _finish_step(self, metrics: dict, actor_steps: list[dict], critic_steps: list[dict] | None) -> dict:
         for role, steps in (("actor", actor_steps), ("critic", critic_steps)):
@@ -385,3 +380,64 @@ def _update_all(joint: JointBatch, parts: Sequence[int], extras: dict[int, dict]
     return joint_passes.update(joint, parts, schedules, engines[0].reference, routed, per_row, keys,
                                lambda p, start, count: engines[p]._loss(batches[p], start, count, critic),
                                {p: engines[p]._trained(critic) for p in parts}, hidden=critic)
+
+
+def response_span(mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` 1 from each row's first to its last response position: SkyRL's ``response_mask`` (a multi-turn
+    row's environment tokens between the model's turns included)."""
+    pos = torch.arange(mask.shape[1])
+    has = mask > 0
+    first = torch.where(has, pos, mask.shape[1]).min(dim=1, keepdim=True).values
+    last = torch.where(has, pos, -1).max(dim=1, keepdim=True).values
+    return ((pos >= first) & (pos <= last)).to(mask.dtype)
+
+
+def batch_normalize(advantages: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
+    """SkyRL's ``advantage_batch_normalize``: ``(A - mean) · rsqrt(max(Σ (A - mean)²·m / Σ m, 1e-8))`` over the
+    batch, the mean over SkyRL's ``[B, max response length]`` tensor (every entry, padding's zeros included), the
+    variance over its response tokens ``m``."""
+    width = int(span.sum(-1).max())
+    mean = (advantages * span).sum() / max(advantages.shape[0] * width, 1)
+    var = ((advantages - mean).square() * span).sum() / span.sum().clamp(min=1)
+    return (advantages - mean) * var.clamp(min=1e-8).rsqrt() * span
+
+
+def compute_advantages(c: PPOConfig, batch: RolloutBatch, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+                       values: torch.Tensor | None, kl_coef: float = 0.0) -> dict[str, torch.Tensor]:
+    """Token rewards (outcome reward on the last response token, or the batch's per-token turn rewards;
+    KL penalty if in reward), then the estimator's advantages, as SkyRL computes them
+    (:mod:`mlora.rl.advantages`): over each row's response span (in a multi-turn row the environment's
+    tokens between turns too, which the loss mask leaves out). Pure given its inputs; identical on every rank."""
+    # a filtered row (batch.loss_mask) keeps its reward at its last token: it counts in its group's statistics
+    mask = batch.response_positions
+    span = response_span(mask)
+    if batch.token_rewards is not None:  # multi-turn: each turn's reward where the trainer placed it
+        token_rewards = batch.token_rewards.float() * mask
+    else:
+        last = mask.shape[1] - 1 - torch.flip(mask, dims=[1]).argmax(dim=1)  # last response position per row
+        token_rewards = torch.zeros_like(mask)
+        token_rewards[torch.arange(batch.size), last] = batch.rewards.float()
+    kl = kl_penalty(old_logprobs, ref_logprobs, c.kl_estimator) * mask
+    out = {"kl": kl}
+    if c.use_kl_in_reward:
+        token_rewards = apply_kl_in_reward(token_rewards, kl, mask, kl_coef)
+    estimator, n = c.advantage_estimator, c.n_samples_per_prompt
+    if estimator == "gae":
+        skip = c.gae_skip_observations
+        adv, returns = gae_advantages(token_rewards, values * span, mask if skip else span, c.gamma, c.lam,
+                                      skip_masked=skip)
+        adv = adv * span
+        out["returns"] = returns * span
+    elif estimator == "reinforce++":
+        adv, _ = reinforce_pp_advantages(token_rewards, span, c.gamma)
+    else:
+        scores = (token_rewards * mask).sum(-1)
+        per_seq = {"grpo": lambda: grpo_advantages(scores, n, c.norm_adv_by_std_in_grpo),
+                   "rloo": lambda: rloo_advantages(scores, n),
+                   "maxrl": lambda: maxrl_advantages(scores, n)}[estimator]()
+        adv = broadcast_to_tokens(per_seq, span)
+    if c.advantage_batch_normalize:
+        adv = batch_normalize(adv, span)
+    out["advantages"] = adv
+    out["token_rewards"] = token_rewards
+    return out

@@ -7,7 +7,7 @@ import torch
 import mlora
 from mlora.config.dtypes import trainer_dtype
 from mlora.config.schema import LoraSection, SamplingSection, TrainConfig, TrainerSection
-from mlora.config.validate import LOSS_REDUCTIONS
+from mlora.config.validate import LOSS_REDUCTIONS, loss_settings
 from mlora.rl.rollout_correction import OffPolicyCorrection
 from mlora.rollout.generator import SamplingConfig
 from mlora.train.config import PPOConfig
@@ -25,21 +25,21 @@ def ppo_config(cfg: TrainConfig, total_steps: int) -> PPOConfig:
     critic_steps = total_steps * t.update_epochs_per_batch * (t.train_batch_size // critic_mini)
     return PPOConfig(
         advantage_estimator=a.advantage_estimator, gamma=a.gamma, lam=a.lambd,
-        norm_adv_by_std_in_grpo=a.grpo_norm_by_std, n_samples_per_prompt=n, ppo_epochs=t.update_epochs_per_batch,
+        norm_adv_by_std_in_grpo=a.grpo_norm_by_std, advantage_batch_normalize=a.advantage_batch_normalize,
+        gae_skip_observations=a.gae_skip_observations, n_samples_per_prompt=n, ppo_epochs=t.update_epochs_per_batch,
         mini_batch_size=t.policy_mini_batch_size * n,
         critic_mini_batch_size=critic_mini * n,
         micro_train_batch_size=t.micro_train_batch_size_per_gpu,
         micro_forward_batch_size=t.micro_forward_batch_size_per_gpu, packing=packing(t),
         eps_clip_low=a.eps_clip_low, eps_clip_high=a.eps_clip_high,
-        dual_clip=a.clip_ratio_c if a.policy_loss_type == "dual_clip" else None, value_clip=a.value_clip,
-        policy_loss_type="rollout_is" if a.policy_loss_type == "rollout_is" else "regular",
+        value_clip=a.value_clip, policy_loss_type=a.policy_loss_type, loss_settings=loss_settings(a),
         off_policy=OffPolicyCorrection(**vars(a.off_policy_correction)),
         loss_agg_mode=LOSS_REDUCTIONS[a.loss_reduction], max_seq_len=a.max_seq_len,
         use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_estimator=a.kl_estimator_type,
         use_kl_in_reward=a.use_kl_in_reward, kl_ctrl=a.kl_ctrl.type,
         kl_coef=a.kl_loss_coef if a.kl_coef is None else a.kl_coef, kl_target=a.kl_ctrl.kl_target,
         kl_horizon=a.kl_ctrl.horizon, entropy_coeff=a.entropy_loss_coef if a.use_entropy_loss else 0.0,
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+        temperature=s.temperature if a.temperature is None else a.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
         actor_lr=pol.lr, weight_decay=pol.weight_decay, betas=tuple(pol.adam_betas),
         warmup_steps=pol.num_warmup_steps, lr_schedule=pol.scheduler, max_grad_norm=pol.max_grad_norm,
         critic_lr=cri.lr, critic_weight_decay=cri.weight_decay, critic_betas=tuple(cri.adam_betas),

@@ -10,6 +10,7 @@ adapter is handed to the engines and hot-swapped in.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -20,6 +21,7 @@ from mlora.config.dtypes import engine_dtype
 from mlora.config.experiments import experiment_configs
 from mlora.config.schema import TrainConfig, lora_max_rank
 from mlora.config.validate import async_groups_in_flight, off_policy_corrected
+from mlora.rollout.chat_template import apply_run_template, resolve_chat_template
 from mlora.rollout.data import Prompt, epoch_batches, load_prompt_set
 from mlora.rollout.envs import REWARD_MODEL_ENV, env_class, is_multi_turn, make_env
 from mlora.rollout.generator import SamplingConfig, per_prompt_configs
@@ -42,22 +44,49 @@ from mlora.train.rollouts import (
 
 
 def dapo_shaping(cfg: TrainConfig, batch: RolloutBatch, finish_reasons: Sequence[str | None]) -> dict[str, float]:
-    """DAPO's soft overlong punishment (``trainer.algorithm.overlong_buffer_len``: added to ``batch.rewards``)
-    and overlong filtering (``generator.apply_overlong_filtering``: ``batch.loss_mask`` drops responses
-    that did not stop), in place; returns their metrics (:mod:`mlora.rl.reward_shaping`)."""
-    from mlora.rl.reward_shaping import overlong_filter_mask, overlong_penalty
+    """DAPO's soft overlong punishment (``trainer.algorithm.overlong_buffer_len``) and overlong filtering
+    (``generator.apply_overlong_filtering``: ``batch.loss_mask`` drops responses that did not stop), in place;
+    returns their metrics (:mod:`mlora.rl.reward_shaping`). The penalty goes where the update reads the reward:
+    ``batch.rewards`` and, when the environment gave per-token rewards, the last response token's (SkyRL's
+    ``apply_dapo_soft_overlong_punishment``: ``reward[-1] -= penalty``); a response longer than
+    ``max_generate_length`` (its span, environment tokens included) has its rewards set to 0."""
+    from mlora.rl.reward_shaping import overlong_filter_mask, overlong_penalty, overlong_zeroed
+    from mlora.train.engine import response_span
 
     a, metrics = cfg.trainer.algorithm, {}
     if a.overlong_buffer_len is not None:
-        penalty = overlong_penalty(batch.response_positions.sum(-1), cfg.generator.sampling_params.max_generate_length,
-                                   a.overlong_buffer_len, a.overlong_buffer_penalty_factor)
-        batch.rewards = batch.rewards + penalty
+        max_len = cfg.generator.sampling_params.max_generate_length
+        lengths = response_span(batch.response_positions).sum(-1).long()
+        penalty = overlong_penalty(lengths, max_len, a.overlong_buffer_len, a.overlong_buffer_penalty_factor)
+        zeroed = overlong_zeroed(lengths, max_len)
+        batch.rewards = torch.where(zeroed, torch.zeros_like(batch.rewards), batch.rewards + penalty)
+        if batch.token_rewards is not None:
+            mask = batch.response_positions
+            last = mask.shape[1] - 1 - torch.flip(mask, dims=[1]).argmax(dim=1)
+            tokens = batch.token_rewards.clone()
+            tokens[torch.arange(batch.size), last] += penalty.to(tokens.dtype)
+            batch.token_rewards = torch.where(zeroed[:, None], torch.zeros_like(tokens), tokens)
         metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
         metrics["reward/overlong_penalized_ratio"] = float((penalty < 0).float().mean())
     if cfg.generator.apply_overlong_filtering:
         batch.loss_mask = overlong_filter_mask(finish_reasons)
         metrics["response/overlong_filtered_ratio"] = float(1 - batch.loss_mask.mean())
     return metrics
+
+
+def zero_variance_filter(cfg: TrainConfig, batch: RolloutBatch) -> dict[str, float]:
+    """SkyRL's ``trainer.algorithm.zero_variance_filter``: the rows of a prompt group whose live rows (a token in
+    the loss) number more than one and whose rewards lie within ``zero_variance_filter_tol`` of each other leave
+    the loss (``batch.loss_mask``), in place; returns how many groups were dropped."""
+    from mlora.rl.sampling_filters import zero_variance_keep
+
+    a, n = cfg.trainer.algorithm, cfg.generator.n_samples_per_prompt
+    if not a.zero_variance_filter:
+        return {}
+    groups = [i // n for i in range(batch.size)]
+    keep = zero_variance_keep(batch.rewards, groups, batch.action_mask.sum(-1) > 0, a.zero_variance_filter_tol)
+    batch.loss_mask = keep.float() if batch.loss_mask is None else batch.loss_mask * keep.float()
+    return {"reward/num_zero_variance_filtered": float(len(set(groups)) - len({g for g, k in zip(groups, keep) if k}))}
 
 
 def hf_save_due(step: int, interval: int, total_steps: int, steps_per_epoch: int) -> bool:
@@ -67,11 +96,12 @@ def hf_save_due(step: int, interval: int, total_steps: int, steps_per_epoch: int
         interval > 0 and steps_per_epoch > 0 and step % steps_per_epoch == 0)
 
 
-def dump_batch(batch: RolloutBatch, path: Path) -> None:
-    """``trainer.dump_data_batch``: what the trainer trains on this step (token ids, masks, shaped rewards,
-    the engine's log-probs, the loss mask) as a ``torch.save`` dict of CPU tensors."""
+def dump_batch(batch: RolloutBatch, path: Path, trained: dict[str, torch.Tensor] | None = None) -> None:
+    """``trainer.dump_data_batch``: what the trainer trained on this step (token ids, masks, shaped rewards,
+    the engine's log-probs, the loss mask, and ``trained``: the per-token rewards and advantages the update
+    read) as a ``torch.save`` dict of CPU tensors."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({k: v for k, v in vars(batch).items() if v is not None}, path)
+    torch.save({**{k: v for k, v in vars(batch).items() if v is not None}, **(trained or {})}, path)
 
 
 def _load_data(cfg: TrainConfig, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
@@ -115,7 +145,10 @@ class RLStage:
         self.placement = engine_placement(cfg, mesh.world_size, torch.cuda.is_available())  # before anything loads
         if self.placement is not None and mesh.rank == 0:
             log.info(self.placement.table())
-        tokenizer = self.tokenizer = AutoTokenizer.from_pretrained(str(t.policy.model.path))
+        g = cfg.generator
+        tokenizer = self.tokenizer = apply_run_template(
+            AutoTokenizer.from_pretrained(str(t.policy.model.path)),
+            resolve_chat_template(g.chat_template.source, g.chat_template.name_or_path), g.chat_template_kwargs)
         self.pad_id = tokenizer.pad_token_id or 0
         configs = experiment_configs(cfg)
         named = [(None, cfg)] if configs is None else list(configs.items())
@@ -281,12 +314,14 @@ class RLStage:
         by the adapter the engines had when it was submitted; later groups generate while this step trains."""
         collected, shared = self._collect(step, picked)
         own: list[dict] = []
-        for e, got in collected:
+        for k, (e, got) in enumerate(collected):
+            self._score(e, got)
+            if e.cfg.trainer.algorithm.dynamic_sampling.type is not None:
+                got = self._dynamic_sampling(e, step, got)
+                collected[k] = (e, got)
             metrics = got.metrics
-            if e.learned is not None:  # the model-based part of the reward, on the trainer
-                metrics.update(e.learned.apply(got.batch, got.rows))
             metrics.update(dapo_shaping(e.cfg, got.batch, [reason for _, reason in got.rows]))
-            self._dump_batch(e, e.step_of(step), got.batch)
+            metrics.update(zero_variance_filter(e.cfg, got.batch))
             own.append(metrics)
         t0 = time.perf_counter()
         if len(collected) == 1:
@@ -294,8 +329,9 @@ class RLStage:
         else:
             results = step_experiments([(e.engine, got.batch) for e, got in collected])
         shared["timing/train_s"] = time.perf_counter() - t0
-        for (e, _), metrics, result in zip(collected, own, results):
+        for (e, got), metrics, result in zip(collected, own, results):
             metrics.update(result)
+            self._dump_batch(e, e.step_of(step), got.batch)
             self._export_adapter(e, e.step_of(step))
         if self.rollouts.asleep:  # the engines wake into the memory the step held
             release_cached_memory()
@@ -310,6 +346,63 @@ class RLStage:
         return out
 
     @staticmethod
+    def _score(e: Experiment, got: Collected) -> None:
+        """The model-based part of the reward (a learned reward on the trainer), in place."""
+        if e.learned is not None:
+            got.metrics.update(e.learned.apply(got.batch, got.rows))
+
+    def _dynamic_sampling(self, e: Experiment, step: int, got: Collected) -> Collected:
+        """SkyRL's ``trainer.algorithm.dynamic_sampling`` (DAPO's filter, POLARIS's replace): prompt groups whose
+        rewards are all equal carry no GRPO signal. filter keeps the groups with one and generates more batches
+        until ``train_batch_size`` groups are kept (the first that many train); replace puts groups with a signal
+        in the others' place once more than ``min_replace_ratio`` of a batch has one, else generates another batch.
+        An extra batch's prompts are ``train_batch_size`` of the training set drawn by a shuffle seeded by
+        (seed, step, attempt), sampled with a seed of their own, so the later steps' prompts stay theirs. At most
+        ``max_sample_batches`` batches (-1: no limit), else the run stops (SkyRL's rule)."""
+        from mlora.rl.sampling_filters import group_has_signal, replacement_rows
+        from mlora.train.batch import concat_batches
+
+        ds, t = e.cfg.trainer.algorithm.dynamic_sampling, e.cfg.trainer
+        n, want = e.cfg.generator.n_samples_per_prompt, t.train_batch_size
+        kept: list[tuple[RolloutBatch, list]] = []
+        groups, attempt, first = 0, 1, got.metrics
+        while True:
+            signal = group_has_signal(got.batch.rewards, n)
+            if n == 1:  # SkyRL: a group of one always counts as informative
+                signal = torch.ones_like(signal)
+            stats = {"dynamic_sampling/batches": float(attempt),
+                     "dynamic_sampling/signal_ratio": float(signal.float().mean())}
+            if ds.type == "replace" and signal.sum() > ds.min_replace_ratio * len(signal):
+                gen = torch.Generator().manual_seed(t.seed * 1_000_003 + step * 1009 + attempt)
+                index = replacement_rows(signal, n, gen)
+                return Collected(got.batch.rows(index), {**first, **stats,
+                                 "dynamic_sampling/replaced_groups": float((~signal).sum())},
+                                 [got.rows[i] for i in index.tolist()], got.version)
+            if ds.type == "filter":
+                rows = (signal[:, None].expand(-1, n).reshape(-1)).nonzero().flatten()
+                kept.append((got.batch.rows(rows), [got.rows[i] for i in rows.tolist()]))
+                groups += int(signal.sum())
+                if groups >= want:
+                    batch = concat_batches([b for b, _ in kept], self.pad_id).rows(slice(0, want * n))
+                    return Collected(batch, {**first, **stats}, [r for _, rs in kept for r in rs][:want * n],
+                                     got.version)
+            if 0 < ds.max_sample_batches <= attempt:
+                raise RuntimeError(f"trainer.algorithm.dynamic_sampling.type={ds.type}: step {step} generated "
+                                   f"{attempt} batches (max_sample_batches={ds.max_sample_batches}) and "
+                                   f"{'kept ' + str(groups) + ' of the ' + str(want) if ds.type == 'filter' else 'never had enough of the'} "
+                                   "prompt groups with a reward spread it needs; check the data's difficulty (or raise "
+                                   "max_sample_batches, -1: no limit)")
+            attempt += 1
+            gen = torch.Generator().manual_seed(t.seed * 1_000_003 + step * 1009 + attempt)
+            prompts = [e.train[i] for i in torch.randperm(len(e.train), generator=gen)[:want].tolist()]
+            sampling = self._sampling(e, e.step_of(step))
+            sampling = dataclasses.replace(sampling, seed=None if sampling.seed is None
+                                           else sampling.seed + attempt * 7_000_003)
+            self.rollouts.wake()
+            got = self.rollouts.collect_jobs([Job(e.cfg, e.served, prompts, sampling)], self.pad_id)[0]
+            self._score(e, got)
+
+    @staticmethod
     def n_steps_per_epoch(e: Experiment) -> int:
         return len(e.train) // e.cfg.trainer.train_batch_size
 
@@ -322,7 +415,8 @@ class RLStage:
     def _dump_batch(self, e: Experiment, step: int, batch: RolloutBatch) -> None:
         """``trainer.dump_data_batch``: the batch the update trains on, as SkyRL; rank 0."""
         if e.cfg.trainer.dump_data_batch and self.mesh.rank == 0:
-            dump_batch(batch, self._export_dir(e) / "dumped_data" / f"global_step_{step}_training_input.pt")
+            dump_batch(batch, self._export_dir(e) / "dumped_data" / f"global_step_{step}_training_input.pt",
+                       e.engine.last_trained)
 
     def _export_adapter(self, e: Experiment, step: int) -> None:
         """``trainer.hf_save_interval``: the policy adapter (PEFT) in ``<export>/global_step_<k>/policy``,

@@ -155,7 +155,7 @@ class Rollouts:
         self.configs = list(configs) or [cfg]
         # multi-turn environments (mlora.rollout.multi_turn) turn observations into tokens with the tokenizer
         self.tokenizer = tokenizer
-        self.turn_formats: dict[bool, TurnFormat] = {}
+        self.turn_formats: dict[tuple, TurnFormat] = {}
         e = cfg.generator.inference_engine
         self.total = e.num_engines
         if starts is None:
@@ -292,7 +292,7 @@ class Rollouts:
         g, settings = cfg.generator, dict(cfg.environment.skyrl_gym)
 
         def make(prompt: Prompt):
-            extras = {**prompt.row, "max_turns": prompt.row.get("max_turns") or g.max_turns}
+            extras = {**prompt.row, "max_turns": g.max_turns}  # SkyRL overwrites a row's own with the run's
             return make_text_env(prompt.env_class, settings.get(prompt.env_class), extras)
 
         def ids_of(prompt: Prompt, conversation) -> list[int]:
@@ -301,10 +301,11 @@ class Rollouts:
         # a next turn's input must leave the engine's context room for one more generation
         bound = min(g.max_input_length or cfg.trainer.max_prompt_length,
                     self.max_model_len - sampling.max_generate_length)
-        conversation = g.use_conversation_multi_turn is not False
-        if conversation not in self.turn_formats:  # one per run: it renders the chat template to learn its tokens
-            self.turn_formats[conversation] = TurnFormat(self.tokenizer, conversation)
-        return {"make_env": make, "fmt": self.turn_formats[conversation],
+        key = (g.use_conversation_multi_turn is not False, tuple(sampling.stop or ()),
+               g.append_eos_token_after_stop_str_in_multi_turn)
+        if key not in self.turn_formats:  # one per run and sampling: it renders the chat template to learn its tokens
+            self.turn_formats[key] = TurnFormat(self.tokenizer, *key)
+        return {"make_env": make, "fmt": self.turn_formats[key],
                 "max_turns": g.max_turns, "max_input_length": bound, "prompt_ids": ids_of,
                 "env_workers": int(settings.get("max_env_workers", 1))}
 
@@ -366,6 +367,15 @@ class Rollouts:
             self.envs[key] = make_env(prompt.env_class, **kwargs)
         return self.envs[key].reward(prompt.row, gen.text, gen.token_ids)
 
+    def wake(self) -> dict[str, float]:
+        """Sleeping (colocated) engines back on their devices, for another generation call before the hand-off."""
+        out = {}
+        if self.asleep:
+            if self.generator is not None:
+                out["timing/engine_wake_s"] = self.generator.wake_up()
+            self.asleep = False
+        return out
+
     def sync(self, model, version: int) -> dict[str, float]:
         """Wake sleeping engines, hand every policy adapter (policy version ``version``: updates applied) to them
         (collective) and hot-swap them in: PEFT files in the sync directory, or (``weight_sync=tensors``) each
@@ -375,11 +385,7 @@ class Rollouts:
         already submitted (they finish on the version they started with) and not waited for; the next hand-off
         first waits for it, since it overwrites the files or segment the engines read."""
         t0 = time.perf_counter()
-        out = {}
-        if self.asleep:  # back on the GPUs before the adapter goes in
-            if self.generator is not None:
-                out["timing/engine_wake_s"] = self.generator.wake_up()
-            self.asleep = False
+        out = self.wake()  # back on the GPUs before the adapter goes in
         if self.queued:
             for call in self.swaps:
                 self.generator.wait(call)

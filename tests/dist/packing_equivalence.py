@@ -69,7 +69,8 @@ def run(model, adapter_dir: Path, packing: Packing) -> dict:
             model.add_value_head("critic", seed=1, init_std=0.05)
         cfg = PPOConfig(advantage_estimator=estimator, n_samples_per_prompt=2, mini_batch_size=8,
                         micro_train_batch_size=2 // mesh.dp, micro_forward_batch_size=4 // mesh.dp, actor_lr=3e-3,
-                        critic_lr=3e-3, use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01, total_steps=4,
+                        # no entropy term: SkyRL's is a token mean per micro-batch, which a token budget regroups
+                        critic_lr=3e-3, use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.0, total_steps=4,
                         temperature=0.9, top_k=20, lr_schedule="constant", critic_lr_schedule="constant",
                         loss_agg_mode="seq-mean-token-mean" if estimator == "grpo" else "token-mean",
                         packing=packing)

@@ -56,10 +56,11 @@ def main() -> None:
         for estimator in args.estimators.split(","):
             model = mlora.from_pretrained(args.model_dir, mesh)
             model.load_adapter("policy", args.policy, trainable=True)
-            # sampled at temperature 0.8 with top-k 50, top-p 0.9: tempered log-probs everywhere, and the
+            # one row per micro-batch at every DP (SkyRL's entropy term is a token mean per micro-batch); sampled at
+            # temperature 0.8 with top-k 50, top-p 0.9: tempered log-probs everywhere, and the
             # truncated ones (vocab-parallel bisection) in the gap metric; GRPO with Dr. GRPO's aggregation
             cfg = PPOConfig(advantage_estimator=estimator, n_samples_per_prompt=2, mini_batch_size=4,
-                            micro_train_batch_size=2 // mesh.dp, micro_forward_batch_size=4 // mesh.dp,
+                            micro_train_batch_size=1, micro_forward_batch_size=4 // mesh.dp,
                             actor_lr=3e-4, critic_lr=3e-4, use_kl_loss=True, kl_loss_coef=0.1,
                             entropy_coeff=0.01, max_grad_norm=0.5, warmup_steps=1, critic_warmup_steps=2,
                             critic_weight_decay=0.1, total_steps=4, temperature=0.8, top_k=50, top_p=0.9,
