@@ -121,15 +121,16 @@ def test_turn_rewards_placement(chat_tokenizer):
 
 
 def test_gae_skips_environment_tokens():
-    """GAE over a row with environment tokens (mask 0) equals GAE over the model's tokens alone."""
+    """mlora's opt-in GAE (trainer.algorithm.gae_skip_observations): over a row with environment tokens (mask 0) it
+    equals GAE over the model's tokens alone."""
     g = torch.Generator().manual_seed(0)
     rewards, values = torch.randn(3, 9, generator=g), torch.randn(3, 9, generator=g)
     mask = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 0, 1], [0, 1, 1, 1, 0, 0, 0, 1, 1], [1] * 9], dtype=torch.float32)
-    adv, ret = gae_advantages(rewards, values, mask, gamma=0.9, lam=0.8, whiten=False)
+    adv, ret = gae_advantages(rewards, values, mask, gamma=0.9, lam=0.8, whiten=False, skip_masked=True)
     for i in range(3):
         keep = mask[i] > 0
         a, r = gae_advantages(rewards[i:i + 1, keep], values[i:i + 1, keep], mask[i:i + 1, keep], 0.9, 0.8,
-                              whiten=False)
+                              whiten=False, skip_masked=True)
         assert torch.allclose(adv[i, keep], a[0], atol=1e-6) and torch.allclose(ret[i, keep], r[0], atol=1e-6)
         assert (adv[i, ~keep] == 0).all()
 
@@ -353,7 +354,7 @@ def test_config_keys_and_errors():
     finalize(cfg, world_size=4)
     assert cfg.trainer.use_sample_packing is True  # on by default for multi-turn rollouts
     assert cfg.generator.use_conversation_multi_turn is True and cfg.generator.turn_rewards == "turn_end"
-    assert cfg.generator.max_input_length == cfg.trainer.max_prompt_length + 2 * 2 * 8
+    assert cfg.generator.max_input_length == cfg.trainer.max_prompt_length  # SkyRL's default, multi-turn too
     # SkyRL's shipped environments are registered ones: their settings are accepted (and passed as env_config)
     finalize(_compose(["+environment.skyrl_gym.text2sql.db_path=/data/sql", "environment.max_env_error_ratio=0.25"]),
              world_size=4)

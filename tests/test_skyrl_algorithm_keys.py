@@ -142,3 +142,78 @@ def test_replacement_rows_put_informative_groups_in_place_of_flat_ones():
     assert group_has_signal(rewards[rows], 2).all()
     one_good = replacement_rows(torch.tensor([False, True, False]), 1)
     assert one_good.tolist() == [1, 1, 1]
+
+
+class _Engines:
+    """Stands in for the engines in :meth:`RLStage._dynamic_sampling`: each further batch's rewards are the next
+    of ``plans`` (one per row, groups of 2 adjacent rows); records the calls."""
+
+    def __init__(self, plans):
+        self.plans, self.jobs, self.woken = list(plans), [], 0
+
+    def wake(self):
+        self.woken += 1
+        return {}
+
+    def collect_jobs(self, jobs, pad_id):
+        self.jobs.append(jobs[0])
+        return [_collected(self.plans.pop(0), base=100 * len(self.jobs))]
+
+
+def _collected(rewards, base=0):
+    from mlora.train.batch import RolloutBatch
+    from mlora.train.rollouts import Collected
+
+    b = len(rewards)
+    ids = torch.arange(base, base + b)[:, None].repeat(1, 4)  # row i's tokens say where it came from
+    resp = torch.tensor([[0, 0, 1, 1]] * b)
+    batch = RolloutBatch(ids, torch.ones(b, 4, dtype=torch.long), resp, torch.tensor(rewards, dtype=torch.float32))
+    return Collected(batch, {"first": 1.0}, [("env", "stop")] * b, 0)
+
+
+def _stage(kind, plans, max_batches=30):
+    from types import SimpleNamespace
+
+    from mlora.config.schema import TrainConfig
+    from mlora.train.rl_stage import RLStage
+
+    cfg = TrainConfig()
+    cfg.generator.n_samples_per_prompt, cfg.trainer.train_batch_size = 2, 3
+    cfg.trainer.algorithm.dynamic_sampling.type = kind
+    cfg.trainer.algorithm.dynamic_sampling.max_sample_batches = max_batches
+    stage = RLStage.__new__(RLStage)  # only what _dynamic_sampling reads
+    stage.pad_id, stage.rollouts = 0, _Engines(plans)
+    e = SimpleNamespace(cfg=cfg, train=[SimpleNamespace(token_ids=[i]) for i in range(10)], served="policy",
+                        learned=None, step_of=lambda s: s)
+    return stage, e
+
+
+def test_dynamic_sampling_filter_generates_until_the_batch_is_full():
+    first = _collected([1.0, 0.0, 1.0, 1.0, 0.0, 0.5])  # groups: signal, flat, signal
+    stage, e = _stage("filter", [[0.0, 0.0, 1.0, 0.0, 2.0, 2.0]])  # one more group with a signal
+    got = stage._dynamic_sampling(e, 5, first)
+    assert got.batch.size == 6 and got.batch.rewards.tolist() == [1.0, 0.0, 0.0, 0.5, 1.0, 0.0]
+    assert got.batch.input_ids[:, 0].tolist() == [0, 1, 4, 5, 102, 103]  # rows of both batches, in order
+    assert got.metrics["dynamic_sampling/batches"] == 2.0 and got.metrics["first"] == 1.0
+    job = stage.rollouts.jobs[0]
+    assert len(job.prompts) == 3 and stage.rollouts.woken == 1  # a batch of prompts drawn for the extra call
+    again, e2 = _stage("filter", [[0.0, 0.0, 1.0, 0.0, 2.0, 2.0]])
+    # the same step draws the same extra prompts and seed (reproducible), another step others
+    again._dynamic_sampling(e2, 5, _collected([1.0, 0.0, 1.0, 1.0, 0.0, 0.5]))
+    assert [p.token_ids for p in again.rollouts.jobs[0].prompts] == [p.token_ids for p in job.prompts]
+    assert again.rollouts.jobs[0].sampling.seed == job.sampling.seed
+    stuck, e3 = _stage("filter", [[1.0] * 6, [1.0] * 6], max_batches=3)
+    with pytest.raises(RuntimeError, match="generated 3 batches .* kept 2 of the 3 prompt groups"):
+        stuck._dynamic_sampling(e3, 1, _collected([1.0, 0.0, 1.0, 1.0, 0.0, 0.5]))
+
+
+def test_dynamic_sampling_replace_needs_enough_signal():
+    stage, e = _stage("replace", [[1.0, 0.0, 2.0, 2.0, 0.0, 0.0]])
+    # one group of three has a signal, more than min_replace_ratio 0.3 x 3: the two flat ones take its rows
+    got = stage._dynamic_sampling(e, 1, _collected([1.0, 0.0, 1.0, 1.0, 3.0, 3.0]))
+    assert got.batch.rewards.tolist() == [1.0, 0.0] * 3 and got.metrics["dynamic_sampling/replaced_groups"] == 2.0
+    assert stage.rollouts.jobs == []
+    # no group with a signal: another batch, then its flat groups replaced
+    stage, e = _stage("replace", [[1.0, 0.0, 2.0, 2.0, 0.0, 0.0]])
+    got = stage._dynamic_sampling(e, 1, _collected([1.0] * 6))
+    assert got.batch.rewards.tolist() == [1.0, 0.0] * 3 and got.metrics["dynamic_sampling/batches"] == 2.0

@@ -3,13 +3,22 @@ engine) whose prompts name every shipped ``skyrl_gym`` environment (``gsm8k``, `
 ``text2sql`` on a tiny Spider database, ``lcb``, ``search`` against a local retriever, ``searchcode``), the
 rows in SkyRL's dataset schema and the settings under ``environment.skyrl_gym.<id>``. A random model calls no
 tool (the scripted episodes of tests/test_skyrl_shipped_envs.py do); here every environment plays whole
-episodes in training and evaluation with no environment fault."""
+episodes in training and evaluation with no environment fault, its conversations rendered with Qwen3's chat
+template (TRL's file; SkyRL's default use_conversation_multi_turn=true): no malformed ending."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from skyrl_env_assets import ENV_IDS, RetrievalServer, build_spider_db, env_rows, env_settings, write_prompt_parquet
 from test_rl_loop import _train
+
+
+def qwen3_template() -> str:
+    import trl
+
+    return str(Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja")
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +36,9 @@ def run(tmp_path_factory):
             f"data.train_data=[{data}]", f"data.val_data=[{data}]", "environment.env_class=gsm8k",
             f"+environment.skyrl_gym.text2sql.db_path={settings['text2sql']['db_path']}",
             f"+environment.skyrl_gym.search.search_url={settings['search']['search_url']}",
-            "generator.max_turns=2", "trainer.algorithm.advantage_estimator=grpo", "generator.n_samples_per_prompt=2",
+            "generator.max_turns=2", "generator.chat_template.source=file",
+            f"generator.chat_template.name_or_path={qwen3_template()}", "trainer.algorithm.advantage_estimator=grpo",
+            "generator.n_samples_per_prompt=2",
             f"trainer.train_batch_size={len(rows)}", f"trainer.policy_mini_batch_size={len(rows)}",
             "trainer.eval_interval=2", "trainer.eval_before_train=false", "trainer.ckpt_interval=0"])
     return rows, steps

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from skyrl_oracle import algorithm_config, owner_function, ppo_utils
 
 from mlora.rl.advantages import (
     ADVANTAGE_ESTIMATORS,
@@ -25,7 +26,6 @@ from mlora.rl.kl import KL_ESTIMATORS, kl_penalty
 from mlora.rl.losses import LOSS_AGG_MODES, micro_batch_token_mean_term, reduction_scale, sequence_mean_term
 from mlora.rl.policy_losses import POLICY_LOSSES, PolicyLossParams, token_policy_loss
 from mlora.rl.sampling_filters import zero_variance_keep
-from skyrl_oracle import algorithm_config, owner_function, ppo_utils
 
 pytestmark = pytest.mark.quick
 
@@ -118,6 +118,22 @@ def test_policy_loss_matches_skyrl(case, reduction):
         close(loss.detach(), ref_loss.detach(), scale=float((tokens * mask).abs().sum()))
         close(grad, ref_grad)
         assert torch.isfinite(metrics["clipfrac"])
+
+
+def test_cispo_anchored_on_the_rollout():
+    """SkyRL HEAD's ``cispo_anchor=rollout`` (not in the 0.3.0 wheel): CISPO's ratio to the engine's log-probs, i.e.
+    0.3.0's CISPO with the rollout log-probs in π_old's place; HEAD's defaults (1.0, 4.0) in effect."""
+    pu = ppo_utils()
+    cfg = algorithm_config(policy_loss_type="cispo", **{"cispo.cispo_eps_clip_low": 1.0,
+                                                        "cispo.cispo_eps_clip_high": 4.0})
+    logprob, old, rollout, adv, mask = batch(5)
+    ref, _ = pu.PolicyLossRegistry.get("cispo")(logprob, rollout, adv, cfg, mask, None)
+    params = PolicyLossParams(cispo_anchor="rollout")
+    assert (params.cispo_eps_clip_low, params.cispo_eps_clip_high) == (1.0, 4.0)
+    tokens, _ = token_policy_loss("cispo", logprob, old, adv, mask, params, rollout)
+    close((tokens * mask).sum().detach(), ref.detach(), scale=float((tokens * mask).abs().sum()))
+    with pytest.raises(ValueError, match="cispo_anchor='rollout' needs the engine's log-probs"):
+        token_policy_loss("cispo", logprob, old, adv, mask, params)
 
 
 def test_policy_losses_with_off_policy_correction_match_skyrl():

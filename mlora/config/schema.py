@@ -178,10 +178,12 @@ class SapoSection:
 
 @dataclass
 class CispoSection:
-    """SkyRL's ``trainer.algorithm.cispo`` (policy_loss_type=cispo): the IS weight's clip offsets."""
+    """SkyRL's ``trainer.algorithm.cispo`` (policy_loss_type=cispo): the IS weight's clip offsets (SkyRL HEAD's
+    defaults) and what the ratio is to (old: π_old; rollout: the engine's log-probs)."""
 
-    cispo_eps_clip_low: float = 0.0
-    cispo_eps_clip_high: float = 5.0
+    cispo_eps_clip_low: float = 1.0
+    cispo_eps_clip_high: float = 4.0
+    cispo_anchor: str = "old"
 
 
 @dataclass

@@ -326,9 +326,9 @@ def loss_settings(a) -> PolicyLossParams:
     return PolicyLossParams(
         eps_clip_low=a.eps_clip_low, eps_clip_high=a.eps_clip_high, clip_ratio_c=a.clip_ratio_c,
         tau_pos=a.sapo.tau_pos, tau_neg=a.sapo.tau_neg, cispo_eps_clip_low=a.cispo.cispo_eps_clip_low,
-        cispo_eps_clip_high=a.cispo.cispo_eps_clip_high, dppo_type=a.dppo.dppo_type, delta_low=a.dppo.delta_low,
-        delta_high=a.dppo.delta_high, clip_cov_ratio=a.clip_cov.clip_ratio, clip_cov_lb=a.clip_cov.clip_cov_lb,
-        clip_cov_ub=a.clip_cov.clip_cov_ub, kl_cov_frac=a.kl_cov.kl_cov_frac, ppo_kl_coef=a.kl_cov.ppo_kl_coef)
+        cispo_eps_clip_high=a.cispo.cispo_eps_clip_high, cispo_anchor=a.cispo.cispo_anchor,
+        dppo_type=a.dppo.dppo_type, delta_low=a.dppo.delta_low, delta_high=a.dppo.delta_high,
+        clip_cov_ratio=a.clip_cov.clip_ratio, clip_cov_lb=a.clip_cov.clip_cov_lb, clip_cov_ub=a.clip_cov.clip_cov_ub, kl_cov_frac=a.kl_cov.kl_cov_frac, ppo_kl_coef=a.kl_cov.ppo_kl_coef)
 
 
 def _check_algorithm(cfg: TrainConfig) -> list[str]:
@@ -411,6 +411,10 @@ def _check_off_policy(cfg: TrainConfig) -> list[str]:
         correction = OffPolicyCorrection(**vars(o))
     except ValueError as exc:
         raise ConfigError(f"trainer.algorithm.{exc}") from None
+    if a.policy_loss_type == "cispo" and a.cispo.cispo_anchor == "rollout" and correction.tis_ratio_type is not None:
+        raise ConfigError(f"trainer.algorithm.cispo.cispo_anchor=rollout with trainer.algorithm.off_policy_correction."
+                          f"tis_ratio_type={correction.tis_ratio_type}: the rollout-anchored ratio is the off-policy "
+                          "correction already, TIS would count it twice (SkyRL's rule); set tis_ratio_type=null")
     if correction.enabled and not POLICY_LOSSES[a.policy_loss_type][1]:
         raise ConfigError(f"trainer.algorithm.policy_loss_type={a.policy_loss_type!r} takes no off-policy correction "
                           "(SkyRL applies none to it): turn trainer.algorithm.off_policy_correction off or choose one "
@@ -737,9 +741,8 @@ def _check_skyrl_keys(cfg: TrainConfig) -> list[str]:
     if not a.overlong_buffer_penalty_factor >= 0:
         raise ConfigError(f"trainer.algorithm.overlong_buffer_penalty_factor={a.overlong_buffer_penalty_factor} "
                           "must be >= 0 (the penalty at max_generate_length is -factor)")
-    if g.max_input_length is None:
-        # multi-turn: the prompt plus every earlier turn and observation, budgeted at two generations a turn
-        g.max_input_length = t.max_prompt_length + (g.max_turns - 1) * 2 * max_len
+    if g.max_input_length is None:  # SkyRL's default, multi-turn too: a longer conversation ends ("length")
+        g.max_input_length = t.max_prompt_length
     elif g.max_input_length < t.max_prompt_length:
         raise ConfigError(f"generator.max_input_length={g.max_input_length} < trainer.max_prompt_length="
                           f"{t.max_prompt_length}: in single-turn generation the engine's input is the prompt, which "

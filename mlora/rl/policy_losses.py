@@ -8,7 +8,9 @@ rollout-correction weights where the loss takes them), which is how SkyRL reduce
 per row instead of ``ℓ`` matters for the losses whose token selection reads ``A`` (``clip_cov``, ``kl_cov``).
 
 The formulas are SkyRL's (``skyrl`` 0.3.0, ``skyrl/backends/skyrl_train/utils/ppo_utils.py``), checked
-against it in ``tests/test_skyrl_oracle.py``.
+against it in ``tests/test_skyrl_oracle.py``. Where SkyRL's HEAD (a956457) differs from 0.3.0, HEAD is followed:
+CISPO's defaults (``cispo_eps_clip_low`` 1.0, ``cispo_eps_clip_high`` 4.0; 0.3.0: 0.0, 5.0) and its
+``cispo_anchor`` (``rollout``: the ratio to the engine's log-probs; 0.3.0 has only ``old``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from mlora.rl.masked import masked_mean, safe_exp
 
 DPPO_TYPES = ("binary_tv", "binary_kl")
+CISPO_ANCHORS = ("old", "rollout")
 
 
 @dataclass(frozen=True)
@@ -33,8 +36,9 @@ class PolicyLossParams:
     clip_ratio_c: float = 3.0  # dual_clip's bound on a negative advantage's loss
     tau_pos: float = 1.0  # sapo
     tau_neg: float = 1.05
-    cispo_eps_clip_low: float = 0.0
-    cispo_eps_clip_high: float = 5.0
+    cispo_eps_clip_low: float = 1.0  # SkyRL HEAD's defaults (0.3.0: 0.0 and 5.0)
+    cispo_eps_clip_high: float = 4.0
+    cispo_anchor: str = "old"  # old: ratio to π_old | rollout: to the engine's μ (SkyRL HEAD)
     dppo_type: str = "binary_tv"
     delta_low: float = 0.2
     delta_high: float = 0.2
@@ -45,6 +49,8 @@ class PolicyLossParams:
     ppo_kl_coef: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.cispo_anchor not in CISPO_ANCHORS:
+            raise ValueError(f"cispo.cispo_anchor={self.cispo_anchor!r}; valid: {', '.join(CISPO_ANCHORS)}")
         if self.dppo_type not in DPPO_TYPES:
             raise ValueError(f"dppo.dppo_type={self.dppo_type!r}; valid: {', '.join(DPPO_TYPES)}")
         if not self.clip_ratio_c > 1.0:
@@ -100,7 +106,12 @@ def sapo(logprob, old_logprob, advantages, mask, p: PolicyLossParams, rollout_lo
 
 def cispo(logprob, old_logprob, advantages, mask, p: PolicyLossParams, rollout_logprob=None):
     """CISPO (MiniMax-M1): the clipped ratio as a constant weight of the policy gradient,
-    ``ℓ = -A·sg(clip(ρ, 1 - ε_low, 1 + ε_high))·log π`` (``cispo.cispo_eps_clip_*``)."""
+    ``ℓ = -A·sg(clip(ρ, 1 - ε_low, 1 + ε_high))·log π`` (``cispo.cispo_eps_clip_*``); ``ρ`` to ``π_old``, or with
+    ``cispo_anchor=rollout`` to the engine's ``μ`` (SkyRL HEAD: the clamped counterpart of ``rollout_is``)."""
+    if p.cispo_anchor == "rollout":
+        if rollout_logprob is None:
+            raise ValueError("cispo.cispo_anchor='rollout' needs the engine's log-probs of the sampled tokens")
+        old_logprob = rollout_logprob
     ratio = safe_exp(logprob - old_logprob)
     lo, hi = 1 - p.cispo_eps_clip_low, 1 + p.cispo_eps_clip_high
     loss = -advantages * ratio.clamp(lo, hi).detach() * logprob
@@ -208,7 +219,8 @@ POLICY_LOSSES: dict[str, tuple[LossFn, bool]] = {
     "cross_entropy": (cross_entropy, False),
     "importance_sampling": (importance_sampling, False),
 }
-# losses that read the engine's log-probs μ (rollout_is needs them; dppo prefers them to π_old)
+# losses whose ratio is to the engine's log-probs μ (rollout_is needs them; dppo prefers them to π_old; cispo with
+# cispo_anchor=rollout); the engine hands μ to every loss when it has it, as SkyRL does
 READS_ROLLOUT_LOGPROBS = ("rollout_is", "dppo")
 
 
@@ -223,6 +235,7 @@ def token_policy_loss(name: str, logprob: torch.Tensor, old_logprob: torch.Tenso
     mask = mask.to(logprob.dtype)
     extra = {"generator": generator} if fn is clip_cov else {}
     loss, metrics = fn(logprob, old_logprob, advantages, mask, params, rollout_logprob=rollout_logprob, **extra)
-    behaviour = rollout_logprob if name in READS_ROLLOUT_LOGPROBS and rollout_logprob is not None else old_logprob
+    reads_mu = name in READS_ROLLOUT_LOGPROBS or (name == "cispo" and params.cispo_anchor == "rollout")
+    behaviour = rollout_logprob if reads_mu and rollout_logprob is not None else old_logprob
     metrics["ppo_kl"] = masked_mean((behaviour - logprob).detach(), mask)
     return loss, metrics

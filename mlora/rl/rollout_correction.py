@@ -20,6 +20,7 @@ import torch
 
 from mlora.rl.kl import kl_penalty
 from mlora.rl.losses import agg_loss
+from mlora.rl.policy_losses import PolicyLossParams, token_policy_loss
 from mlora.rl.masked import masked_mean, masked_std, safe_exp
 
 TIS_RATIO_TYPES = ("token", "sequence")
@@ -198,22 +199,14 @@ def rollout_is_loss(logprob: torch.Tensor, rollout_logprob: torch.Tensor, advant
                     token_weights: torch.Tensor | None = None, agg_mode: str = "token-mean",
                     normalizer: float | None = None, max_seq_len: int | None = None
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """SkyRL's ``rollout_is`` policy loss (GLM-5 §4.1.2): importance-weighted policy gradient against the
-    rollout distribution, with IcePop-style hard zeroing of ratios outside the trust region.
-
-    ``r_t = exp(clamp(log π - log μ, ±20))``, ``f(r) = r`` if ``1 - ε_low < r < 1 + ε_high`` else 0, and per token
-    ``ℓ_t = -sg(f(r_t)) · A_t · log π_t`` (times ``token_weights``, e.g. :func:`off_policy_correction`'s
-    factor), aggregated by :func:`~mlora.rl.losses.agg_loss`. Its gradient is ``-f(r_t)·A_t·∇log π_t``: the
-    policy gradient with the sampling distribution's ratio, tokens outside the region contributing nothing.
-    Metric ``clipfrac``: the share of response tokens outside the region.
-    """
-    ratio = safe_exp(log_ratio(logprob, rollout_logprob))
-    inside = (ratio > 1 - clip_low) & (ratio < 1 + clip_high)
-    calibrated = torch.where(inside, ratio, torch.zeros_like(ratio)).detach()
-    loss = -calibrated * advantages * logprob
+    """SkyRL's ``rollout_is`` policy loss (GLM-5 §4.1.2; :func:`mlora.rl.policy_losses.rollout_is`):
+    ``r_t = exp(clamp(log π - log μ, ±20))``, ``f(r) = r`` if ``1 - ε_low < r < 1 + ε_high`` else 0, per token
+    ``ℓ_t = -sg(f(r_t)) · A_t · log π_t`` (times ``token_weights``, e.g. :func:`off_policy_correction`'s factor),
+    aggregated by :func:`~mlora.rl.losses.agg_loss`. Its gradient is ``-f(r_t)·A_t·∇log π_t``: the policy gradient
+    with the sampling distribution's ratio, tokens outside the region contributing nothing. Metric ``clipfrac``:
+    the share of response tokens outside the region."""
+    params = PolicyLossParams(eps_clip_low=clip_low, eps_clip_high=clip_high)
+    loss, metrics = token_policy_loss("rollout_is", logprob, rollout_logprob, advantages, mask, params, rollout_logprob)
     if token_weights is not None:
         loss = loss * token_weights
-    m = mask.to(loss.dtype)
-    metrics = {"clipfrac": masked_mean((~inside).to(loss.dtype), m).detach(),
-               "ppo_kl": masked_mean(rollout_logprob - logprob, m).detach()}
-    return agg_loss(loss, m, agg_mode, normalizer, max_seq_len), metrics
+    return agg_loss(loss, mask.to(loss.dtype), agg_mode, normalizer, max_seq_len), metrics

@@ -22,7 +22,8 @@ def skyrl_named_templates() -> dict[str, str]:
         return {}
     path = Path(spec.origin).parent / SKYRL_TEMPLATES_FILE
     for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "CUSTOM_CHAT_TEMPLATES" for t in node.targets):
+        names = [getattr(t, "id", None) for t in getattr(node, "targets", ())]
+        if isinstance(node, ast.Assign) and "CUSTOM_CHAT_TEMPLATES" in names:
             return ast.literal_eval(node.value)
     return {}
 

@@ -128,6 +128,13 @@ class PPOConfig:
         return self.advantage_estimator in CRITIC_ESTIMATORS
 
     @property
+    def needs_rollout_logprobs(self) -> bool:
+        """Whether the update cannot run without the engine's log-probs (rollout_is, CISPO anchored on the
+        rollout, rollout correction)."""
+        return (self.policy_loss_type == "rollout_is" or self.off_policy.enabled
+                or (self.policy_loss_type == "cispo" and self.loss_settings.cispo_anchor == "rollout"))
+
+    @property
     def loss_params(self) -> PolicyLossParams:
         """The policy loss's settings, PPO's clip range included."""
         return replace(self.loss_settings, eps_clip_low=self.eps_clip_low, eps_clip_high=self.eps_clip_high)

@@ -33,7 +33,7 @@ from mlora.rl.advantages import (
 from mlora.rl.kl import apply_kl_in_reward
 from mlora.rl.losses import micro_batch_token_mean_term, reduction_scale, sequence_mean_term
 from mlora.rl.masked import masked_mean, masked_sum
-from mlora.rl.policy_losses import POLICY_LOSSES, READS_ROLLOUT_LOGPROBS, token_policy_loss
+from mlora.rl.policy_losses import POLICY_LOSSES, token_policy_loss
 from mlora.rl.rollout_correction import off_policy_correction
 from mlora.rl.vocab_parallel import next_token_logits, vocab_parallel_logprobs, vocab_parallel_truncation_logmass
 from mlora.train import joint_passes
@@ -278,10 +278,10 @@ class ActorCriticEngine:
             metrics.update({f"off_policy/{k}": v for k, v in corr.items()})
             if self.cfg.off_policy.enabled and POLICY_LOSSES[self.cfg.policy_loss_type][1]:
                 actor_extra["is_weights"] = weights
-            if self.cfg.policy_loss_type in READS_ROLLOUT_LOGPROBS:
-                actor_extra["rollout_logprobs"] = mu
-        elif self.cfg.policy_loss_type == "rollout_is" or self.cfg.off_policy.enabled:
-            raise ValueError("rollout correction (policy_loss_type='rollout_is', off_policy_correction) needs the "
+            actor_extra["rollout_logprobs"] = mu  # as SkyRL, every loss gets μ when there is one
+        elif self.cfg.needs_rollout_logprobs:
+            raise ValueError("rollout correction (policy_loss_type='rollout_is', cispo_anchor='rollout', "
+                             "off_policy_correction) needs the "
                              "engine's log-probs of the sampled tokens: RolloutBatch.rollout_logprobs is None")
         if self.cfg.use_kl_in_reward:
             self.kl_ctrl.update(metrics["kl/mean"], batch.size)

@@ -387,9 +387,9 @@ class RLStage:
                     return Collected(batch, {**first, **stats}, [r for _, rs in kept for r in rs][:want * n],
                                      got.version)
             if 0 < ds.max_sample_batches <= attempt:
+                found = f"kept {groups} of the {want}" if ds.type == "filter" else "never had enough of the"
                 raise RuntimeError(f"trainer.algorithm.dynamic_sampling.type={ds.type}: step {step} generated "
-                                   f"{attempt} batches (max_sample_batches={ds.max_sample_batches}) and "
-                                   f"{'kept ' + str(groups) + ' of the ' + str(want) if ds.type == 'filter' else 'never had enough of the'} "
+                                   f"{attempt} batches (max_sample_batches={ds.max_sample_batches}) and {found} "
                                    "prompt groups with a reward spread it needs; check the data's difficulty (or raise "
                                    "max_sample_batches, -1: no limit)")
             attempt += 1
