@@ -68,7 +68,9 @@ def main() -> None:
                                check=True, cwd=ROOT).stdout.strip().splitlines()[-1]
         subprocess.run([sys.executable, "-m", "mlora.demos.arithmetic", "--out", str(work / "assets")], check=True,
                        capture_output=True, cwd=ROOT)
-    modes = {"sync": [], "async": ["trainer.fully_async.enabled=true", "trainer.fully_async.max_staleness_steps=1"]}
+    # both train SkyRL's rollout_is loss (SkyRL's asynchronous trainer refuses a loss on π_old)
+    modes = {m: ["trainer.algorithm.policy_loss_type=rollout_is", *extra] for m, extra in (
+        ("sync", []), ("async", ["trainer.fully_async.enabled=true", "trainer.fully_async.max_staleness_steps=1"]))}
     rows: dict[str, list[dict]] = {m: [] for m in modes}
     for r in range(args.rounds):
         for mode, extra in modes.items():

@@ -207,7 +207,8 @@ def _finalize(*overrides: str):
       "+generator.engine_init_kwargs.max_lora_rank=8"],
      "generator.engine_init_kwargs.max_lora_rank=8 is below the largest policy rank of the experiments (a: 16, b: 8)"),
     (["experiments=[{name: a, trainer.policy.model.lora.rank: 1024}]"], "exceeds the largest LoRA rank vLLM serves"),
-    (["experiments=[{name: a}]", "trainer.fully_async.enabled=true", "trainer.policy_mini_batch_size=16"],
+    (["experiments=[{name: a}]", "trainer.fully_async.enabled=true", "trainer.policy_mini_batch_size=16",
+      "trainer.algorithm.policy_loss_type=rollout_is"],
      "experiments with trainer.fully_async"),
 ])
 def test_bad_experiments(overrides, message):

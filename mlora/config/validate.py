@@ -452,6 +452,13 @@ def _check_async(cfg: TrainConfig, cuda: bool) -> list[str]:
         raise ConfigError("trainer.fully_async.enabled=true needs trainer.placement.colocate_all=false: the engines "
                           "generate the next batches while the trainer updates, so they cannot share its GPUs and "
                           "sleep")
+    a = t.algorithm
+    if not (a.policy_loss_type in ("rollout_is", "dppo") or (a.policy_loss_type == "cispo"
+                                                              and a.cispo.cispo_anchor == "rollout")):
+        raise ConfigError(f"trainer.algorithm.policy_loss_type={a.policy_loss_type} with trainer.fully_async.enabled="
+                          "true: the loss's ratio is to π_old, the trainer's own log-probs at the step, but stale "
+                          "samples came from older policies that are not kept (SkyRL's rule); use a loss against "
+                          "the engine's log-probs: rollout_is, dppo, or cispo with cispo.cispo_anchor=rollout")
     in_flight = async_groups_in_flight(cfg)
     notes = [f"trainer.fully_async: up to {in_flight} prompt groups generate at once (num_parallel_generation_workers="
              f"{f.num_parallel_generation_workers}; SkyRL's capacity rule: (max_staleness_steps + step) x "
@@ -477,18 +484,6 @@ def generates_while_training(cfg: TrainConfig) -> bool:
     at 0 each step's groups wait for the previous update): then they and the trainer split a node's CPU cores."""
     f = cfg.trainer.fully_async
     return f.enabled and f.max_staleness_steps > 0
-
-
-def off_policy_corrected(cfg: TrainConfig) -> bool:
-    """Whether the run corrects for samples of another policy than the trainer's π_old: the ``rollout_is`` loss
-    (its ratio is to the sampling policy) or importance weights / masks of
-    ``trainer.algorithm.off_policy_correction``."""
-    a = cfg.trainer.algorithm
-    o = a.off_policy_correction
-    return bool(a.policy_loss_type == "rollout_is" or o.tis_ratio_type or o.sequence_mask_metric
-                or o.token_mask_is_threshold_low is not None
-                or o.token_mask_is_threshold_high is not None or o.outlier_token_is_threshold_low is not None
-                or o.outlier_token_is_threshold_high is not None)
 
 
 def _check_reward_model(cfg: TrainConfig) -> None:

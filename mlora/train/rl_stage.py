@@ -20,7 +20,7 @@ import torch
 from mlora.config.dtypes import engine_dtype
 from mlora.config.experiments import experiment_configs
 from mlora.config.schema import TrainConfig, lora_max_rank
-from mlora.config.validate import async_groups_in_flight, off_policy_corrected
+from mlora.config.validate import async_groups_in_flight
 from mlora.rollout.chat_template import apply_run_template, resolve_chat_template
 from mlora.rollout.data import Prompt, epoch_batches, load_prompt_set
 from mlora.rollout.envs import REWARD_MODEL_ENV, env_class, is_multi_turn, make_env
@@ -169,7 +169,6 @@ class RLStage:
         self.groups: GroupSchedule | None = None
         self.group_prompts: dict[int, int] = {}
         self.finished: dict[int, tuple[int, list, list]] = {}  # group -> (version, generations, rewards)
-        self.warned_stale = False
 
     def _experiment(self, name: str | None, cfg: TrainConfig, train: list[Prompt], val: list[Prompt],
                     reference: tuple[str, ...]) -> Experiment:
@@ -282,14 +281,6 @@ class RLStage:
             "async/engine_version": self.rollouts.version,
             "async/groups_in_flight": self.groups.submitted - self.groups.accepted,
             "async/groups_waiting": len(self.finished)})
-        if max(staleness) > 0 and not self.warned_stale and not off_policy_corrected(self.cfg):
-            self.warned_stale = True
-            if self.mesh.rank == 0:
-                log.warning("trainer.fully_async: step %d trains samples up to %d policy versions old with no "
-                            "off-policy correction configured (trainer.algorithm.policy_loss_type=rollout_is, or "
-                            "off_policy_correction.tis_ratio_type / sequence_mask_metric / token_mask_is_threshold_*; "
-                            "SkyRL refuses such a run): the PPO ratio is taken to the trainer's π_old, not to the "
-                            "policy that sampled", step, max(staleness))
         return got, {}
 
     def _collect(self, step: int, picked) -> tuple[list[tuple[Experiment, Collected]], dict]:
