@@ -22,7 +22,7 @@ from mlora.config.schema import TrainConfig
 from mlora.rl.advantages import ADVANTAGE_ESTIMATORS
 from mlora.rl.kl import KL_CONTROLLERS, KL_ESTIMATORS
 from mlora.rl.lr_schedule import LR_SCHEDULES
-from mlora.rl.policy_losses import POLICY_LOSSES, PolicyLossParams
+from mlora.rl.policy_losses import POLICY_LOSSES, PolicyLossParams, ratio_to_rollout
 from mlora.rl.preference import DPO_LOSS_TYPES, PREFERENCE_STAGES
 from mlora.rl.sampling_filters import DYNAMIC_SAMPLING_TYPES
 from mlora.rollout.multi_turn import TURN_REWARDS
@@ -453,8 +453,7 @@ def _check_async(cfg: TrainConfig, cuda: bool) -> list[str]:
                           "generate the next batches while the trainer updates, so they cannot share its GPUs and "
                           "sleep")
     a = t.algorithm
-    if not (a.policy_loss_type in ("rollout_is", "dppo") or (a.policy_loss_type == "cispo"
-                                                              and a.cispo.cispo_anchor == "rollout")):
+    if not ratio_to_rollout(a.policy_loss_type, loss_settings(a)):
         raise ConfigError(f"trainer.algorithm.policy_loss_type={a.policy_loss_type} with trainer.fully_async.enabled="
                           "true: the loss's ratio is to π_old, the trainer's own log-probs at the step, but stale "
                           "samples came from older policies that are not kept (SkyRL's rule); use a loss against "

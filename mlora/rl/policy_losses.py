@@ -219,9 +219,13 @@ POLICY_LOSSES: dict[str, tuple[LossFn, bool]] = {
     "cross_entropy": (cross_entropy, False),
     "importance_sampling": (importance_sampling, False),
 }
-# losses whose ratio is to the engine's log-probs μ (rollout_is needs them; dppo prefers them to π_old; cispo with
-# cispo_anchor=rollout); the engine hands μ to every loss when it has it, as SkyRL does
-READS_ROLLOUT_LOGPROBS = ("rollout_is", "dppo")
+
+
+def ratio_to_rollout(name: str, params: PolicyLossParams) -> bool:
+    """Whether loss ``name``'s ratio is to the engine's log-probs μ rather than π_old: rollout_is (which needs
+    them), dppo (which falls back to π_old without them), cispo with ``cispo_anchor=rollout`` (which needs them).
+    SkyRL's fully-async trainer takes only these; the engine hands μ to every loss when it has it, as SkyRL."""
+    return name in ("rollout_is", "dppo") or (name == "cispo" and params.cispo_anchor == "rollout")
 
 
 def token_policy_loss(name: str, logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor,
@@ -235,7 +239,6 @@ def token_policy_loss(name: str, logprob: torch.Tensor, old_logprob: torch.Tenso
     mask = mask.to(logprob.dtype)
     extra = {"generator": generator} if fn is clip_cov else {}
     loss, metrics = fn(logprob, old_logprob, advantages, mask, params, rollout_logprob=rollout_logprob, **extra)
-    reads_mu = name in READS_ROLLOUT_LOGPROBS or (name == "cispo" and params.cispo_anchor == "rollout")
-    behaviour = rollout_logprob if reads_mu and rollout_logprob is not None else old_logprob
+    behaviour = rollout_logprob if ratio_to_rollout(name, params) and rollout_logprob is not None else old_logprob
     metrics["ppo_kl"] = masked_mean((behaviour - logprob).detach(), mask)
     return loss, metrics

@@ -20,8 +20,8 @@ import torch
 
 from mlora.rl.kl import kl_penalty
 from mlora.rl.losses import agg_loss
-from mlora.rl.policy_losses import PolicyLossParams, token_policy_loss
 from mlora.rl.masked import masked_mean, masked_std, safe_exp
+from mlora.rl.policy_losses import PolicyLossParams, token_policy_loss
 
 TIS_RATIO_TYPES = ("token", "sequence")
 SEQUENCE_MASK_METRICS = ("product", "geometric")

@@ -56,6 +56,23 @@ class RolloutBatch:
         return (self.response_mask[:, 1:] * self.attention_mask[:, 1:]).float()
 
     @property
+    def response_span(self) -> torch.Tensor:
+        """``[B, S - 1]`` float: 1 from each row's first to its last response position (SkyRL's ``response_mask``:
+        a multi-turn row's environment tokens between the model's turns included)."""
+        mask = self.response_positions
+        pos = torch.arange(mask.shape[1])
+        has = mask > 0
+        first = torch.where(has, pos, mask.shape[1]).min(dim=1, keepdim=True).values
+        last = torch.where(has, pos, -1).max(dim=1, keepdim=True).values
+        return ((pos >= first) & (pos <= last)).to(mask.dtype)
+
+    @property
+    def last_response_position(self) -> torch.Tensor:
+        """``[B]`` long: each row's last response position (where an outcome reward sits)."""
+        mask = self.response_positions
+        return mask.shape[1] - 1 - torch.flip(mask, dims=[1]).argmax(dim=1)
+
+    @property
     def action_mask(self) -> torch.Tensor:
         """``[B, S - 1]`` float: the positions that enter the loss, :attr:`response_positions` of the rows
         ``loss_mask`` keeps."""

@@ -8,7 +8,7 @@ from mlora.rl.advantages import ADVANTAGE_ESTIMATORS, CRITIC_ESTIMATORS
 from mlora.rl.kl import KL_CONTROLLERS, KL_ESTIMATORS
 from mlora.rl.losses import LOSS_AGG_MODES
 from mlora.rl.lr_schedule import LR_SCHEDULES
-from mlora.rl.policy_losses import POLICY_LOSSES, PolicyLossParams
+from mlora.rl.policy_losses import POLICY_LOSSES, PolicyLossParams, ratio_to_rollout
 from mlora.rl.rollout_correction import OffPolicyCorrection
 from mlora.rollout.generator import check_truncation
 from mlora.train.micro_batches import Packing
@@ -131,8 +131,8 @@ class PPOConfig:
     def needs_rollout_logprobs(self) -> bool:
         """Whether the update cannot run without the engine's log-probs (rollout_is, CISPO anchored on the
         rollout, rollout correction)."""
-        return (self.policy_loss_type == "rollout_is" or self.off_policy.enabled
-                or (self.policy_loss_type == "cispo" and self.loss_settings.cispo_anchor == "rollout"))
+        needs_mu = ratio_to_rollout(self.policy_loss_type, self.loss_settings) and self.policy_loss_type != "dppo"
+        return needs_mu or self.off_policy.enabled
 
     @property
     def loss_params(self) -> PolicyLossParams:

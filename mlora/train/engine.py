@@ -382,16 +382,6 @@ def _update_all(joint: JointBatch, parts: Sequence[int], extras: dict[int, dict]
                                {p: engines[p]._trained(critic) for p in parts}, hidden=critic)
 
 
-def response_span(mask: torch.Tensor) -> torch.Tensor:
-    """``[B, T]`` 1 from each row's first to its last response position: SkyRL's ``response_mask`` (a multi-turn
-    row's environment tokens between the model's turns included)."""
-    pos = torch.arange(mask.shape[1])
-    has = mask > 0
-    first = torch.where(has, pos, mask.shape[1]).min(dim=1, keepdim=True).values
-    last = torch.where(has, pos, -1).max(dim=1, keepdim=True).values
-    return ((pos >= first) & (pos <= last)).to(mask.dtype)
-
-
 def batch_normalize(advantages: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
     """SkyRL's ``advantage_batch_normalize``: ``(A - mean) · rsqrt(max(Σ (A - mean)²·m / Σ m, 1e-8))`` over the
     batch, the mean over SkyRL's ``[B, max response length]`` tensor (every entry, padding's zeros included), the
@@ -409,14 +399,12 @@ def compute_advantages(c: PPOConfig, batch: RolloutBatch, old_logprobs: torch.Te
     (:mod:`mlora.rl.advantages`): over each row's response span (in a multi-turn row the environment's
     tokens between turns too, which the loss mask leaves out). Pure given its inputs; identical on every rank."""
     # a filtered row (batch.loss_mask) keeps its reward at its last token: it counts in its group's statistics
-    mask = batch.response_positions
-    span = response_span(mask)
+    mask, span = batch.response_positions, batch.response_span
     if batch.token_rewards is not None:  # multi-turn: each turn's reward where the trainer placed it
         token_rewards = batch.token_rewards.float() * mask
     else:
-        last = mask.shape[1] - 1 - torch.flip(mask, dims=[1]).argmax(dim=1)  # last response position per row
         token_rewards = torch.zeros_like(mask)
-        token_rewards[torch.arange(batch.size), last] = batch.rewards.float()
+        token_rewards[torch.arange(batch.size), batch.last_response_position] = batch.rewards.float()
     kl = kl_penalty(old_logprobs, ref_logprobs, c.kl_estimator) * mask
     out = {"kl": kl}
     if c.use_kl_in_reward:

@@ -51,20 +51,17 @@ def dapo_shaping(cfg: TrainConfig, batch: RolloutBatch, finish_reasons: Sequence
     ``apply_dapo_soft_overlong_punishment``: ``reward[-1] -= penalty``); a response longer than
     ``max_generate_length`` (its span, environment tokens included) has its rewards set to 0."""
     from mlora.rl.reward_shaping import overlong_filter_mask, overlong_penalty, overlong_zeroed
-    from mlora.train.engine import response_span
 
     a, metrics = cfg.trainer.algorithm, {}
     if a.overlong_buffer_len is not None:
         max_len = cfg.generator.sampling_params.max_generate_length
-        lengths = response_span(batch.response_positions).sum(-1).long()
+        lengths = batch.response_span.sum(-1).long()
         penalty = overlong_penalty(lengths, max_len, a.overlong_buffer_len, a.overlong_buffer_penalty_factor)
         zeroed = overlong_zeroed(lengths, max_len)
         batch.rewards = torch.where(zeroed, torch.zeros_like(batch.rewards), batch.rewards + penalty)
         if batch.token_rewards is not None:
-            mask = batch.response_positions
-            last = mask.shape[1] - 1 - torch.flip(mask, dims=[1]).argmax(dim=1)
             tokens = batch.token_rewards.clone()
-            tokens[torch.arange(batch.size), last] += penalty.to(tokens.dtype)
+            tokens[torch.arange(batch.size), batch.last_response_position] += penalty.to(tokens.dtype)
             batch.token_rewards = torch.where(zeroed[:, None], torch.zeros_like(tokens), tokens)
         metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
         metrics["reward/overlong_penalized_ratio"] = float((penalty < 0).float().mean())
@@ -357,6 +354,10 @@ class RLStage:
         n, want = e.cfg.generator.n_samples_per_prompt, t.train_batch_size
         kept: list[tuple[RolloutBatch, list]] = []
         groups, attempt, first = 0, 1, got.metrics
+
+        def draws() -> torch.Generator:  # this step's and attempt's random choices, the same on every rank
+            return torch.Generator().manual_seed(t.seed * 1_000_003 + step * 1009 + attempt)
+
         while True:
             signal = group_has_signal(got.batch.rewards, n)
             if n == 1:  # SkyRL: a group of one always counts as informative
@@ -364,8 +365,7 @@ class RLStage:
             stats = {"dynamic_sampling/batches": float(attempt),
                      "dynamic_sampling/signal_ratio": float(signal.float().mean())}
             if ds.type == "replace" and signal.sum() > ds.min_replace_ratio * len(signal):
-                gen = torch.Generator().manual_seed(t.seed * 1_000_003 + step * 1009 + attempt)
-                index = replacement_rows(signal, n, gen)
+                index = replacement_rows(signal, n, draws())
                 return Collected(got.batch.rows(index), {**first, **stats,
                                  "dynamic_sampling/replaced_groups": float((~signal).sum())},
                                  [got.rows[i] for i in index.tolist()], got.version)
@@ -384,8 +384,7 @@ class RLStage:
                                    "prompt groups with a reward spread it needs; check the data's difficulty (or raise "
                                    "max_sample_batches, -1: no limit)")
             attempt += 1
-            gen = torch.Generator().manual_seed(t.seed * 1_000_003 + step * 1009 + attempt)
-            prompts = [e.train[i] for i in torch.randperm(len(e.train), generator=gen)[:want].tolist()]
+            prompts = [e.train[i] for i in torch.randperm(len(e.train), generator=draws())[:want].tolist()]
             sampling = self._sampling(e, e.step_of(step))
             sampling = dataclasses.replace(sampling, seed=None if sampling.seed is None
                                            else sampling.seed + attempt * 7_000_003)
