@@ -9,7 +9,9 @@ second row right-padded by 16. Per model two lines:
 - ``<model>_bf16_vs_cpu_f32``: ``rel = ||L_cuda_bf16 - L_cpu_f32||_F / ||L_cpu_f32||_F`` over the valid
   (non-padding) positions, all vocabulary entries, in float32; ``L_cpu_f32`` is mlora itself in float32 on the
   CPU (a subprocess with CUDA hidden, started first so that it overlaps the GPU work: gloo, megatron's CPU path,
-  the one the CPU test suite holds to transformers within 1e-5). Goal rel <= 2e-2.
+  the one the CPU test suite holds to transformers within 1e-5). Goal rel <= 2e-2 (tiny), <= 3e-2 (~1B): bf16's own
+  error grows with depth; on the H200 (2026-12-04) transformers' bf16 gave 0.0257 on the 16-layer model and
+  mlora's logits were transformers' exactly (the 2e-2 set for both before any GPU run was under bf16's floor).
 - ``<model>_bf16_vs_transformers_cuda``: transformers in bf16 on the same GPU (SDPA) measured the same way
   against the same float32 logits; figure ``rel(mlora, transformers)`` and both errors. Goal: mlora's bf16 is
   no less accurate than transformers' bf16 (its rel to float32 <= 1.1 x transformers' + 1e-3).
@@ -34,7 +36,7 @@ from gpu_common import finish, llama_1b, rehearsing, rel_error, start, tiny_llam
 REPORT = "logits"
 MODELS = ("tiny", "llama1b")
 CHECKS = tuple(f"{m}_{c}" for m in MODELS for c in ("bf16_vs_cpu_f32", "bf16_vs_transformers_cuda"))
-GOAL = 2e-2
+GOALS = {"tiny": 2e-2, "llama1b": 3e-2}
 BATCH, SEQ, PAD = 2, 96, 16
 
 
@@ -101,9 +103,10 @@ def compare(report, name: str, model_dir: Path, ref: torch.Tensor, ours: torch.T
     _, mask = batch(vocab)
     valid = mask.bool()
     ours_err = rel_error(ours, ref, valid)
-    report.record(f"{name}_bf16_vs_cpu_f32", ours_err, ours_err <= GOAL,
+    goal = GOALS[name]
+    report.record(f"{name}_bf16_vs_cpu_f32", ours_err, ours_err <= goal,
                   f"rel = ||bf16 - f32||/||f32|| over {int(valid.sum())} valid positions x {vocab} logits "
-                  f"(goal <= {GOAL}); top-1 agreement {top1_agreement(ours, ref, valid):.3f}")
+                  f"(goal <= {goal}); top-1 agreement {top1_agreement(ours, ref, valid):.3f}")
     hf_err = rel_error(theirs, ref, valid)
     report.record(f"{name}_bf16_vs_transformers_cuda",
                   {"mlora_vs_hf": rel_error(ours, theirs, valid), "mlora_vs_f32": ours_err, "hf_vs_f32": hf_err},

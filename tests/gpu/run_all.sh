@@ -41,7 +41,7 @@ CHECKS=(
     "check_logits.py 150"         # bf16 logits vs CPU float32 and vs transformers on CUDA: tiny and ~1B Llama
     "bench_gpu.py 150"            # LoRA fwd+bwd tokens/s vs PEFT (goal >= 1.2x), fp8="torch", SDPA kernels
 )
-BUDGET=${RUN_ALL_BUDGET:-465}
+BUDGET=${RUN_ALL_BUDGET:-465}  # RUN_ALL_ONLY (below): run only the scripts it names
 SUMMARY_RESERVE=10
 
 venv_python() {  # the CPU venv's interpreter (3.11) for building and resolving the wheelhouse
@@ -94,7 +94,9 @@ else
     log=$OUT/logs/wheelhouse_install.log
     # PIP_BREAK_SYSTEM_PACKAGES: the device's Python may be marked externally managed; the machine is thrown away
     if PIP_BREAK_SYSTEM_PACKAGES=1 "$PY" -m pip install -q --no-index --no-compile --find-links "$WHEELS" \
-            -r "$WHEELS/requirements.txt" > "$log" 2>&1; then
+            -r "$WHEELS/requirements.txt" > "$log" 2>&1 &&
+       PIP_BREAK_SYSTEM_PACKAGES=1 "$PY" -m pip install -q --no-index --no-deps --no-compile --find-links "$WHEELS" \
+            -r "$WHEELS/nodeps.txt" >> "$log" 2>&1; then
         how=pip
     else
         echo "run_all.sh: pip install --no-index failed ($(tail -1 "$log")); unzipping the wheels onto PYTHONPATH"
@@ -106,7 +108,7 @@ else
     fi
     printf 'wheelhouse_install\t%s\t%s\t0\n' "$how" $((SECONDS - t0)) >> "$OUT/run_all.tsv"
     echo "run_all.sh: wheelhouse installed ($how) in $((SECONDS - t0)) s"
-    if ! "$PY" -c "import megatron.core, transformers, peft, safetensors, tokenizers, mlora" >> "$log" 2>&1; then
+    if ! "$PY" -c "import megatron.core, transformers, peft, safetensors, tokenizers, skyrl_gym, mlora" >> "$log" 2>&1; then
         echo "run_all.sh: the trainer's packages do not import after the install:"; tail -5 "$log"
         "$PY" tests/gpu/run_summary.py "$OUT" "$MODE"
         exit 2
@@ -115,6 +117,10 @@ fi
 
 for entry in "${CHECKS[@]}"; do
     read -r script limit <<< "$entry"
+    # RUN_ALL_ONLY="check_a.py check_b.py": a rerun of some scripts (the others are not run and not reported)
+    if [[ -n ${RUN_ALL_ONLY:-} && " $RUN_ALL_ONLY " != *" $script "* ]]; then
+        continue
+    fi
     stem=${script%.py}
     short=${stem#check_}
     if [[ ! -f tests/gpu/$script ]]; then

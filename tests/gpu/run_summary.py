@@ -84,6 +84,12 @@ def verdict(entry: dict | None, rest: str) -> str:
 
 
 def main() -> None:
+    skipped: list[str] = []
+
+    def skip(name: str, why: str) -> None:  # a whole script or package not run here
+        skipped.append(name)
+        report.skip(name, why)
+
     out, mode = Path(sys.argv[1]), sys.argv[2]
     report = Report("run_all", out)
     failed = False
@@ -107,7 +113,7 @@ def main() -> None:
                   for v in ("PASS", "FAIL", "SKIP", "FIGURE")}
         took = f"{float(seconds):.0f} s of its {limit} s"
         if status == "missing":
-            report.skip(stem, "script missing")
+            skip(stem, "script missing")
         elif status == "out-of-time":
             report.record(stem, "not run", False, f"run_all.sh's time budget was spent before it ({limit} s left)")
             failed = True
@@ -118,7 +124,7 @@ def main() -> None:
         elif int(status) == SKIP_CODE or (int(status) == 0 and lines and counts["SKIP"] == len(lines)):
             reasons = sorted({r[len("SKIP "):] for r in lines.values() if r.startswith("SKIP")}) or said_skipped(
                 out / "logs" / f"{stem}.log")
-            report.skip(stem, f"exit {status}, {took}: " + ("; ".join(reasons) if reasons else "nothing to run here"))
+            skip(stem, f"exit {status}, {took}: " + ("; ".join(reasons) if reasons else "nothing to run here"))
         elif int(status) == 0:
             report.record(stem, f"exit 0 in {took}", True,
                           f"{counts['PASS']} PASS, {counts['FIGURE']} figures, {counts['SKIP']} SKIP")
@@ -128,13 +134,14 @@ def main() -> None:
             failed = True
     for module, why in NOT_CARRIED.items():
         if mode == "device" and importlib.util.find_spec(module) is not None:
-            report.skip(module, f"{module} is importable on this machine, but run_all.sh has no check of it")
+            skip(module, f"{module} is importable on this machine, but run_all.sh has no check of it")
         else:
-            report.skip(module, why)
+            skip(module, why)
     counts = {v: sum(verdict(entries.get(c), r) == v for c, r in all_lines.items())
               for v in ("PASS", "FAIL", "SKIP", "FIGURE")}
     print(f"run_all: {len(all_lines)} check lines: {counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['SKIP']} SKIP, "
-          f"{counts['FIGURE']} figures without a goal; JSON in {out}", flush=True)
+          f"{counts['FIGURE']} figures without a goal; {len(skipped)} scripts or packages skipped whole "
+          f"({', '.join(skipped) or 'none'}); JSON in {out}", flush=True)
     sys.exit(1 if failed else 0)
 
 

@@ -50,7 +50,11 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x
 PACKAGES = ("megatron-core", "transformers", "tokenizers", "safetensors", "peft", "accelerate", "huggingface_hub",
             "hydra-core", "omegaconf", "numpy", "pyyaml", "tqdm", "packaging")
 # Published only as source distributions: built into a (pure-Python) wheel here first.
-SDIST_ONLY = ("antlr4-python3-runtime",)
+SDIST_ONLY = ("antlr4-python3-runtime", "func-timeout")
+# Installed without their requirements (nodeps.txt): skyrl-gym (mlora.rollout imports it) and its func-timeout.
+# skyrl-gym also asks for pandas and requests, which the device's image has (device KINDS.md) and which would
+# pass the carry limit (pandas alone is ~12 MB); omegaconf comes with PACKAGES.
+NO_DEPS = ("skyrl-gym", "func-timeout")
 STUB_TAG = "gpustub"  # the stand-in's local version label: only the stand-in matches torch==2.11.0+gpustub
 MANIFEST = "manifest.json"
 
@@ -75,9 +79,15 @@ def requirements() -> list[str]:
     return [f"{p}=={have[p.lower().replace('_', '-')]}" for p in PACKAGES]
 
 
+def no_deps_pins() -> list[str]:
+    """:data:`NO_DEPS` at this venv's versions."""
+    have = pins()
+    return [f"{p}=={have[p]}" for p in NO_DEPS if p in have]
+
+
 def key(reqs: list[str]) -> str:
     """What a wheelhouse was built for: the pins and the target, so that a changed venv rebuilds it."""
-    text = "\n".join([*reqs, DEVICE_PYTHON, DEVICE_TORCH, *PLATFORMS])
+    text = "\n".join([*reqs, *no_deps_pins(), DEVICE_PYTHON, DEVICE_TORCH, *PLATFORMS])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -160,6 +170,11 @@ def build(dest: Path, force: bool = False) -> None:
                 pip("wheel", "--no-deps", "-q", "-w", str(dest), f"{name}=={have[name]}")
         pip("download", "-q", "-d", str(dest), "--find-links", str(stub_dir), "--find-links", str(dest),
             "-c", str(constraints), *target_flags(), *reqs)
+        pip("download", "-q", "--no-deps", "-d", str(dest), "--find-links", str(dest), *target_flags(),
+            *no_deps_pins())
+    (dest / "nodeps.txt").write_text(
+        "# installed after requirements.txt with: pip install --no-index --no-deps --find-links tests/gpu/wheels -r this file\n"
+        + "".join(f"{r}\n" for r in no_deps_pins()))
     for stub in dest.glob(f"torch-*{STUB_TAG}*.whl"):
         stub.unlink()
     (dest / "requirements.txt").write_text(
@@ -204,6 +219,13 @@ def verify(dest: Path) -> None:
     if foreign:
         raise SystemExit("wheelhouse: resolved from outside the wheelhouse: " + ", ".join(foreign))
     unused = names - {i["download_info"]["url"].rsplit("/", 1)[-1] for i in picked}
+    for pin in (dest / "nodeps.txt").read_text().split("\n")[1:]:  # installed on their own, without requirements
+        if pin:
+            stem = pin.replace("-", "_").replace("==", "-")
+            found = {n for n in unused if n.lower().startswith(stem.lower() + "-")}
+            if not found:
+                raise SystemExit(f"wheelhouse: {pin} (nodeps.txt) has no wheel in {dest}")
+            unused -= found
     line, ok = size_line(dest)
     print(f"wheelhouse: complete for CPython {DEVICE_PYTHON} manylinux x86-64 with the device's torch "
           f"{DEVICE_TORCH}: {len(picked) - 1} packages resolve offline" + (f"; unused: {sorted(unused)}" if unused else ""))
