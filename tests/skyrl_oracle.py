@@ -45,12 +45,12 @@ def ppo_utils():
 
 
 def owner_function(relpath: str, name: str, namespace: dict):
-    """Function ``name`` of ``skyrl/<relpath>``, compiled from the installed file's own source with
+    """Function or class ``name`` of ``skyrl/<relpath>``, compiled from the installed file's own source with
     ``namespace`` as its globals (the names it uses that its module imports)."""
     path = skyrl_root() / relpath
     tree = ast.parse(path.read_text())
     for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name == name:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name:
             code = compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec")
             scope = dict(namespace)
             exec(code, scope)

@@ -388,35 +388,35 @@ def test_configs_ship_in_the_wheel(tmp_path):
     assert out.strip().startswith(str(target)), out
 
 
-def test_zero_reward_on_non_stop(tiny_models):
+def test_zero_reward_on_non_stop():
     """generator.zero_reward_on_non_stop: a response cut at max_generate_length scores 0, as in SkyRL, under a
-    reward environment (``arithmetic``) and under a text environment scored as a one-turn episode (SkyRL's
-    ``gsm8k``, as asynchronous training scores responses generated ahead: its turn rewards zeroed too)."""
-    from transformers import AutoTokenizer
-
+    reward environment (``arithmetic``) and a text environment's trajectory whose last turn was cut (SkyRL's
+    ``gsm8k``: its turn rewards zeroed too, they become the per-token rewards)."""
     from mlora.config.schema import TrainConfig
     from mlora.rollout.data import Prompt
     from mlora.rollout.generator import Generation
-    from mlora.train.rollouts import Rollouts
+    from mlora.train.rollouts import Rollouts, episode_rewards
 
     cfg = TrainConfig()
     rollouts = object.__new__(Rollouts)  # scoring only: no engines, no process group
-    rollouts.cfg, rollouts.envs, rollouts.turn_formats, rollouts.max_model_len = cfg, {}, {}, 256
-    rollouts.tokenizer = AutoTokenizer.from_pretrained(str(tiny_models / "llama"))
-    for env in ("arithmetic", "gsm8k"):
-        cfg.generator.zero_reward_on_non_stop = False
-        prompt = Prompt({"prompt": "1+1?", "reward_spec": {"ground_truth": "2"}}, [1, 2], env)
-        def scored() -> tuple[float, float]:  # fresh generations: a text environment's episode rewrites its own
-            nonlocal done, cut
-            done, cut = Generation(0, [5], [0.0], "#### 2", "stop"), Generation(0, [5], [0.0], "#### 2", "length")
-            return rollouts.score(prompt, done), rollouts.score(prompt, cut)
+    rollouts.cfg, rollouts.envs = cfg, {}
+    prompt = Prompt({"prompt": "1+1?", "reward_spec": {"ground_truth": "2"}}, [1, 2], "arithmetic")
+    done, cut = Generation(0, [5], [0.0], "2", "stop"), Generation(0, [5], [0.0], "2", "length")
+    cfg.generator.zero_reward_on_non_stop = False
+    assert (rollouts.score(prompt, done), rollouts.score(prompt, cut)) == (1.0, 1.0)
+    cfg.generator.zero_reward_on_non_stop = True
+    assert (rollouts.score(prompt, done), rollouts.score(prompt, cut)) == (1.0, 0.0)
 
-        done = cut = None
-        assert scored() == (1.0, 1.0), env
-        cfg.generator.zero_reward_on_non_stop = True
-        assert scored() == (1.0, 0.0), env
-    assert done.extra["turn_rewards"] == [1.0] and cut.extra["turn_rewards"] == [0.0]  # the episode's own record
-    assert done.extra["end_reason"] == "done" and done.extra["env_class"] == "gsm8k"
+    def played() -> list[Generation]:  # two trajectories of a text environment, 2 turns each, the second one cut
+        return [Generation(0, [5, 6], [0.0, 0.0], "", reason, {"turn_rewards": [0.25, 1.0]})
+                for reason in ("stop", "length")]
+    assert episode_rewards(played(), False) == [1.25, 1.25]
+    trajectories = played()
+    assert episode_rewards(trajectories, True) == [1.25, 0.0]
+    assert trajectories[1].extra["turn_rewards"] == [0.0, 0.0] and trajectories[0].extra["turn_rewards"] == [0.25, 1.0]
+    with pytest.raises(ValueError, match="'gsm8k' is a text environment"):
+        rollouts.score(Prompt({"prompt": "1+1?"}, [1, 2], "gsm8k"), done)
+
 
 
 def test_overrides_before_and_after_options():

@@ -349,9 +349,9 @@ def test_two_clients_sample_in_one_batch_as_each_alone(server, base):
     params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=11)
     prompt = types.ModelInput.from_ints(PROMPT)
     alone = [c.sample(prompt, 2, params).result() for c in clients]
-    before = server.log.read_text().count("sampling requests running (2 adapters)")
+    before = server.log.read_text().count("the sampling engine: 2 requests running (2 adapters)")
     together = [f.result() for f in [c.sample(prompt, 2, params) for c in clients]]
-    assert server.log.read_text().count("sampling requests running (2 adapters)") > before
+    assert server.log.read_text().count("the sampling engine: 2 requests running (2 adapters)") > before
     for a, t in zip(alone, together):
         assert [s.tokens for s in a.sequences] == [s.tokens for s in t.sequences]
         for x, y in zip(a.sequences, t.sequences):

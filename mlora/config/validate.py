@@ -790,10 +790,6 @@ def _check_multi_turn(cfg: TrainConfig) -> list[str]:
         raise ConfigError(f"environment.max_env_error_ratio={ratio!r} must be a number in [0, 1]: the share of a "
                           "batch's trajectories whose environment may fail before the run stops (0: none)")
     multi = env.env_class in text_envs
-    if g.max_turns > 1 and cfg.trainer.fully_async.enabled:
-        raise ConfigError(f"generator.max_turns={g.max_turns} with trainer.fully_async.enabled=true: multi-turn "
-                          "rollouts are generated synchronously (each turn waits for its environment steps); "
-                          "set trainer.fully_async.enabled=false or generator.max_turns=1")
     if g.max_turns > 1 and not multi:
         notes.append(f"generator.max_turns={g.max_turns}: environment.env_class={env.env_class!r} scores one "
                      "response (rows whose env_class is a multi-turn environment take up to max_turns turns)")

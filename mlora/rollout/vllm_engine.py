@@ -118,6 +118,11 @@ class VLLMServer:
         # Ray engines only, per adapter name: this engine's own segment of shipped tensors, shipped files' folder
         self._segments: dict = {}
         self._shipped: dict = {}
+        # continuous batching (add / run): request id -> the request, until it finishes; and what finished
+        # while a batch call (generate) stepped the engine, kept for the next run
+        self._running: dict[str, dict] = {}
+        self._finished: list[tuple[str, dict]] = []
+        self._generate_calls = 0
 
     def ready(self) -> bool:
         return True
@@ -306,6 +311,8 @@ class VLLMServer:
         n = len(prompts)
         configs = (per_prompt_configs(s, range(n) if indices is None else indices) if isinstance(s, SamplingConfig)
                    else _one_per_prompt(list(s), n, "sampling configs"))
+        if self._running:  # continuous requests are in the engine: join them rather than run them to the end
+            return self._generate_stepped(prompts, configs, adapters)
         params = [_vllm_params(c) for c in configs]
         loras = self._requests(adapters, n)
         outs = []
@@ -320,6 +327,103 @@ class VLLMServer:
                 gens.append(Generation(i, ids, [step[t].logprob for step, t in zip(c.logprobs, ids)], c.text,
                                        str(c.finish_reason)))
         return gens
+
+    def _generate_stepped(self, prompts: list[list[int]], configs: list[SamplingConfig],
+                          adapters: Sequence[str] | None) -> list[Generation]:
+        """:meth:`generate` while continuous requests run (evaluation during asynchronous training): the prompts
+        join the running batch and the engine steps until they have finished; the others that finish meanwhile
+        are kept for the next :meth:`run` (``LLM.generate`` would step them to their end and drop their outputs)."""
+        self._generate_calls += 1
+        tag = f"mlora-generate-{self._generate_calls}-"
+        names = [None] * len(prompts) if adapters is None else _one_per_prompt(list(adapters), len(prompts),
+                                                                               "adapter names")
+        requests = [{"id": f"{tag}{i}", "prompt": p, "sampling": c, "adapter": a}
+                    for i, (p, c, a) in enumerate(zip(prompts, configs, names))]
+        refused = [why for why in self.add(requests) if why is not None]
+        if refused:
+            self.abort([r["id"] for r in requests])
+            raise ValueError(f"generation refused: {refused[0]}")
+        mine: dict[str, dict] = {}
+        while len(mine) < len(requests):
+            for request_id, result in self._step_once():
+                if request_id.startswith(tag):
+                    mine[request_id] = result
+                else:
+                    self._finished.append((request_id, result))
+        gens = []
+        for i in range(len(requests)):
+            gens += generations(i, mine[f"{tag}{i}"])
+        return gens
+
+    # continuous batching: the trainer's asynchronous generation (mlora.rollout.continuous) and the Tinker
+    # service's sampler put requests into the running engine between two of its steps and step it
+
+    def add(self, requests: list[dict]) -> list[str | None]:
+        """Add each request to the running engine; per request None, or why vLLM refused it (then it is not
+        running). A request: ``id``; ``prompt`` (token ids); ``sampling`` (a :class:`SamplingConfig`, one sample per
+        ``n_samples_per_prompt``) or ``params`` (``SamplingParams`` arguments, the service's); ``adapter``: a loaded
+        adapter's name, ``(name, lora_id, path)`` to load on first use, or None (the one adapter loaded, or the
+        base); optional ``prompt_logprobs``, ``topk_prompt``, ``topk_sample``."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.lora.request import LoRARequest
+        from vllm.sampling_params import RequestOutputKind
+
+        refused: list[str | None] = []
+        for r in requests:
+            topk_sample, topk_prompt = r.get("topk_sample", 0), r.get("topk_prompt", 0)
+            ask_prompt = r.get("prompt_logprobs", False) or topk_prompt > 0
+            try:
+                if "sampling" in r:
+                    params = _vllm_params(r["sampling"])
+                else:
+                    p = r["params"]
+                    params = SamplingParams(
+                        n=r.get("n", 1), temperature=p["temperature"], top_k=p["top_k"], top_p=p["top_p"],
+                        max_tokens=p["max_tokens"], seed=p["seed"], stop=p["stop"] or None,
+                        stop_token_ids=p["stop_token_ids"] or None, ignore_eos=p["ignore_eos"],
+                        include_stop_str_in_output=True, logprobs=topk_sample)
+                params.prompt_logprobs = topk_prompt if ask_prompt else None
+                params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per request, when it has finished
+                adapter = r.get("adapter")
+                lora = (LoRARequest(*adapter) if isinstance(adapter, (tuple, list))
+                        else self._requests(None if adapter is None else [adapter], 1)[0])
+                self.llm.llm_engine.add_request(r["id"], TokensPrompt(prompt_token_ids=r["prompt"]), params,
+                                                lora_request=lora)
+            except (ValueError, TypeError) as e:
+                refused.append(f"{type(e).__name__}: {e}")
+            else:
+                self._running[r["id"]] = r
+                refused.append(None)
+        return refused
+
+    def run(self, seconds: float) -> list[tuple[str, dict]]:
+        """Step the engine until a request finishes or ``seconds`` have passed; the finished requests' results
+        (:func:`request_result`), those a :meth:`generate` call saw finish first."""
+        done, self._finished = self._finished, []
+        deadline = time.monotonic() + seconds
+        while not done and self._running and time.monotonic() < deadline:
+            done += self._step_once()
+        return done
+
+    def _step_once(self) -> list[tuple[str, dict]]:
+        engine = self.llm.llm_engine
+        if not engine.has_unfinished_requests():
+            raise RuntimeError(f"the engine holds none of the {len(self._running)} requests it runs")
+        return [(out.request_id, request_result(self._running.pop(out.request_id), out))
+                for out in engine.step() if out.finished]
+
+    def abort(self, ids: Sequence[str] | None = None) -> list[str]:
+        """Stop the running requests ``ids`` (None: all, after a failed step); their ids."""
+        ids = list(self._running) if ids is None else [i for i in ids if i in self._running]
+        self.llm.llm_engine.abort_request(ids)
+        for request_id in ids:
+            del self._running[request_id]
+        return ids
+
+    def running(self) -> int:
+        """The continuous requests not finished yet."""
+        return len(self._running)
 
     def _requests(self, adapters: Sequence[str] | None, n: int) -> list:
         """The ``LoRARequest`` of each of ``n`` prompts (None: the base model)."""
@@ -365,6 +469,54 @@ class VLLMServer:
             groups[-1].append(i)
             used += need
         return groups
+
+
+def _topk(steps, k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """The ``k`` most likely tokens of each step (vLLM's logprob dicts, by rank; the chosen token, which vLLM adds
+    when it is not among them, left out), as ids and log-probs; missing cells padded with token 0 and
+    :data:`MASK_LOGPROB`."""
+    ids, lps = [], []
+    for step in steps:
+        ranked = sorted(((lp.rank, t, lp.logprob) for t, lp in step.items()
+                         if lp.rank is not None and lp.rank <= k), key=lambda x: x[0])[:k]
+        ids.append([t for _, t, _ in ranked] + [0] * (k - len(ranked)))
+        lps.append([v for _, _, v in ranked] + [MASK_LOGPROB] * (k - len(ranked)))
+    return ids, lps
+
+
+MASK_LOGPROB = -99999.0  # Tinker's sentinel of a top-k cell (token 0) or row not computed (tinker.types.topk_logprobs)
+
+
+def request_result(request: dict, out) -> dict:
+    """A finished continuous request's result: ``sequences`` (each ``tokens``, ``logprobs`` of the sampled tokens,
+    ``text``, ``finish_reason``, ``topk`` ids and log-probs or None), ``prompt_logprobs`` (NaN at position 0) and
+    ``topk_prompt`` when asked, else None."""
+    import math
+
+    k = request.get("topk_sample", 0)
+    sequences = []
+    for c in out.outputs:
+        tokens = list(c.token_ids)
+        sequences.append({"tokens": tokens, "logprobs": [step[t].logprob for step, t in zip(c.logprobs, tokens)],
+                          "text": c.text, "finish_reason": str(c.finish_reason),
+                          "topk": _topk(c.logprobs, k) if k > 0 else None})
+    result = {"sequences": sequences, "prompt_logprobs": None, "topk_prompt": None}
+    k_prompt = request.get("topk_prompt", 0)
+    if request.get("prompt_logprobs") or k_prompt > 0:
+        steps = out.prompt_logprobs or []
+        prompt = request["prompt"]
+        if request.get("prompt_logprobs"):
+            result["prompt_logprobs"] = [math.nan] + [steps[i][prompt[i]].logprob for i in range(1, len(prompt))]
+        if k_prompt > 0:
+            ids, lps = _topk(steps[1:], k_prompt)
+            result["topk_prompt"] = ([[0] * k_prompt] + ids, [[MASK_LOGPROB] * k_prompt] + lps)
+    return result
+
+
+def generations(prompt_index: int, result: dict) -> list[Generation]:
+    """The :class:`Generation` of each sample of a :func:`request_result`."""
+    return [Generation(prompt_index, s["tokens"], s["logprobs"], s["text"], s["finish_reason"])
+            for s in result["sequences"]]
 
 
 def _one_per_prompt(values: list, n: int, what: str) -> list:

@@ -79,6 +79,12 @@ class Stage(Protocol):
     def postfix(self, metrics: dict[str, float]) -> dict[str, str]:
         """The progress bar's figures."""
 
+    def loop_state(self) -> dict:
+        """What a checkpoint keeps of the stage besides the model and the engine (JSON; {} for nothing)."""
+
+    def restore(self, state: dict) -> None:
+        """A resumed run: the checkpoint's loop state (:meth:`loop_state`'s keys among them), before :meth:`open`."""
+
     def finish(self, run_dir: Path) -> Path:
         """Collective: write the final adapter; on rank 0 also report it (plot, how to serve it). Returns it."""
 
@@ -265,6 +271,7 @@ def _resume_state(path: Path, stage: Stage, cfg: TrainConfig) -> int:
     """Load checkpoint ``path`` into the stage's model and engine; returns its step."""
     t0 = time.perf_counter()
     state = load_run_state(path, stage.model, stage.engine)
+    stage.restore(state)
     step, total, batch = state["step"], stage.total_steps, cfg.trainer.train_batch_size
     if cfg.experiments is None and (state.get("n_examples"), state.get("train_batch_size")) != (stage.n_examples, batch):
         log.warning("resume: the checkpoint's run had %s examples in batches of %s, this one %d in batches of %d: "
@@ -290,7 +297,7 @@ class _Saver:
     def save(self, step: int, epoch: int) -> Path:
         t, s = self.cfg.trainer, self.stage
         loop_state = {"step": step, "epoch": epoch, "total_steps": s.total_steps, "seed": t.seed,
-                      "n_examples": s.n_examples, "train_batch_size": t.train_batch_size}
+                      "n_examples": s.n_examples, "train_batch_size": t.train_batch_size, **s.loop_state()}
         meta = {**self.meta, "mesh": {"tp": self.mesh.tp, "pp": self.mesh.pp, "dp": self.mesh.dp}}
         return save_checkpoint(self.root, step, self.mesh,
                                lambda d: write_run_state(d, s.model, s.engine, loop_state, self.config_text),

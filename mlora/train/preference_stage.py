@@ -130,6 +130,12 @@ class PreferenceStage:
                      final, f"\n(trained on top of {frozen})" if frozen else "")
         return final
 
+    def loop_state(self) -> dict:
+        return {}
+
+    def restore(self, state: dict) -> None:
+        pass
+
     def close(self) -> None:
         """Nothing to release."""
 

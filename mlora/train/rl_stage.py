@@ -11,11 +11,13 @@ adapter is handed to the engines and hot-swapped in.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from mlora.config.dtypes import engine_dtype
 from mlora.config.experiments import experiment_configs
@@ -26,7 +28,7 @@ from mlora.rollout.data import Prompt, epoch_batches, load_prompt_set
 from mlora.rollout.envs import REWARD_MODEL_ENV, env_class, is_multi_turn, make_env
 from mlora.rollout.generator import SamplingConfig, per_prompt_configs
 from mlora.train import loop
-from mlora.train.async_schedule import Chunk, GroupSchedule
+from mlora.train.async_schedule import AsyncGeneration, GroupSchedule
 from mlora.train.batch import RolloutBatch
 from mlora.train.engine import ActorCriticEngine, step_experiments
 from mlora.train.experiments import CRITIC, POLICY, Experiment, ExperimentEngines, experiments_step_line, joint_schedule
@@ -165,7 +167,11 @@ class RLStage:
         self.asynchronous = t.fully_async.enabled
         self.groups: GroupSchedule | None = None
         self.group_prompts: dict[int, int] = {}
-        self.finished: dict[int, tuple[int, list, list]] = {}  # group -> (version, generations, rewards)
+        self.generation: AsyncGeneration | None = None  # rank 0's continuous generation
+        # the groups trained (every rank): all below trained_below, and those in trained beyond it (finish order
+        # trains some later groups before earlier ones); a checkpoint keeps both (SkyRL's consumed uids)
+        self.trained_below, self.trained = 0, set()
+        self.resumed_groups: tuple[int, list[int]] | None = None
 
     def _experiment(self, name: str | None, cfg: TrainConfig, train: list[Prompt], val: list[Prompt],
                     reference: tuple[str, ...]) -> Experiment:
@@ -207,84 +213,119 @@ class RLStage:
     def _start_groups(self, step: int) -> None:
         """Asynchronous training, the first step of this launch (a resumed run starts after its checkpoint): the
         group schedule from this step on, each group's prompt as the synchronous loop orders them
-        (:func:`~mlora.rollout.data.epoch_batches` is deterministic)."""
+        (:func:`~mlora.rollout.data.epoch_batches` is deterministic), and continuous generation on the rank holding
+        the engines."""
         e, t, f = self.experiments[0], self.cfg.trainer, self.cfg.trainer.fully_async
-        b = t.train_batch_size
-        for _, s, prompts in epoch_batches(len(e.train), b, t.seed, e.total_steps, step - 1):
+        if self.rollouts.starters != [0]:
+            raise ValueError(f"trainer.fully_async.enabled=true: the engines are started by ranks "
+                             f"{self.rollouts.starters} (local engines on several nodes); asynchronous generation "
+                             "drives them all from rank 0: use Ray engines (generator.run_engines_locally=false) or "
+                             "one node")
+        b, total = t.train_batch_size, e.total_steps * t.train_batch_size
+        for _, s, prompts in epoch_batches(len(e.train), b, t.seed, e.total_steps, 0):
             self.group_prompts.update({(s - 1) * b + i: p for i, p in enumerate(prompts)})
+        if self.resumed_groups is not None:  # the checkpoint's trained groups: the others generate, in order
+            self.trained_below, trained = self.resumed_groups
+            self.trained = set(trained)
+        else:  # a fresh run, or a checkpoint without them: the first (step - 1) x B groups were trained
+            self.trained_below = (step - 1) * b
+        order = [g for g in range(self.trained_below, total) if g not in self.trained]
         self.groups = GroupSchedule(b, f.max_staleness_steps, f.num_parallel_generation_workers, (step - 1) * b,
-                                    e.total_steps * b)
+                                    total, order)
+        if self.mesh.rank == 0:
+            self.generation = AsyncGeneration(self.groups, self._start_async, step)
         if step > 1 and self.mesh.rank == 0 and f.max_staleness_steps:
             n = async_groups_in_flight(self.cfg) - b
             log.info("trainer.fully_async: resumed at step %d; the samples the stopped run had generated ahead (up "
-                     "to %d prompt groups) are not in the checkpoint and are discarded: steps %d.. are generated again "
-                     "from the resumed policy, none is used twice", step - 1, n, step)
+                     "to %d prompt groups) are not in the checkpoint and are discarded: the groups it had not trained, "
+                     "from group %d on, are generated again from the resumed policy; none is used twice",
+                     step - 1, n, self.trained_below)
 
-    def _admit(self, step: int) -> None:
-        """Submit every group the schedule admits at ``step``, one engine call per training batch they belong to
-        (a whole batch samples exactly as the synchronous loop's call: one config, prompt ``i`` seeded
-        ``+ i``), on the adapter the engines have now."""
+    def loop_state(self) -> dict:
+        """Asynchronous training: which groups were trained (finish order trains some later groups before
+        earlier ones), so that a resumed run generates exactly the others."""
+        if not self.asynchronous:
+            return {}
+        return {"async_trained_below": self.trained_below, "async_trained": sorted(self.trained)}
+
+    def restore(self, state: dict) -> None:
+        if self.asynchronous and "async_trained_below" in state:
+            self.resumed_groups = (int(state["async_trained_below"]), [int(g) for g in state["async_trained"]])
+
+    def _mark_trained(self, groups: list[int]) -> None:
+        self.trained.update(groups)
+        while self.trained_below in self.trained:
+            self.trained.remove(self.trained_below)
+            self.trained_below += 1
+
+    def _start_async(self, groups: list[int], version: int) -> list:
+        """Start ``groups`` on the engines (policy ``version``): each with its own prompt's seed in its batch, as
+        the synchronous loop samples it (step ``s``'s prompt ``i`` with ``seed + 1000·s + i``)."""
         e, b = self.experiments[0], self.cfg.trainer.train_batch_size
-        while (admitted := self.groups.admit(step)) is not None:
-            start, end = admitted
-            while start < end:
-                s = GroupSchedule.step_of(start, b)
-                stop = min(end, s * b)
-                sampling = self._sampling(e, s)
-                if stop - start < b:  # part of a batch: each prompt's own seed, as in its whole batch
-                    sampling = per_prompt_configs(sampling, [g - (s - 1) * b for g in range(start, stop)])
-                queued = self.rollouts.submit([e.train[self.group_prompts[g]] for g in range(start, stop)], sampling)
-                self.groups.add(Chunk(start, stop, queued.version, queued))
-                start = stop
+        todo = []
+        for g in groups:
+            s = g // b + 1
+            sampling = per_prompt_configs(self._sampling(e, s), [g - (s - 1) * b])[0]
+            todo.append((g, e.train[self.group_prompts[g]], sampling))
+        return self.rollouts.start_groups(todo)
 
-    def _collect_async(self, step: int, picked: list[int]) -> tuple[Collected, dict]:
-        """Collective: step ``step``'s groups, collecting finished chunks in order and admitting more as room
-        opens (generation goes on while the trainer waits and, for what is queued, while it trains)."""
+    def _collect_async(self, step: int) -> tuple[Collected, dict]:
+        """Collective: the first ``train_batch_size`` groups to finish (SkyRL's finish-time FIFO), from rank 0,
+        which generates continuously; later groups go on generating while this step trains."""
         e, b = self.experiments[0], self.cfg.trainer.train_batch_size
         if self.groups is None:
             self._start_groups(step)
-        groups = range((step - 1) * b, step * b)
-        if [self.group_prompts[g] for g in groups] != list(picked):
-            raise RuntimeError(f"asynchronous training: step {step}'s prompts differ from the group schedule")
-        self._admit(step)
-        t0, generated = time.perf_counter(), 0.0
-        while self.groups.accepted < groups.stop:
-            chunk = self.groups.next_chunk()
-            gens, rewards, seconds = self.rollouts.collect_queued(chunk.pending)
-            generated = max(generated, seconds)
-            for g in range(chunk.start, chunk.end):
-                self.finished[g] = (chunk.version, [], [])
-            for gen, reward in zip(gens, rewards):
-                _, own, scores = self.finished[chunk.start + gen.prompt_index]
-                own.append(gen)
-                scores.append(reward)
-            self._admit(step)  # a worker is free: the next groups start while this step waits or trains
+        t0 = time.perf_counter()
+        taken = None
+        if self.mesh.rank == 0:
+            taken = self.generation.take(b)
+            in_flight, waiting = self.generation.state()
+            taken = (taken, in_flight, waiting)
+        box = [taken]
+        dist.broadcast_object_list(box, src=0)  # generations are objects: every rank trains the same batch
+        taken, in_flight, waiting = box[0]
+        # which groups train is their finish order; their rows go in the run's order (the objective is the same,
+        # and max_staleness_steps=0 is then the synchronous loop bit for bit)
+        taken = sorted(taken, key=lambda f: f.group)
+        self._mark_trained([f.group for f in taken])
         wait = time.perf_counter() - t0
-        versions, gens, rewards = [], [], []
-        for k, g in enumerate(groups):
-            version, own, scores = self.finished.pop(g)
-            for gen in own:
+        prompts, gens, rewards = [], [], []
+        for k, f in enumerate(taken):
+            prompts.append(e.train[self.group_prompts[f.group]])
+            for gen in f.gens:
                 gen.prompt_index = k
-            versions.append(version)
-            gens += own
-            rewards += scores
-        got = self.rollouts.assemble([e.train[i] for i in picked], gens, rewards, min(versions), self.pad_id)
+            gens += f.gens
+            rewards += f.rewards
+        versions = [f.version for f in taken]
+        got = self.rollouts.assemble(prompts, gens, rewards, min(versions), self.pad_id)
         trained = e.engine.global_step
         staleness = [trained - v for v in versions]
+        bound = self.cfg.trainer.fully_async.max_staleness_steps
+        violations = sum(x > bound for x in staleness)
+        if violations and self.mesh.rank == 0:
+            log.warning("trainer.fully_async: %d of step %d's groups are staler than max_staleness_steps=%d (up to %d "
+                        "steps; SkyRL's caveat: a group that generates longer than the bound still trains)",
+                        violations, step, bound, max(staleness))
         got.metrics.update({
             "timing/rollout_wait_s": wait,  # what the trainer waited for generation
-            "timing/generate_s": generated, "async/generation_version": min(versions), "async/trainer_version": trained,
+            "timing/generate_s": max(f.finished - f.started for f in taken),
+            "async/generation_version": min(versions), "async/trainer_version": trained,
             "async/staleness_mean": sum(staleness) / len(staleness), "async/staleness_max": max(staleness),
-            "async/engine_version": self.rollouts.version,
-            "async/groups_in_flight": self.groups.submitted - self.groups.accepted,
-            "async/groups_waiting": len(self.finished)})
+            "async/staleness_min": min(staleness), "async/staleness_ratio": sum(x > 0 for x in staleness) / len(staleness),
+            "async/staleness_violation_count": violations,
+            "async/groups_in_flight": in_flight, "async/groups_waiting": waiting})
+        if self.mesh.rank == 0 and self.run_dir is not None:
+            with open(self.run_dir / "async_groups.jsonl", "a") as out:
+                for f in taken:
+                    out.write(json.dumps({"step": step, "group": f.group, "version": f.version,
+                                          "started": f.started, "finished": f.finished}) + "\n")
         return got, {}
 
     def _collect(self, step: int, picked) -> tuple[list[tuple[Experiment, Collected]], dict]:
         """Collective: the rollouts of every experiment running at ``step``, and the run's shared metrics."""
         todo = [(self.experiments[0], picked)] if self.single else [(self.experiments[i], p) for i, p in picked.items()]
-        if self.asynchronous:  # runs without experiments
-            got, shared = self._collect_async(step, picked)
+        if self.asynchronous:  # runs without experiments; the groups that finish first, whatever ``picked`` says
+            got, shared = self._collect_async(step)
             return [(todo[0][0], got)], shared
         jobs = [Job(e.cfg, e.served, [e.train[i] for i in p], self._sampling(e, e.step_of(step))) for e, p in todo]
         got = self.rollouts.collect_jobs(jobs, self.pad_id)
@@ -324,6 +365,8 @@ class RLStage:
         if self.rollouts.asleep:  # the engines wake into the memory the step held
             release_cached_memory()
         shared.update(self.rollouts.sync(self.model, self.experiments[0].engine.global_step))
+        if self.generation is not None:  # the update is in the engines: SkyRL's capacity opens for step + 1
+            self.generation.advance(step + 1)
         if self.single:
             return {**own[0], **shared}
         out = dict(shared)
@@ -450,6 +493,8 @@ class RLStage:
         return final
 
     def close(self) -> None:
+        if self.generation is not None:
+            self.generation.close()
         if self.rollouts is not None:
             self.rollouts.close()
 

@@ -11,12 +11,13 @@ and one generation call holds every experiment's prompts.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,8 @@ from mlora.rollout.multi_turn import (
 )
 from mlora.rollout.placement import Placement, cuda_visible_devices, plan_placement
 from mlora.rollout.shm_names import SHM_DIR, remove_stale, shm_name
-from mlora.rollout.spread import collect_scored, gather_scored, generate_scored, submit_generation
+from mlora.rollout.spread import gather_scored, generate_scored
+from mlora.rollout.vllm_engine import generations
 from mlora.train.batch import RolloutBatch
 from mlora.train.evaluate import evaluate
 from mlora.train.from_config import sampling_config
@@ -88,6 +90,17 @@ def build_batch(prompt_ids: list[list[int]], gens: list[Generation], rewards: li
                         token_rewards=token_rewards)
 
 
+def episode_rewards(gens: list[Generation], zero_reward_on_non_stop: bool) -> list[float]:
+    """Each trajectory's reward: the sum of its turns' (:func:`~mlora.rollout.multi_turn.run_episodes`). SkyRL's
+    ``zero_reward_on_non_stop``: a trajectory whose last turn was cut scores nothing, its turn rewards zeroed in
+    place (they become the per-token rewards)."""
+    if zero_reward_on_non_stop:
+        for gen in gens:
+            if gen.finish_reason != "stop":
+                gen.extra["turn_rewards"] = [0.0] * len(gen.extra["turn_rewards"])
+    return [sum(gen.extra["turn_rewards"]) for gen in gens]
+
+
 def _sync_dir(cfg: TrainConfig, adapter: str) -> Path:
     """Where rank 0 writes the adapter for the engines (weight_sync=disk|memory): a folder no other run
     uses (its name holds this host and process, :func:`mlora.rollout.shm_names.shm_name`), under
@@ -99,16 +112,6 @@ def _sync_dir(cfg: TrainConfig, adapter: str) -> Path:
         return SHM_DIR / shm_name(f"sync-{name}") / adapter
     root = cfg.trainer.policy.model.lora.lora_sync_path or Path(cfg.trainer.run_dir) / "lora_sync"
     return Path(root) / shm_name(name) / adapter
-
-
-@dataclass
-class QueuedBatch:
-    """A batch whose generation is queued on the engines (:meth:`Rollouts.submit`): its prompts, the policy
-    version of the adapter it samples with, and this rank's pending engine calls (None where it holds none)."""
-
-    prompts: list[Prompt]
-    version: int
-    pending: tuple | None
 
 
 @dataclass(frozen=True)
@@ -167,9 +170,9 @@ class Rollouts:
         self.sync_root = Path(broadcast_json(str(_sync_dir(cfg, "policy").parent) if mesh.rank == 0 else None))
         self.tensors = cfg.generator.weight_sync == "tensors"
         self.handoffs: dict = {}  # weight_sync=tensors: a segment per adapter, made at the first sync (needs the model)
-        # asynchronous training (trainer.fully_async): swaps are queued between generation requests, not waited for
-        self.queued = cfg.trainer.fully_async.enabled
-        self.swaps: list = []  # the last queued swap's calls
+        # asynchronous training (trainer.fully_async): each engine stepped continuously by a thread of its own
+        # (mlora.rollout.continuous); a swap pauses it between two steps
+        self.continuous = cfg.trainer.fully_async.enabled
         self.version = -1  # the policy version (updates applied) of the adapters last handed to the engines
         self.generator = None
         self.envs: dict = {}
@@ -254,6 +257,12 @@ class Rollouts:
                  "" if options.get("engine_cores") is None else
                  "; CPU cores per engine " + " ".join(str(c) for c in options["engine_cores"]))
         self.generator = build_engines(self.engine_base, **options)
+        if self.continuous:
+            from mlora.rollout.continuous import ContinuousEngine
+
+            n = len(self.generator.engines)
+            self.generator.engines = [ContinuousEngine(e, f"vLLM engine {i} of {n}" if n > 1 else "vLLM engine")
+                                      for i, e in enumerate(self.generator.engines)]
         return self.generator.sleep_mode_available()
 
     def _check_shared_sync(self) -> None:
@@ -325,41 +334,17 @@ class Rollouts:
             gens = run_episodes(generate, [prompts[i] for i in mine], sampling, **self._episode_parts(cfg, sampling))
             for gen in gens:
                 gen.prompt_index = mine[gen.prompt_index]
-            if cfg.generator.zero_reward_on_non_stop:  # SkyRL's: a trajectory whose last turn was cut scores nothing
-                for gen in gens:
-                    if gen.finish_reason != "stop":
-                        gen.extra["turn_rewards"] = [0.0] * len(gen.extra["turn_rewards"])
-            part = (gens, [sum(gen.extra["turn_rewards"]) for gen in gens], time.perf_counter() - t0)
+            part = (gens, episode_rewards(gens, cfg.generator.zero_reward_on_non_stop), time.perf_counter() - t0)
         return gather_scored(part)
 
-    def _one_turn_episode(self, prompt: Prompt, gen: Generation, cfg: TrainConfig) -> float:
-        """The reward of a response generated ahead (``trainer.fully_async``) to a text environment's prompt: the
-        one-turn episode :meth:`_episodes` would have played with it (``gen`` becomes that trajectory: tokens,
-        ``extra``). ValueError when the environment's ``init`` changes the prompt the response answered."""
-        def answered(sequences: list[list[int]], s: SamplingConfig) -> list[Generation]:
-            if sequences != [list(prompt.token_ids)]:
-                raise ValueError(f"environment {prompt.env_class!r} changes the prompt in init(): with "
-                                 "trainer.fully_async.enabled=true responses are generated before the environment "
-                                 "starts; train it synchronously (trainer.fully_async.enabled=false)")
-            return [gen]
-
-        parts = {**self._episode_parts(cfg, SamplingConfig(max_generate_length=0)), "max_turns": 1, "env_workers": 1}
-        played = run_episodes(answered, [prompt], SamplingConfig(), **parts)[0]
-        gen.token_ids, gen.logprobs, gen.text, gen.extra = (played.token_ids, played.logprobs, played.text,
-                                                            played.extra)
-        return sum(played.extra["turn_rewards"])
-
     def score(self, prompt: Prompt, gen: Generation, cfg: TrainConfig | None = None) -> float:
-        """The reward of ``gen`` under the environment of ``prompt`` with ``cfg``'s settings (default the run's);
-        a text environment's through a one-turn episode (:meth:`_one_turn_episode`)."""
+        """The reward of ``gen`` under the single-response environment of ``prompt`` with ``cfg``'s settings (default
+        the run's); text environments score their trajectories themselves (:func:`episode_rewards`)."""
         cfg = cfg or self.cfg
-        zero = cfg.generator.zero_reward_on_non_stop and gen.finish_reason != "stop"
         if is_multi_turn(prompt.env_class):
-            reward = self._one_turn_episode(prompt, gen, cfg)
-            if zero:
-                gen.extra["turn_rewards"] = [0.0] * len(gen.extra["turn_rewards"])
-            return 0.0 if zero else reward
-        if zero:
+            raise ValueError(f"environment {prompt.env_class!r} is a text environment: its trajectories are played "
+                             "(run_episodes), not scored one response at a time")
+        if cfg.generator.zero_reward_on_non_stop and gen.finish_reason != "stop":
             return 0.0
         kwargs = env_kwargs(cfg, prompt.env_class)
         key = (prompt.env_class, tuple(sorted(kwargs.items())))
@@ -381,17 +366,11 @@ class Rollouts:
         (collective) and hot-swap them in: PEFT files in the sync directory, or (``weight_sync=tensors``) each
         rank's shards copied into the adapter's shared segment.
 
-        Asynchronous training (``trainer.fully_async``): the swap is queued behind the generation requests
-        already submitted (they finish on the version they started with) and not waited for; the next hand-off
-        first waits for it, since it overwrites the files or segment the engines read."""
+        Asynchronous training (``trainer.fully_async``): SkyRL's pause, sync, resume (``keep`` mode): each engine
+        stops stepping between two steps, loads the adapter in place, and the requests in flight go on under it
+        (:mod:`mlora.rollout.continuous`); ``clear_kv_cache_on_weight_sync`` drops the prefix cache then."""
         t0 = time.perf_counter()
         out = self.wake()  # back on the GPUs before the adapter goes in
-        if self.queued:
-            for call in self.swaps:
-                self.generator.wait(call)
-            self.swaps = []
-            out["timing/swap_wait_s"] = time.perf_counter() - t0
-            dist.barrier()  # no rank overwrites its part before every engine has loaded the previous version
         swaps = []  # (method, path, served name)
         for served, adapter in self.adapters.items():
             if self.merged:  # W + s·B·A of the adapted linears, every expert's included (mlora.rollout.vllm_weights)
@@ -409,41 +388,65 @@ class Rollouts:
                 swaps.append(("set_adapter", str(self.sync_dir(served)), served))
         out["timing/adapter_gather_s"] = time.perf_counter() - t0
         if self.generator is not None:
-            if self.queued:
-                self.swaps = [c for method, arg, served in swaps for c in self.generator.submit_all(method, arg, served)]
-                if self.cfg.trainer.fully_async.clear_kv_cache_on_weight_sync:
-                    self.swaps += self.generator.submit_all("reset_prefix_cache")
-            else:
-                update = {"set_adapter_tensors": "update_adapter_tensors", "set_merged_weights": "update_merged_weights",
-                          "set_adapter": "update_adapter"}
-                out["timing/adapter_swap_s"] = sum(getattr(self.generator, update[method])(arg, served)
-                                                   for method, arg, served in swaps)
+            update = {"set_adapter_tensors": "update_adapter_tensors", "set_merged_weights": "update_merged_weights",
+                      "set_adapter": "update_adapter"}
+            out["timing/adapter_swap_s"] = sum(getattr(self.generator, update[method])(arg, served)
+                                               for method, arg, served in swaps)
+            if self.continuous and self.cfg.trainer.fully_async.clear_kv_cache_on_weight_sync:
+                self.generator._all("reset_prefix_cache")
         self.version = version
         out["timing/adapter_sync_s"] = time.perf_counter() - t0
         return out
 
-    def submit(self, prompts: list[Prompt], sampling: SamplingConfig | Sequence[SamplingConfig]) -> QueuedBatch:
-        """Queue the generation of ``prompts`` on this rank's engines, behind what is queued already: it runs on
-        the adapter of the last hand-off (:attr:`version`). :meth:`collect_queued` waits for it. ``sampling``:
-        one config (prompt ``i`` seeded ``+ i``) or one per prompt. (Runs without experiments: asynchronous
-        training serves one adapter.)"""
-        return QueuedBatch(prompts, self.version, submit_generation(self.generator, self.slots, self.total,
-                                                                    [p.token_ids for p in prompts], sampling))
+    def start_groups(self, groups: Sequence[tuple[int, Prompt, SamplingConfig]]) -> list[Callable[[], tuple]]:
+        """Asynchronous training, on the rank holding the engines: start prompt groups ``(index, prompt, sampling)``
+        on the continuous engines (group ``g`` on engine ``g mod engines``) and return, per group, a call that
+        waits for it and returns its ``(generations, rewards)``. One-turn groups are added to the engines' running
+        batch at once, together; a text environment's groups play their episodes (every turn a request joining
+        the running batch, the environment stepping between turns) in the caller's thread."""
+        engines = self.generator.engines
+        done = []
+        single = [(g, prompt, s) for g, prompt, s in groups if not is_multi_turn(prompt.env_class)]
+        futures = {}
+        by_engine: dict[int, list] = {}
+        for g, prompt, s in single:
+            by_engine.setdefault(g % len(engines), []).append((g, prompt, s))
+        for e, todo in by_engine.items():
+            got = engines[e].generate([{"prompt": list(p.token_ids), "sampling": s, "adapter": self._served(None)}
+                                       for _, p, s in todo])
+            futures.update({g: f for (g, _, _), f in zip(todo, got)})
+        for g, prompt, s in groups:
+            if g in futures:
+                done.append(functools.partial(self._finish_single, prompt, futures[g]))
+            else:
+                done.append(functools.partial(self._play_group, engines[g % len(engines)], prompt, s))
+        return done
+
+    def _finish_single(self, prompt: Prompt, future) -> tuple[list[Generation], list[float]]:
+        gens = generations(0, future.result())
+        return gens, [self.score(prompt, g) for g in gens]
+
+    def _play_group(self, engine, prompt: Prompt, sampling: SamplingConfig) -> tuple[list[Generation], list[float]]:
+        """A text environment's group on one continuous engine: its episodes, each turn's requests joining the
+        engine's running batch (:func:`~mlora.rollout.multi_turn.run_episodes`)."""
+        served = self._served(None)
+
+        def generate(sequences: list[list[int]], s: SamplingConfig) -> list[Generation]:
+            got = engine.generate([{"prompt": seq, "sampling": c, "adapter": served}
+                                   for seq, c in zip(sequences, per_prompt_configs(s, range(len(sequences))))])
+            return [gen for i, f in enumerate(got) for gen in generations(i, f.result())]
+
+        gens = run_episodes(generate, [prompt], sampling, **self._episode_parts(self.cfg, sampling))
+        return gens, episode_rewards(gens, self.cfg.generator.zero_reward_on_non_stop)
 
     def collect(self, prompts: list[Prompt], sampling: SamplingConfig, pad_id: int) -> tuple[RolloutBatch, dict]:
         """Generate and score where the engines are with the one served adapter; every rank gets the batch."""
         got = self.collect_jobs([Job(self.cfg, self._served(None), prompts, sampling)], pad_id)[0]
         return got.batch, got.metrics
 
-    def collect_queued(self, queued: QueuedBatch) -> tuple[list[Generation], list[float], float]:
-        """Collective: wait for what :meth:`submit` queued; its generations (prompt indices within it), scored
-        where the engines are, their rewards and the slowest holder's seconds, on every rank."""
-        prompts = queued.prompts
-        return collect_scored(self.generator, queued.pending, lambda i, g: self.score(prompts[i], g))
-
     def assemble(self, prompts: list[Prompt], gens: list[Generation], rewards: list[float], version: int,
                  pad_id: int) -> Collected:
-        """Scored generations of ``prompts`` (collected by :meth:`collect_queued`) as a training batch."""
+        """Scored generations of ``prompts`` (asynchronous training's groups) as a training batch."""
         got = self._collected(Job(self.cfg, self._served(None), prompts, SamplingConfig()), gens, rewards, version,
                               pad_id)
         self._sleep(got.metrics)
@@ -706,6 +709,11 @@ def engine_options(cfg: TrainConfig, engine_base: str | os.PathLike, cuda: bool,
     for key, value in memory_options.items():
         extra.setdefault(key, value)
     extra["dtype"] = engine_dtype(cfg, cuda)  # generator.engine_init_kwargs.dtype when given
+    if t.fully_async.enabled and not cuda:
+        # vLLM's CPU sampler cannot rewind a seeded generator ("CPU Generator does not use offset"): a seeded prompt
+        # joining a running batch must never be prefilled in chunks, so whole prompts only (the service's rule)
+        extra.setdefault("enable_chunked_prefill", False)
+        extra.setdefault("max_num_batched_tokens", max(extra["max_model_len"], 2048))
     local_cpu = e.run_engines_locally and not cuda
     return dict(num_engines=e.num_engines, tensor_parallel_size=e.tensor_parallel_size,
                 run_locally=e.run_engines_locally, ship_adapter=g.weight_sync == "memory",
