@@ -205,6 +205,9 @@ def main() -> None:
 
             name, overrides = plain
             try:
+                from mlora.config.skyrl_absent import check_overrides
+
+                check_overrides(overrides)  # SkyRL's keys that mlora lacks: named with why, not Hydra's "not in"
                 if name == "sft":  # SkyRL's SFT keys (skyrl.train.main_sft) under their mlora names
                     from mlora.config.skyrl_sft import skyrl_sft_overrides
 
