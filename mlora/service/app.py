@@ -400,9 +400,15 @@ def build_app(service: Service):
             return JSONResponse(fn())
         except UserError as e:
             return JSONResponse({"error": str(e), "category": "user"}, status_code=400)
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             return JSONResponse({"error": f"malformed request: {type(e).__name__}: {e}", "category": "user"},
                                 status_code=400)
+
+    @app.exception_handler(json.JSONDecodeError)
+    async def not_json(request: Request, exc: json.JSONDecodeError):
+        # a 500 would be retried by the SDK without end: a body that is not JSON is the client's error
+        return JSONResponse({"error": f"malformed request: the body is not JSON ({exc})", "category": "user"},
+                            status_code=400)
 
     @app.get("/api/v1/healthz")
     async def healthz():
@@ -444,8 +450,11 @@ def build_app(service: Service):
     @app.post("/api/v1/session_heartbeat")
     async def heartbeat(request: Request):
         body = await request.json()
-        if service.store.session_owner(body.get("session_id", "")) != owner(request) or not service.store.heartbeat(
-                body["session_id"]):
+        session_id = body.get("session_id") if isinstance(body, dict) else None
+        if not isinstance(session_id, str):
+            return JSONResponse({"error": "malformed request: session_id (a string) is missing", "category": "user"},
+                                status_code=400)
+        if service.store.session_owner(session_id) != owner(request) or not service.store.heartbeat(session_id):
             return JSONResponse({"error": "session finished or unknown", "category": "user"}, status_code=410)
         return {"type": "session_heartbeat"}
 
@@ -465,6 +474,9 @@ def build_app(service: Service):
             status, content_type, payload = await service.retrieve_future(owner(request), body)
         except UserError as e:
             return JSONResponse({"error": str(e), "category": "user"}, status_code=400)
+        except (KeyError, TypeError, AttributeError) as e:
+            return JSONResponse({"error": f"malformed request: {type(e).__name__}: {e}", "category": "user"},
+                                status_code=400)
         return Response(payload, status_code=status, media_type=content_type)
 
     @app.get("/api/v1/samplers/{sampler_id}")

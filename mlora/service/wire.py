@@ -68,9 +68,14 @@ def _tensor(t, name: str) -> torch.Tensor:
 
 def decode_forward_backward(body: bytes) -> ForwardBackward:
     """Parse a ``ForwardBackwardRequest``; ValueError for what mlora cannot take (images, 2-D targets)."""
+    from google.protobuf.message import DecodeError
+
     pb = _pb()
     req = pb.ForwardBackwardRequest()
-    req.ParseFromString(body)
+    try:
+        req.ParseFromString(body)
+    except DecodeError as e:  # the SDK retries a server error for ever: a bad body is the client's
+        raise ValueError(f"malformed request: the body is not a ForwardBackwardRequest ({e})") from None
     config: dict[str, float | str] = dict(req.loss_fn_config)
     for key, value in req.loss_fn_config_v2.items():
         config[key] = value.number if value.WhichOneof("value") == "number" else value.text
