@@ -475,3 +475,42 @@ def test_micro_batches_leave_a_mixed_batch_unchanged(base):
     with pytest.raises(ValueError, match=r"a datum of 14 tokens is longer than this server's "
                                          r"--max-tokens-per-microbatch=13"):
         split.forward_backward([_request("split0", 970, (14,))])
+
+
+def test_a_failed_mixed_batch_leaves_every_clients_gradients_as_before(base, monkeypatch):
+    """In process, micro-batches of at most 13 tokens: a mixed batch of two clients that fails in its last
+    micro-batch (after the first ones' backward) leaves both clients' gradients exactly as before it, so the
+    scheduler's one-by-one rerun gives each client the gradients of its request alone (issue 49: they were
+    counted twice)."""
+    import mlora
+    import mlora.service.tenants as tenants_module
+    from mlora.service.tenants import Tenants, lora_config
+
+    model = mlora.from_pretrained(base, mlora.init_parallel(), dtype=torch.float32)
+    mixed, alone = Tenants(model, max_tokens=13), Tenants(model, max_tokens=13)
+    for tenants, tag in ((mixed, "fail"), (alone, "solo")):
+        for k, rank in ((0, 4), (1, 8)):
+            tenants.create(f"{tag}{k}", lora_config(rank, 70 + k, True, True, False, f"{tag}{k}"))
+        tenants.forward_backward([_request(f"{tag}{k}", 980 + k, (6, 9, 4)) for k in (0, 1)])  # gradients pending
+    grads = {k: [p.grad.clone() for p in model.adapter_parameters(mixed.client(f"fail{k}").adapter)] for k in (0, 1)}
+    real, calls = tenants_module.datum_loss, []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 5:  # the last of the batch's 6 rows: micro-batches before it ran their backward
+            raise RuntimeError("a fault in the last micro-batch")
+        return real(*args)
+
+    monkeypatch.setattr(tenants_module, "datum_loss", failing)
+    with pytest.raises(RuntimeError, match="a fault in the last micro-batch"):
+        mixed.forward_backward([_request(f"fail{k}", 990 + k, (6, 9, 4)) for k in (0, 1)])
+    monkeypatch.setattr(tenants_module, "datum_loss", real)
+    for k in (0, 1):
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.adapter_parameters(mixed.client(f"fail{k}").adapter),
+                                                          grads[k]))
+        mixed.forward_backward([_request(f"fail{k}", 990 + k, (6, 9, 4))])  # the scheduler's rerun
+        alone.forward_backward([_request(f"solo{k}", 990 + k, (6, 9, 4))])
+        got = [p.grad for p in model.adapter_parameters(mixed.client(f"fail{k}").adapter)]
+        want = [p.grad for p in model.adapter_parameters(alone.client(f"solo{k}").adapter)]
+        scale = max(g.abs().max() for g in want)
+        assert max((a - b).abs().max() for a, b in zip(got, want)) <= MIX_TOL * scale

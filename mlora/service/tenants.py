@@ -211,8 +211,17 @@ class Tenants:
                     total = total + loss
                 return total, {}
 
-            with self.model.use_adapters(*names):
-                self.model.forward_backward(micro_batches, loss_fn, forward_only=forward_only)
+            # a batch that fails after some micro-batches' backward leaves each client's gradients as before it:
+            # the scheduler then runs its requests one by one, and none is counted twice
+            before = None if forward_only else {
+                p: None if p.grad is None else p.grad.clone() for n in names for p in self.model.adapter_parameters(n)}
+            try:
+                with self.model.use_adapters(*names):
+                    self.model.forward_backward(micro_batches, loss_fn, forward_only=forward_only)
+            except BaseException:
+                for param, grad in (before or {}).items():
+                    param.grad = grad
+                raise
         if mesh.pp > 1 or mesh.dp > 1:  # the loss ran on each replica's last stage: its values, from its first rank,
             # everywhere (TP ranks alone all hold every value already: the vocab-parallel log-probs are all-reduced)
             parts: list = [None] * mesh.world_size
