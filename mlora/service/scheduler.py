@@ -55,6 +55,8 @@ class Scheduler:
         self._global: list[Job] = []  # model creation and removal, in arrival order
         self._pending: dict[str, dict[int, Job]] = {}  # model -> seq_id -> job
         self._next: dict[str, int] = {}  # model -> the seq_id it runs next
+        self._freed: set[str] = set()  # models forgotten: their later requests fail at once
+        self._late: list[Job] = []  # requests whose seq_id the model went on without (after GAP_TIMEOUT)
         self._done: dict[str, threading.Event] = {}
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="mlora-service-worker", daemon=True)
@@ -64,22 +66,30 @@ class Scheduler:
     def submit(self, job: Job) -> None:
         with self._cond:
             self._done.setdefault(job.request_id, threading.Event())
-            if job.model_id is None or job.seq_id is None:
+            freed = job.model_id in self._freed
+            if freed:
+                pass
+            elif job.model_id is None or job.seq_id is None:
                 self._global.append(job)
             else:
                 self._pending.setdefault(job.model_id, {})[job.seq_id] = job
             self._cond.notify_all()
+        if freed:  # accepted while its model was being freed: it would wait for ever
+            self._finish(job, (*error_payload(f"model {job.model_id!r} was freed (its session ended or it was "
+                                              "unloaded) before this request could run", "user"), "error"))
 
     def start_model(self, model_id: str, next_seq: int = 1) -> None:
         """``model_id``'s first request to run is ``next_seq`` (called when the model is created)."""
         with self._cond:
             self._next[model_id] = next_seq
+            self._freed.discard(model_id)
             self._cond.notify_all()
 
     def forget_model(self, model_id: str) -> list[Job]:
         """Stop scheduling ``model_id``; its queued jobs are returned (to be failed by the caller)."""
         with self._cond:
             self._next.pop(model_id, None)
+            self._freed.add(model_id)
             return list(self._pending.pop(model_id, {}).values())
 
     def wait(self, request_id: str, timeout: float) -> bool:
@@ -104,6 +114,10 @@ class Scheduler:
             if not jobs or model_id not in self._next:
                 continue
             want = self._next[model_id]
+            for seq_id in [q for q in jobs if q < want]:  # arrived after the model went on without it
+                self._late.append(jobs.pop(seq_id))
+            if not jobs:
+                continue
             if want in jobs:
                 ready.append(jobs[want])
             elif min(jobs) > want and now - min(j.arrived for j in jobs.values()) > GAP_TIMEOUT:
@@ -115,7 +129,7 @@ class Scheduler:
         while True:
             with self._cond:
                 glob, ready = self._ready()
-                while not glob and not ready and not self._stop:
+                while not glob and not ready and not self._late and not self._stop:
                     self._cond.wait(timeout=1.0)
                     glob, ready = self._ready()
                 if self._stop:
@@ -127,6 +141,11 @@ class Scheduler:
                 for job in ready:
                     del self._pending[job.model_id][job.seq_id]
                     self._next[job.model_id] = job.seq_id + 1
+                late, self._late = self._late, []
+            for job in late:
+                self._finish(job, (*error_payload(
+                    f"seq_id {job.seq_id} of model {job.model_id!r} arrived after the server had waited "
+                    f"{GAP_TIMEOUT:.0f} s for it and gone on with the model's later requests", "user"), "error"))
             for job in glob:
                 self._finish(job, self._call(job.run))
             singles = [j for j in ready if j.fb is None]

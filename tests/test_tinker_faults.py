@@ -1,0 +1,103 @@
+"""Faults a Tinker client must never be left hanging by (issue 49). Malformed request bodies are the client's error
+(400, category "user"), never a 500: the SDK retries a server error without end, so a body that is not JSON, not a
+JSON object, or not a protobuf ForwardBackwardRequest would otherwise hang its future for ever. The app's routes
+parse the body before the service does anything, so a stand-in service serves; forward_backward and
+retrieve_future are the real Service's. And every future resolves: the scheduler answers a late seq_id and a request
+for a model being freed."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+pytestmark = pytest.mark.quick
+
+
+@pytest.fixture(scope="module")
+def client():
+    from fastapi.testclient import TestClient
+
+    from mlora.service.app import Service, build_app
+
+    class Standin:
+        sampler = None
+
+        def create_model(self, owner, body):  # a JSON object reaches the service; others stop before
+            return {"owner": owner, "got": body}
+
+        def __getattr__(self, name):  # every other call: a malformed body must never get this far
+            def called(*args):
+                raise AssertionError(f"service.{name} was called")
+            return called
+
+    service = Standin()
+    service.forward_backward = types.MethodType(Service.forward_backward, service)
+    service.retrieve_future = types.MethodType(Service.retrieve_future, service)
+    return TestClient(build_app(service))
+
+
+KEY = {"X-API-Key": "tml-malformed"}
+
+
+@pytest.mark.parametrize("route,body,says", [
+    ("create_model", b"{not json", "the body is not JSON"),
+    ("session_heartbeat", b"[]", "session_id (a string) is missing"),
+    ("session_heartbeat", b'{"session_id": 5}', "session_id (a string) is missing"),
+    ("forward_backward", b"\xff\xff\xff\x0f", "the body is not a ForwardBackwardRequest"),
+    ("retrieve_future", b"[1]", "malformed request: TypeError"),
+    ("retrieve_future", b"{}", "malformed request: KeyError"),
+])
+def test_malformed_bodies_are_user_errors(client, route, body, says):
+    r = client.post(f"/api/v1/{route}", content=body, headers=KEY)
+    assert r.status_code == 400, r.text
+    assert r.json()["category"] == "user" and says in r.json()["error"]
+
+
+def test_a_well_formed_body_reaches_the_service(client):
+    r = client.post("/api/v1/create_model", json={"base_model": "x"}, headers=KEY)
+    assert r.status_code == 200 and r.json()["got"] == {"base_model": "x"}
+
+
+def test_every_future_resolves():
+    """The scheduler answers every request (issue 49): a seq_id arriving after the server went on without it
+    (GAP_TIMEOUT) fails with a user error instead of waiting for ever, and so does a request accepted while its
+    model is being freed; requests in order run."""
+    import json
+    import time
+
+    from mlora.service.scheduler import GAP_TIMEOUT, Job, Scheduler
+
+    class Store:
+        def __init__(self):
+            self.done = {}
+
+        def finish_future(self, request_id, state, content_type, payload):
+            self.done[request_id] = (state, json.loads(payload) if state == "error" else payload)
+
+    store = Store()
+    scheduler = Scheduler(store, run_fb_batch=lambda jobs: [], batch_window=0)
+    ran = []
+
+    def job(request_id: str, seq_id: int, arrived: float | None = None) -> Job:
+        j = Job(request_id, lambda: ran.append(request_id) or ("application/json", b"{}"), "m", seq_id)
+        if arrived is not None:
+            j.arrived = arrived
+        return j
+
+    try:
+        scheduler.start_model("m")
+        scheduler.submit(job("r1", 1))
+        assert scheduler.wait("r1", 10) and store.done["r1"][0] == "done"
+        scheduler.submit(job("r3", 3, arrived=time.time() - GAP_TIMEOUT - 1))  # seq_id 2 never came: skipped
+        assert scheduler.wait("r3", 10) and store.done["r3"][0] == "done"
+        scheduler.submit(job("r2", 2))  # ... and then it came
+        assert scheduler.wait("r2", 10)
+        state, body = store.done["r2"]
+        assert state == "error" and body["category"] == "user" and "arrived after the server had waited" in body["error"]
+        assert ran == ["r1", "r3"]
+        scheduler.forget_model("m")
+        scheduler.submit(job("r4", 4))
+        assert scheduler.wait("r4", 10) and "was freed" in store.done["r4"][1]["error"]
+    finally:
+        scheduler.stop()
