@@ -514,3 +514,20 @@ def test_a_failed_mixed_batch_leaves_every_clients_gradients_as_before(base, mon
         want = [p.grad for p in model.adapter_parameters(alone.client(f"solo{k}").adapter)]
         scale = max(g.abs().max() for g in want)
         assert max((a - b).abs().max() for a, b in zip(got, want)) <= MIX_TOL * scale
+
+
+def test_a_held_sampling_client_outlives_newer_snapshots(server, base):
+    """The DPO recipe's shape (issue 49): a reference sampling client, sampled after a newer snapshot was saved, is
+    kept however many snapshots follow (it failed with "checkpoint not found" after 8); a snapshot nobody sampled
+    again is pruned once 8 newer exist."""
+    trainer = _trainer(_service(server), base, 4, 41)
+    params = types.SamplingParams(max_tokens=2, temperature=1.0, seed=3)
+    prompt = types.ModelInput.from_ints(PROMPT)
+    reference = trainer.save_weights_and_get_sampling_client().result()
+    unused = trainer.save_weights_and_get_sampling_client().result()  # superseded, never sampled again
+    reference.sample(prompt, 1, params).result()  # held: sampled after a newer save
+    for _ in range(8):
+        trainer.save_weights_and_get_sampling_client().result()
+    with pytest.raises(Exception, match="no adapter files any more|not found"):
+        unused.sample(prompt, 1, params).result()
+    assert len(reference.sample(prompt, 1, params).result().sequences) == 1

@@ -149,10 +149,14 @@ class Service:
                     self._free(model_id)
 
     def _prune_ephemeral(self, model_id: str, keep: int) -> None:
-        """Remove all but the ``keep`` newest unnamed sampler checkpoints of ``model_id`` (files and rows)."""
+        """Remove the unnamed sampler checkpoints of ``model_id`` (files and rows) that no client holds: all but the
+        ``keep`` newest, except one sampled after a newer one was saved (a client kept its sampling client: the DPO
+        recipe's reference, an off-policy sampler). ``keep=0`` (the model is freed): all of them."""
         rows = sorted((c for c in self.store.model_checkpoints(model_id, "sampler_weights")
                        if c["name"].startswith(EPHEMERAL)), key=lambda c: c["created"])
-        for c in rows[:max(len(rows) - keep, 0)]:
+        for c, newer in zip(rows[:max(len(rows) - keep, 0)], rows[1:]):
+            if keep and c["last_sampled"] > newer["created"]:
+                continue
             self.store.remove_checkpoint(c["path"])
             shutil.rmtree(c["directory"], ignore_errors=True)
 
@@ -324,7 +328,8 @@ class Service:
         directory = Path(checkpoint["directory"]) / "adapter"
         if not directory.is_dir():
             raise UserError(f"checkpoint {path!r} has no adapter files any more (unnamed sampler weights are kept for "
-                            f"the {KEEP_EPHEMERAL} latest saves of a model, and until its session ends)")
+                            f"the {KEEP_EPHEMERAL} latest saves of a model and those a client sampled after a newer "
+                            "save, until its session ends)")
         self._check_sampler_rank(checkpoint["config"]["rank"], f"checkpoint {path!r}")
         model = self.store.model(checkpoint["model_id"])
         return directory, model["base_model"], checkpoint["created"]
@@ -346,6 +351,7 @@ class Service:
         if model_path is not None:
             directory, _, version = self._sampled_checkpoint(owner, model_path)
             adapter = sampler.adapter(directory, str(version))
+            self.store.sampled(model_path, time.time())  # held by a client: not pruned (_prune_ephemeral)
         spec = self.tenants.model.spec
         prompt = []
         for chunk in body["prompt"]["chunks"]:

@@ -23,7 +23,8 @@ CREATE TABLE IF NOT EXISTS models (model_id TEXT PRIMARY KEY, session_id TEXT NO
     base_model TEXT NOT NULL, config TEXT NOT NULL, metadata TEXT NOT NULL DEFAULT '{}', created REAL NOT NULL,
     state TEXT NOT NULL DEFAULT 'live', last_seq INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS checkpoints (path TEXT PRIMARY KEY, model_id TEXT NOT NULL, owner TEXT NOT NULL,
-    kind TEXT NOT NULL, name TEXT NOT NULL, directory TEXT NOT NULL, config TEXT NOT NULL, created REAL NOT NULL);
+    kind TEXT NOT NULL, name TEXT NOT NULL, directory TEXT NOT NULL, config TEXT NOT NULL, created REAL NOT NULL,
+    last_sampled REAL NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS futures (request_id TEXT PRIMARY KEY, owner TEXT NOT NULL, model_id TEXT,
     seq_id INTEGER, kind TEXT NOT NULL, state TEXT NOT NULL, content_type TEXT, payload BLOB, created REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS samplers (sampler_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, owner TEXT NOT NULL,
@@ -46,6 +47,9 @@ class Store:
         self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.executescript(SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(checkpoints)")}
+        if "last_sampled" not in columns:  # a data dir of an earlier server
+            self._db.execute("ALTER TABLE checkpoints ADD COLUMN last_sampled REAL NOT NULL DEFAULT 0")
         self._lock = threading.Lock()
         # what a previous server left running cannot finish now
         self._run("UPDATE futures SET state='error', content_type='application/json', payload=? WHERE state='pending'",
@@ -126,8 +130,12 @@ class Store:
                                                       json.dumps(config), time.time()))
 
     def checkpoint(self, path: str) -> dict | None:
-        return self._one("SELECT path, model_id, owner, kind, name, directory, config, created FROM checkpoints "
-                         "WHERE path=?", (path,), ("config",))
+        return self._one("SELECT path, model_id, owner, kind, name, directory, config, created, last_sampled FROM "
+                         "checkpoints WHERE path=?", (path,), ("config",))
+
+    def sampled(self, path: str, when: float) -> None:
+        """Checkpoint ``path`` was sampled at ``when`` (a client holds it: :meth:`Service._prune_ephemeral`)."""
+        self._run("UPDATE checkpoints SET last_sampled=? WHERE path=?", (when, path))
 
     def model_checkpoints(self, model_id: str, kind: str) -> list[dict]:
         return [self.checkpoint(r[0]) for r in self._run("SELECT path FROM checkpoints WHERE model_id=? AND kind=?",
