@@ -101,3 +101,24 @@ def test_every_future_resolves():
         assert scheduler.wait("r4", 10) and "was freed" in store.done["r4"][1]["error"]
     finally:
         scheduler.stop()
+
+
+def test_dimuon_is_refused_naming_it():
+    """Tinker's Dimuon (optimizer_config at create, DimuonParams at optim_step) is a user error that names it: its
+    definition is not public (issue 49: it failed with an unrelated message, and optimizer_config was ignored)."""
+    import tinker.types as t
+
+    from mlora.service.app import Service
+
+    # the real Service methods on stand-ins: their optimizer checks run before anything else
+    body = t.OptimStepRequest(optim_params=t.DimuonParams(learning_rate=1e-3), model_id="m", seq_id=1).model_dump()
+    assert "optimizer_params" in body and body["optimizer_params"]["type"] == "dimuon"
+    standin = type("S", (), {"_owned_model": lambda self, owner, model_id: {}})()
+    with pytest.raises(Exception, match=r"optim_step with 'dimuon' optimizer parameters: .*AdamW only.*Dimuon"):
+        Service.optim_step(standin, "o", body)
+    create = t.CreateModelRequest(session_id="s", model_seq_id=1, base_model="b",
+                                  optimizer_config=t.DimuonOptimizerConfig()).model_dump()
+    standin = type("S", (), {"_session": lambda self, owner, session_id: None,
+                             "_check_base": lambda self, base: base})()
+    with pytest.raises(Exception, match=r"optimizer_config type 'dimuon': .*AdamW only"):
+        Service.create_model(standin, "o", create)

@@ -38,6 +38,9 @@ CLIENT_CONFIG = {"use_pyqwest_transport": False, "parallel_fwdbwd_chunks": True,
                  "custom_loss_server_side": False, "pjwt_auth_enabled": False}
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 EPHEMERAL = "ephemeral-"  # the name of sampler weights saved without one (save_weights_and_get_sampling_client)
+# Tinker's Dimuon (DimuonOptimizerConfig / DimuonParams) has no public definition to reproduce
+NOT_ADAMW = ("this server trains with AdamW only (AdamParams; optimizer_config AdamOptimizerConfig); Tinker's Dimuon "
+             "optimizer has no public definition to reproduce")
 KEEP_EPHEMERAL = 8  # a model's most recent unnamed sampler checkpoints kept (older ones' samplers expire)
 MAX_TOPK = 20  # top-k log-probs per position (vLLM's default max_logprobs)
 UNSUPPORTED_SAMPLE = {"target_prompt_logprobs": None, "prompt_alt_tokens_k": 0, "prompt_logprobs_last_n": None,
@@ -186,6 +189,9 @@ class Service:
         session_id = body["session_id"]
         self._session(owner, session_id)
         base = self._check_base(body.get("base_model"))
+        optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
+        if optimizer != "adamw":
+            raise UserError(f"optimizer_config type {optimizer!r}: {NOT_ADAMW}")
         lora = body.get("lora_config") or {}
         model_id = f"{session_id}:train:{int(body['model_seq_id'])}"
         if self.store.model(model_id) is not None:
@@ -222,7 +228,9 @@ class Service:
         self._owned_model(owner, model_id)
         adam = body.get("adam_params")
         if adam is None:
-            raise UserError("optim_step needs adam_params (this server runs AdamW only)")
+            kind = (body.get("optimizer_params") or body.get("optim_params") or {}).get("type")
+            raise UserError(f"optim_step with {kind!r} optimizer parameters: {NOT_ADAMW}" if kind else
+                            "optim_step needs adam_params (this server runs AdamW only)")
 
         def run():
             metrics = self.tenants.optim_step(model_id, adam)
