@@ -247,6 +247,7 @@ def _server(max_loras: int, budget: int = 2048):
     server = VLLMServer.__new__(VLLMServer)  # no engine: the adapter bookkeeping and the request building run
     server.llm, server._loras, server._max_loras = _FakeLLM(budget), {}, max_loras
     server._segments, server._shipped, server._merged = {}, {}, None
+    server._running, server._finished, server._generate_calls = {}, [], 0
     return server
 
 
