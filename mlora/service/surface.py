@@ -1,0 +1,82 @@
+"""What of the Tinker SDK's client surface this server serves: every public method of ``ServiceClient``,
+``TrainingClient``, ``SamplingClient`` and ``RestClient`` (tinker 0.38), served / partial / not served, and why.
+
+``tests/test_tinker_surface.py`` walks the SDK's classes (a method it adds must be placed here) and checks the
+README's table is :func:`markdown` of this one. ``python -m mlora.service.surface`` prints it.
+"""
+
+from __future__ import annotations
+
+SERVED, PARTIAL, NOT_SERVED = "served", "partial", "not served"
+_REST = "the REST API (training runs, checkpoints, sessions) is not served yet: the route answers 404"
+
+# "Class.method" -> (status, what this server does, or why not)
+SURFACE: dict[str, tuple[str, str]] = {
+    "ServiceClient.create_lora_training_client": (SERVED, "a LoRA adapter of any rank on attention / MLP / lm_head, "
+                                                          "its own AdamW; alpha 32"),
+    "ServiceClient.create_sampling_client": (SERVED, "from a tinker:// checkpoint or the base"),
+    "ServiceClient.create_training_client_from_state": (SERVED, "the weights of a save_state checkpoint"),
+    "ServiceClient.create_training_client_from_state_with_optimizer": (SERVED, "weights and AdamW state"),
+    "ServiceClient.get_server_capabilities": (SERVED, "the one base (and --model-name)"),
+    "ServiceClient.create_rest_client": (PARTIAL, "client-side; " + _REST),
+    "ServiceClient.copy_weights": (NOT_SERVED, _REST),
+    "ServiceClient.create_custom_loss": (PARTIAL, "runs client-side (the server takes no uploaded loss): a forward, "
+                                                  "then cross_entropy with the loss's gradients as weights"),
+    "ServiceClient.get_console_url": (NOT_SERVED, "there is no web console"),
+    "ServiceClient.get_telemetry": (SERVED, "accepted and dropped"),
+    "ServiceClient.close": (SERVED, "ends the session: its models are freed"),
+    "TrainingClient.forward_backward": (PARTIAL, "cross_entropy, importance_sampling, ppo, cispo; not yet "
+                                                 "stable_reinforce, gspo, dro (formulas not public) or 2-D targets"),
+    "TrainingClient.forward": (PARTIAL, "as forward_backward, without the backward"),
+    "TrainingClient.forward_backward_custom": (PARTIAL, "the SDK's client-side path (forward, then cross_entropy with "
+                                                        "weights -dC/dlogprob); the DPO recipe is not run by a test "
+                                                        "yet"),
+    "TrainingClient.optim_step": (PARTIAL, "AdamParams (torch's AdamW, grad_clip_norm); Dimuon refused by name"),
+    "TrainingClient.get_info": (SERVED, "model id, LoRA rank"),
+    "TrainingClient.get_tokenizer": (SERVED, "client-side: the base's tokenizer from its path"),
+    "TrainingClient.save_state": (SERVED, "adapter + AdamW state under tinker://<model>/weights/<name>"),
+    "TrainingClient.load_state": (SERVED, "the weights into this client"),
+    "TrainingClient.load_state_with_optimizer": (SERVED, "weights and AdamW state"),
+    "TrainingClient.save_weights_for_sampler": (SERVED, "the PEFT adapter that PEFT and vLLM load"),
+    "TrainingClient.save_weights_and_get_sampling_client": (PARTIAL, "unnamed sampler weights; "
+                                                                     "record_stability_info refused"),
+    "TrainingClient.create_sampling_client": (SERVED, "from a tinker:// path"),
+    "TrainingClient.save_weights_external": (NOT_SERVED, "no external storage: take an adapter from --data-dir"),
+    "TrainingClient.get_console_url": (NOT_SERVED, "there is no web console"),
+    "TrainingClient.get_telemetry": (SERVED, "accepted and dropped"),
+    "SamplingClient.sample": (PARTIAL, "continuously batched vLLM; prompt / top-k log-probs; not "
+                                       "target_prompt_logprobs, prompt_alt_tokens_k, prompt_logprobs_last_n, images"),
+    "SamplingClient.compute_logprobs": (SERVED, "prompt log-probs of a one-token sample"),
+    "SamplingClient.create": (SERVED, "client-side constructor"),
+    "SamplingClient.from_sampler_handle": (SERVED, "client-side (get_sampler answers)"),
+    "SamplingClient.get_sampler_handle": (SERVED, "client-side"),
+    "SamplingClient.get_base_model": (SERVED, "the sampler's base"),
+    "SamplingClient.get_tokenizer": (SERVED, "client-side: the base's tokenizer from its path"),
+    "SamplingClient.on_queue_state_change": (SERVED, "client-side callback; the server reports no queue state"),
+    "SamplingClient.get_telemetry": (SERVED, "accepted and dropped"),
+    "RestClient.get_sampler": (SERVED, "the sampling session's base and checkpoint"),
+    "RestClient.get_server_capabilities": (SERVED, "the one base"),
+    "RestClient.get_telemetry": (SERVED, "accepted and dropped"),
+}
+for _name in ("assign_session_project", "copy_weights", "delete_checkpoint", "delete_checkpoint_from_tinker_path",
+              "export_session_trace", "get_audit_log", "get_billing_usage", "get_current_checkpoint_storage_usage",
+              "get_external_weights_urls", "get_session", "get_training_run", "get_training_run_by_tinker_path",
+              "get_weights_info_by_tinker_path", "list_checkpoints", "list_sessions", "list_training_runs",
+              "list_user_checkpoints", "publish_checkpoint_from_tinker_path", "search_sessions",
+              "set_checkpoint_ttl_from_tinker_path", "unpublish_checkpoint_from_tinker_path", "whoami"):
+    SURFACE[f"RestClient.{_name}"] = (NOT_SERVED, _REST)
+
+
+def markdown() -> str:
+    """The README's table: one row per SDK method, in class order."""
+    rows = ["| SDK method | status | here |", "| --- | --- | --- |"]
+    rows += [f"| `{name}` | {status} | {note} |" for name, (status, note) in SURFACE.items()]
+    counts = {s: sum(v[0] == s for v in SURFACE.values()) for s in (SERVED, PARTIAL, NOT_SERVED)}
+    rows.append("")
+    rows.append(f"{len(SURFACE)} methods: {counts[SERVED]} served, {counts[PARTIAL]} partial, "
+                f"{counts[NOT_SERVED]} not served (tinker 0.38).")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown())
