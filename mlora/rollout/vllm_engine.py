@@ -421,10 +421,6 @@ class VLLMServer:
             del self._running[request_id]
         return ids
 
-    def running(self) -> int:
-        """The continuous requests not finished yet."""
-        return len(self._running)
-
     def _requests(self, adapters: Sequence[str] | None, n: int) -> list:
         """The ``LoRARequest`` of each of ``n`` prompts (None: the base model)."""
         if not self._max_loras:  # merged weights: the model itself is the one adapter served

@@ -25,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from mlora.service.sampler import SampleJob, Sampler, sampling_params
-from mlora.service.scheduler import Job, Scheduler, error_payload
+from mlora.service.scheduler import Job, Scheduler
 from mlora.service.store import Store, owner_of
 from mlora.service.tenants import Tenants, lora_config
 from mlora.service.wire import decode_forward_backward, encode_forward_backward_output
@@ -131,9 +131,7 @@ class Service:
 
     def _free(self, model_id: str) -> None:
         """Free a model now (its queued requests fail) and in the store."""
-        for job in self.scheduler.forget_model(model_id):
-            self.store.finish_future(job.request_id, "error", *error_payload(
-                f"model {model_id!r} was freed before this request ran", "user"))
+        self.scheduler.forget_model(model_id)
         self.store.set_model_state(model_id, "freed")
         self._prune_ephemeral(model_id, keep=0)
 
@@ -402,6 +400,18 @@ class Service:
             self._free(model_id)
 
 
+MALFORMED = (KeyError, TypeError, ValueError, AttributeError)  # a body missing a field, or of the wrong shape
+
+
+def user_error(message: str, status: int = 400) -> JSONResponse:
+    """The SDK's user error (``RequestFailedError`` category ``user``, which it does not retry)."""
+    return JSONResponse({"error": message, "category": "user"}, status_code=status)
+
+
+def malformed(exc: BaseException) -> JSONResponse:
+    return user_error(f"malformed request: {type(exc).__name__}: {exc}")
+
+
 def build_app(service: Service):
     """The FastAPI app of ``service``."""
     app = FastAPI(title="mlora Tinker service")
@@ -413,16 +423,14 @@ def build_app(service: Service):
         try:
             return JSONResponse(fn())
         except UserError as e:
-            return JSONResponse({"error": str(e), "category": "user"}, status_code=400)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            return JSONResponse({"error": f"malformed request: {type(e).__name__}: {e}", "category": "user"},
-                                status_code=400)
+            return user_error(str(e))
+        except MALFORMED as e:
+            return malformed(e)
 
     @app.exception_handler(json.JSONDecodeError)
     async def not_json(request: Request, exc: json.JSONDecodeError):
         # a 500 would be retried by the SDK without end: a body that is not JSON is the client's error
-        return JSONResponse({"error": f"malformed request: the body is not JSON ({exc})", "category": "user"},
-                            status_code=400)
+        return user_error(f"malformed request: the body is not JSON ({exc})")
 
     @app.get("/api/v1/healthz")
     async def healthz():
@@ -466,10 +474,9 @@ def build_app(service: Service):
         body = await request.json()
         session_id = body.get("session_id") if isinstance(body, dict) else None
         if not isinstance(session_id, str):
-            return JSONResponse({"error": "malformed request: session_id (a string) is missing", "category": "user"},
-                                status_code=400)
+            return user_error("malformed request: session_id (a string) is missing")
         if service.store.session_owner(session_id) != owner(request) or not service.store.heartbeat(session_id):
-            return JSONResponse({"error": "session finished or unknown", "category": "user"}, status_code=410)
+            return user_error("session finished or unknown", 410)
         return {"type": "session_heartbeat"}
 
     @app.post("/api/v1/sessions/{session_id}/finish")
@@ -487,10 +494,9 @@ def build_app(service: Service):
         try:
             status, content_type, payload = await service.retrieve_future(owner(request), body)
         except UserError as e:
-            return JSONResponse({"error": str(e), "category": "user"}, status_code=400)
-        except (KeyError, TypeError, AttributeError) as e:
-            return JSONResponse({"error": f"malformed request: {type(e).__name__}: {e}", "category": "user"},
-                                status_code=400)
+            return user_error(str(e))
+        except MALFORMED as e:
+            return malformed(e)
         return Response(payload, status_code=status, media_type=content_type)
 
     @app.get("/api/v1/samplers/{sampler_id}")

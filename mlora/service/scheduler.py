@@ -67,16 +67,13 @@ class Scheduler:
         with self._cond:
             self._done.setdefault(job.request_id, threading.Event())
             freed = job.model_id in self._freed
-            if freed:
-                pass
-            elif job.model_id is None or job.seq_id is None:
+            if not freed and (job.model_id is None or job.seq_id is None):
                 self._global.append(job)
-            else:
+            elif not freed:
                 self._pending.setdefault(job.model_id, {})[job.seq_id] = job
             self._cond.notify_all()
         if freed:  # accepted while its model was being freed: it would wait for ever
-            self._finish(job, (*error_payload(f"model {job.model_id!r} was freed (its session ended or it was "
-                                              "unloaded) before this request could run", "user"), "error"))
+            self._fail_freed(job)
 
     def start_model(self, model_id: str, next_seq: int = 1) -> None:
         """``model_id``'s first request to run is ``next_seq`` (called when the model is created)."""
@@ -85,12 +82,18 @@ class Scheduler:
             self._freed.discard(model_id)
             self._cond.notify_all()
 
-    def forget_model(self, model_id: str) -> list[Job]:
-        """Stop scheduling ``model_id``; its queued jobs are returned (to be failed by the caller)."""
+    def forget_model(self, model_id: str) -> None:
+        """Stop scheduling ``model_id``: its queued requests fail now, and so do later ones."""
         with self._cond:
             self._next.pop(model_id, None)
             self._freed.add(model_id)
-            return list(self._pending.pop(model_id, {}).values())
+            queued = list(self._pending.pop(model_id, {}).values())
+        for job in queued:
+            self._fail_freed(job)
+
+    def _fail_freed(self, job: Job) -> None:
+        self._finish(job, (*error_payload(f"model {job.model_id!r} was freed (its session ended or it was unloaded) "
+                                          "before this request could run", "user"), "error"))
 
     def wait(self, request_id: str, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for ``request_id`` to finish; True when it has (or is not queued here)."""
