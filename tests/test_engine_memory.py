@@ -251,3 +251,29 @@ def test_service_engine_leaves_the_trainer_its_base_and_half_the_rest(tmp_path):
                                          r"\(--kv-cache-bytes\).*\(--no-sampling\)"):
         size_service_engine(spec, small, dtype=torch.float32, trainer_base=base, lora_rank=64, max_loras=4,
                             max_model_len=8192)
+
+
+def test_service_microbatch_fits_half_the_trainers_share(tmp_path):
+    """The service's default forward_backward micro-batch (issue 49: unbounded, the multi-turn guess_number recipe's
+    23,634-token batch took the server to 11.9 GiB and the OOM killer ended it): the most tokens whose planned
+    activations and logits fit in half the trainer's share, at most the context, at least one."""
+    from transformers import LlamaConfig
+
+    from mlora.formats.hf_config import load_hf_config, model_spec
+    from mlora.plan.engines import ACTIVATION_SHARE, size_service_microbatch
+    from mlora.plan.memory import packed_step_bytes
+
+    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                      num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True)
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.save_pretrained(str(tmp_path))
+    spec = model_spec(load_hf_config(tmp_path))
+    got = size_service_microbatch(spec, int(9.4 * GIB), dtype=torch.float32, lora_rank=64, longest=8192)
+    assert got.budget == int(ACTIVATION_SHARE * int(9.4 * GIB))
+    assert packed_step_bytes(spec, got.tokens, torch.float32, 64) == got.planned <= got.budget
+    assert packed_step_bytes(spec, got.tokens + 1, torch.float32, 64) > got.budget
+    assert 1500 < got.tokens < 3000  # SmolLM2 on a 24 GiB host: about 2,200 tokens (4.7 GiB)
+    assert packed_step_bytes(spec, 23634, torch.float32, 64) > 40 * GIB  # the batch that ended the server, unbounded
+    assert "micro-batches of at most" in got.line() and "--max-tokens-per-microbatch overrides" in got.line()
+    assert size_service_microbatch(spec, 10**15, dtype=torch.float32, lora_rank=64, longest=8192).tokens == 8192
+    assert size_service_microbatch(spec, 0, dtype=torch.float32, lora_rank=64, longest=8192).tokens == 1

@@ -5,13 +5,17 @@ over HTTP on 127.0.0.1, on a tiny random Llama in float32.
   (≤ 1e-5), and ``loss:sum`` is ``-Σ w·logp``.
 - ``optim_step``: two steps (weight decay, gradient clipping) leave the adapter where torch's AdamW takes the same
   adapter on the same gradients in-process (≤ 2e-5 of the largest factor).
+- (N, K) targets (top-K distillation): log-probs [N, K] equal transformers'; the update equals the K columns sent
+  as K requests. ``gspo`` and ``dro``: ``loss:sum`` is their documented formula.
 - Two clients of different ranks (4 and 8) interleave pipelined calls, so their ``forward_backward`` requests run
   as one mixed-adapter batch (the server says so in its log); each ends where it ends alone (≤ 1e-5).
 - ``save_state`` → server restart → ``create_training_client_from_state_with_optimizer`` continues exactly.
 - Sampling (the server's vLLM engine, each client's sampler weights a LoRA adapter of it): the log-probs of sampled
   and prompt tokens equal the trainer's ``forward`` of the same tokens (≤ 1e-4); two clients' samplers asked at
   once run in one batch and sample what each samples alone (same seeds, same tokens); a short request sent while a
-  long one decodes joins it and is answered first (continuous batching).
+  long one decodes joins it and is answered first (continuous batching). ``target_prompt_logprobs`` (dense, sparse
+  CSR) are transformers' log-probs of the ids named, also on a prompt the prefix cache holds; ``prompt_alt_tokens``
+  are drawn from the distribution at the request's temperature, seeded, with the model's log-probs.
 - Bad requests fail that request's future with the SDK's user error and the client goes on; another API key sees
   none of a client's models or checkpoints; a session without heartbeats has its models freed.
 """
@@ -49,10 +53,8 @@ MESH_LOGPROB_TOL = 5e-5  # log-probs near -7 after the two steps, sums in anothe
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    from mlora.testing import build_tiny_model
-
-    return build_tiny_model("llama", tmp_path_factory.mktemp("tinker_base") / "llama")
+def base(tiny_llama) -> Path:
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +211,88 @@ def test_two_clients_of_different_ranks_in_mixed_batches_equal_each_alone(server
     assert solo["b"]["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape[0] == 8
 
 
+def test_topk_targets_gspo_and_dro_through_the_sdk(server, base):
+    """(N, K) target_tokens and weights, as tinker_cookbook's top-K distillation (``distillation/sdft.py``) sends
+    them: the log-probs come back [N, K] and equal transformers' (≤ 1e-5), and one such request moves the adapter as
+    its K columns sent as K requests do (≤ MIX_TOL). gspo and dro: ``loss:sum`` is their page's formula on the
+    log-probs the server returns."""
+    import transformers
+
+    service = _service(server)
+    g = torch.Generator().manual_seed(21)
+    k_targets, data, columns = 3, [], [[] for _ in range(3)]
+    for n in (6, 9):
+        tokens = torch.randint(0, 1000, (n,), generator=g)
+        targets, weights = torch.randint(0, 1000, (n, k_targets), generator=g), torch.rand(n, k_targets, generator=g)
+        prompt = types.ModelInput.from_ints(tokens.tolist())
+        data.append(types.Datum(model_input=prompt, loss_fn_inputs={
+            "target_tokens": types.TensorData.from_torch(targets), "weights": types.TensorData.from_torch(weights)}))
+        for k in range(k_targets):
+            columns[k].append(types.Datum(model_input=prompt, loss_fn_inputs={
+                "target_tokens": targets[:, k].tolist(), "weights": weights[:, k].tolist()}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    topk, by_column = _trainer(service, base, 4, 11), _trainer(service, base, 4, 11)
+    out = topk.forward_backward(data, "cross_entropy").result()
+    total = 0.0
+    for datum, result in zip(data, out.loss_fn_outputs):
+        targets = datum.loss_fn_inputs["target_tokens"].to_torch()
+        got = result["logprobs"].to_torch()
+        with torch.no_grad():
+            logits = hf(torch.tensor(datum.model_input.to_ints())[None]).logits[0].float()
+        ref = torch.log_softmax(logits, -1).gather(-1, targets)
+        assert got.shape == targets.shape and (got - ref).abs().max() <= LOGPROB_TOL, (got, ref)
+        total -= float((ref * datum.loss_fn_inputs["weights"].to_torch()).sum())
+    assert out.metrics["loss:sum"] == pytest.approx(total, rel=1e-5)
+    for column in columns:
+        by_column.forward_backward(column, "cross_entropy").result()
+    for trainer in (topk, by_column):  # an eps above the gradients: Adam does not scale their float32 rounding up
+        trainer.optim_step(types.AdamParams(**MESH_ADAM)).result()
+    got = server.weights(topk.save_weights_for_sampler("topk").result().path)
+    want = server.weights(by_column.save_weights_for_sampler("columns").result().path)
+    scale = max(v.abs().max() for v in want.values())
+    assert max((got[key] - want[key]).abs().max() for key in want) <= MIX_TOL * scale
+
+    n = 10
+    datum = _batch(31, lengths=(n,))[0]
+    q, adv = -torch.rand(n, generator=g) * 2, torch.randn(n, generator=g)
+    mask = (torch.arange(n) >= 3).float()
+    inputs = {"target_tokens": datum.loss_fn_inputs["target_tokens"], "logprobs": q.tolist(),
+              "advantages": (adv * mask).tolist()}
+    out = topk.forward([types.Datum(model_input=datum.model_input, loss_fn_inputs=inputs)], "dro",
+                       loss_fn_config={"beta": 0.05}).result()
+    lp = out.loss_fn_outputs[0]["logprobs"].to_torch()
+    assert out.metrics["loss:sum"] == pytest.approx(float(-(lp * adv * mask - 0.025 * (lp - q) ** 2).sum()), rel=1e-5)
+    inputs["sequence_ratio_mask"] = mask.tolist()
+    out = topk.forward([types.Datum(model_input=datum.model_input, loss_fn_inputs=inputs)], "gspo").result()
+    lp = out.loss_fn_outputs[0]["logprobs"].to_torch()
+    ratio = torch.exp((lp - q)[mask != 0].mean())
+    want_gspo = -torch.minimum(ratio * adv * mask, ratio.clamp(0.8, 1.2) * adv * mask).sum()
+    assert out.metrics["loss:sum"] == pytest.approx(float(want_gspo), rel=1e-5)
+    with pytest.raises(tinker.RequestFailedError, match="StableReinforce is in alpha"):
+        topk.forward_backward([types.Datum(model_input=datum.model_input, loss_fn_inputs=inputs)],
+                              "stable_reinforce").result()
+
+
+def test_the_readme_server_command_as_written(base, tmp_path):
+    """``python -m mlora.service --model ... --data-dir ... --port ...``, no other flag (the README's command): the
+    engine's memory and the micro-batches' token budget are sized at start and printed, and a client trains and
+    samples."""
+    server = Server(base, tmp_path / "data", tmp_path / "server.log", [])
+    client = tinker.ServiceClient(base_url=server.url, api_key=KEY)
+    try:
+        log = server.log.read_text()
+        assert "sampling engine: vLLM engine memory per host" in log and "the trainer keeps" in log, log[-3000:]
+        assert "forward_backward micro-batches of at most" in log, log[-3000:]
+        trainer = _trainer(client, base, 4, 1)
+        assert trainer.forward_backward(_batch(0), "cross_entropy").result().metrics["loss:sum"] > 0
+        sampler = trainer.save_weights_and_get_sampling_client().result()
+        out = sampler.sample(types.ModelInput.from_ints(PROMPT), 2, types.SamplingParams(max_tokens=4, seed=1)).result()
+        assert len(out.sequences) == 2
+    finally:
+        client.close("success").result()
+        server.stop()
+
+
 def test_bad_requests_fail_alone_and_owners_are_apart(server, base):
     service = _service(server)
     trainer = _trainer(service, base, 4, 5)
@@ -338,6 +422,110 @@ def test_sampled_logprobs_equal_the_trainers(server, base):
     assert [s.tokens for s in again.sequences] == [s.tokens for s in out.sequences]
     with pytest.raises(Exception, match=r"checkpoint .* not found"):
         _service(server, "tml-mlora-test-intruder").create_sampling_client(model_path=path).result()
+    # published (the REST API), another API key samples it too
+    tinker.RestClient(base_url=server.url, api_key=KEY).publish_checkpoint_from_tinker_path(path).result()
+    theirs = _service(server, "tml-mlora-test-intruder").create_sampling_client(model_path=path).sample(
+        types.ModelInput.from_ints(PROMPT), 3, params).result()
+    assert [s.tokens for s in theirs.sequences] == [s.tokens for s in out.sequences]
+    # prompt_logprobs_last_n: only the last N positions are scored, the same values
+    last = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, params, include_prompt_logprobs=True,
+                          topk_prompt_logprobs=3, prompt_logprobs_last_n=2).result()
+    assert last.prompt_logprobs[:4] == [None] * 4 and last.topk_prompt_logprobs[:4] == [None] * 4
+    assert (torch.tensor(last.prompt_logprobs[4:]) - prompt_lp[-2:]).abs().max() <= SAMPLE_TOL
+    assert last.topk_prompt_logprobs[4:] == top[4:]
+    with pytest.raises(tinker.BadRequestError, match=r"prompt_logprobs_last_n=6 must be an integer from 1 to"):
+        sampler.sample(types.ModelInput.from_ints(PROMPT), 1, params, include_prompt_logprobs=True,
+                       prompt_logprobs_last_n=6).result()
+
+
+def test_target_prompt_logprobs_and_prompt_alt_tokens(server, base):
+    """The whole next-token distribution at prompt positions, against transformers' on the base model:
+    ``target_prompt_logprobs`` (dense and sparse CSR) are its log-probs (≤ SAMPLE_TOL), 0.0 in -1 cells, also on a
+    prompt the prefix cache holds (as ``prompt_logprobs`` are);
+    ``prompt_alt_tokens`` have the SDK's shapes, each draw's log-prob is its token's, a seed gives the same draws,
+    and 2500 draws at one position follow the distribution at the request's temperature; bad values are refused."""
+    import transformers
+
+    sampler = _service(server).create_sampling_client(base_model=str(base))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    with torch.no_grad():  # row i: the distribution over prompt position i + 1
+        ref = torch.log_softmax(hf(torch.tensor(PROMPT)[None]).logits[0, :-1].float(), -1)
+    rows, prompt = len(PROMPT) - 1, types.ModelInput.from_ints(PROMPT)
+    ids = torch.randint(0, ref.shape[1], (rows, 4), generator=torch.Generator().manual_seed(3))
+    ids[1, 2], ids[3] = -1, -1
+    params = types.SamplingParams(max_tokens=1, temperature=0.7, seed=11)
+
+    def ask(target, k=0, p=params, tokens=prompt):
+        return sampler.sample(tokens, 1, p, include_prompt_logprobs=True, target_prompt_logprobs=target,
+                              prompt_alt_tokens_k=k).result()
+
+    def expected(cells: torch.Tensor) -> torch.Tensor:
+        return torch.where(cells >= 0, ref.gather(-1, cells.clamp(min=0)), 0.0)
+
+    out = ask(types.TensorData.from_torch(ids), 5)
+    got = out.target_prompt_logprobs.to_torch()
+    assert got.dtype == torch.float32 and got.shape == ids.shape and (got - expected(ids)).abs().max() <= SAMPLE_TOL
+    assert (got[ids < 0] == 0).all()
+    assert (torch.tensor(out.prompt_logprobs[1:]) - ref.gather(-1, torch.tensor(PROMPT[1:])[:, None])[:, 0]
+            ).abs().max() <= SAMPLE_TOL  # read from the same distribution
+    # sparse CSR in, sparse CSR out: the cells listed, the others 0.0 when densified
+    cells = torch.full((rows, 4), -1)
+    cells[2, 1], cells[4, 3] = 7, 900
+    sparse = types.TensorData.from_torch_sparse(cells, pad_value=-1)
+    assert sparse.sparse_crow_indices is not None
+    answer = ask(sparse).target_prompt_logprobs
+    assert (answer.sparse_crow_indices, answer.sparse_col_indices) == (sparse.sparse_crow_indices,
+                                                                       sparse.sparse_col_indices)
+    assert (answer.to_torch() - expected(cells)).abs().max() <= SAMPLE_TOL
+    # a prompt the prefix cache holds (longer than the engine's 128-token KV block, sampled before) is still scored
+    # at every position, with and without the whole distribution
+    long_ids = torch.randint(0, ref.shape[1], (140,), generator=torch.Generator().manual_seed(5))
+    cached = types.ModelInput.from_ints(long_ids.tolist())
+    sampler.sample(cached, 1, params).result()
+    with torch.no_grad():
+        want = torch.log_softmax(hf(long_ids[None]).logits[0, :-1].float(), -1).gather(-1, long_ids[1:, None])
+    scored = ask(types.TensorData.from_torch(long_ids[1:, None]), 0, params, cached)
+    assert (scored.target_prompt_logprobs.to_torch() - want).abs().max() <= SAMPLE_TOL
+    for again in (scored, sampler.sample(cached, 1, params, include_prompt_logprobs=True).result()):
+        assert (torch.tensor(again.prompt_logprobs[1:]) - want[:, 0]).abs().max() <= SAMPLE_TOL
+    # the draws: [len(prompt) - 1, k], the model's log-prob of each drawn token (as prompt_logprobs, no temperature)
+    tokens, logprobs = out.prompt_alt_tokens.tokens.to_torch(), out.prompt_alt_tokens.logprobs.to_torch()
+    assert tokens.shape == logprobs.shape == (rows, 5) and (tokens.dtype, logprobs.dtype) == (torch.int64,
+                                                                                              torch.float32)
+    assert (logprobs - ref.gather(-1, tokens)).abs().max() <= SAMPLE_TOL
+    assert torch.equal(ask(None, 5).prompt_alt_tokens.tokens.to_torch(), tokens)  # the same seed, the same draws
+    # 2500 draws at position 1 at temperature 0.05 (this random model's distribution is nearly flat; at 0.05 its
+    # likeliest tokens stand out): each token expected 25+ times, and the others together, are drawn within 6
+    # standard deviations of their expected count (a seed failing this has probability < 1e-7 over the 10 or so
+    # counts); the distribution at temperature 1 fails the same check
+    n, cold = 2500, types.SamplingParams(max_tokens=1, temperature=0.05, seed=4)
+    drawn = ask(None, n, cold, types.ModelInput.from_ints(PROMPT[:2])).prompt_alt_tokens.tokens.to_torch()[0]
+    counts = torch.bincount(drawn, minlength=ref.shape[1]).double()
+    tempered = torch.softmax(ref[0].double() / 0.05, -1)
+    own = tempered * n >= 25
+
+    def follows(p: torch.Tensor) -> bool:
+        observed = torch.cat([counts[own], counts[~own].sum()[None]])
+        q = torch.cat([p[own], p[~own].sum()[None]])
+        return bool(((observed - n * q).abs() <= 6 * (n * q * (1 - q)).sqrt()).all())
+
+    assert follows(tempered) and not follows(ref[0].double().exp())
+    for target, k, tokens, message in [
+            (ids[:-1], 0, prompt, r"target_prompt_logprobs has shape \[4, 4\]: give \[len\(prompt\) - 1, K\] = \[5, K\]"),
+            (torch.full((rows, 1), 5000), 0, prompt, r"token ids \[5000\] are outside the vocabulary \[0, 1001\)"),
+            (torch.full((rows, 2), -1), 0, prompt, r"names no token id \(every cell is -1\)"),
+            (torch.arange(854).repeat(rows, 1), 0, prompt,
+             r"names up to 854 distinct token ids in a row: len\(prompt\) \* 854 = 5124 passes this server's bound "
+             r"of 5120 \(top-k 20 x context 256\); at most 853 a row"),
+            (None, 2561, types.ModelInput.from_ints(PROMPT[:2]),
+             r"prompt_alt_tokens_k=2561: len\(prompt\) \* k = 5122 passes this server's bound of 5120 \(top-k 20 x "
+             r"context 256\); k is at most 2560"),
+    ]:
+        with pytest.raises(tinker.BadRequestError, match=message):
+            ask(None if target is None else types.TensorData.from_torch(target), k, params, tokens)
+    with pytest.raises(tinker.BadRequestError, match=r"num_samples \* len\(prompt\) \* vocab = 140 \* 240 \* 1001 = "
+                                                     r"33633600 passes this server's bound of 33554432"):
+        sampler.sample(types.ModelInput.from_ints([5] * 240), 140, params, prompt_alt_tokens_k=1).result()
 
 
 def test_two_clients_sample_in_one_batch_as_each_alone(server, base):
@@ -380,7 +568,8 @@ def test_two_clients_sample_in_one_batch_as_each_alone(server, base):
 
 
 def test_silent_session_frees_its_models(base, tmp_path):
-    """In process: a session that sends no heartbeat for ``session_timeout`` has its models freed."""
+    """In process: a session that sends no heartbeat and makes no call for ``session_timeout`` has its models freed;
+    calls keep it alive."""
     import mlora
     from mlora.service.app import Service
     from mlora.service.tenants import Tenants
@@ -394,6 +583,11 @@ def test_silent_session_frees_its_models(base, tmp_path):
         assert service.scheduler.wait(future["request_id"], 60)
         model_id = f"{session}:train:0"
         assert list(service.tenants.clients) == [model_id] and len(model.adapters) == 1
+        # a client that keeps calling is alive without heartbeats (on a loaded machine they queue behind its polls)
+        for _ in range(12):
+            service.get_info("owner", {"model_id": model_id})
+            time.sleep(0.25)
+        assert service.store.model(model_id)["state"] == "live"
         deadline = time.time() + 30
         while service.store.model(model_id)["state"] == "live" and time.time() < deadline:
             time.sleep(0.2)

@@ -82,13 +82,34 @@ def test_forward_backward_request_errors():
 
     two_d = types.Datum(model_input=types.ModelInput.from_ints([1, 2]),
                         loss_fn_inputs={"target_tokens": types.TensorData(data=[1, 2, 3, 4], dtype="int64",
-                                                                          shape=[2, 2])})
-    with pytest.raises(ValueError, match=r"datum 0: loss_fn_inputs\['target_tokens'\] has shape \[2, 2\]; this server "
-                                         r"takes one value per input token, \[2\]"):
+                                                                          shape=[2, 2]), "weights": [1.0, 1.0]})
+    with pytest.raises(ValueError, match=r"datum 0: loss_fn_inputs\['weights'\] has shape \[2\]; with target_tokens of "
+                                         r"shape \[2, 2\] it must be \[2, 2\]"):
         decode_forward_backward(_request([two_d], "cross_entropy"))
     short = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={"target_tokens": [1, 2]})
-    with pytest.raises(ValueError, match=r"has shape \[2\]; this server takes one value per input token, \[3\]"):
+    with pytest.raises(ValueError, match=r"has shape \[2\]; this datum of 3 tokens takes \[3\] or \[3, K\]"):
         decode_forward_backward(_request([short], "cross_entropy"))
+    k2 = types.TensorData(data=[1, 2, 3, 4], dtype="int64", shape=[2, 2])
+    k1 = types.TensorData(data=[1, 2], dtype="int64", shape=[2, 1])
+    mixed = [types.Datum(model_input=types.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": k}) for k in
+             (k2, k1)]
+    with pytest.raises(ValueError, match="datum 1 has 1 targets per position, datum 0 2"):
+        decode_forward_backward(_request(mixed, "cross_entropy"))
+
+
+def test_topk_targets_and_their_output_shape():
+    from tinker import types
+    from tinker.proto.response_conv import deserialize_forward_backward_output
+
+    targets = types.TensorData(data=[1, 2, 3, 4, 5, 6], dtype="int64", shape=[3, 2])
+    weights = types.TensorData(data=[0.5, 0.25, 1.0, 0.0, 0.125, 0.875], dtype="float32", shape=[3, 2])
+    datum = types.Datum(model_input=types.ModelInput.from_ints([7, 8, 9]),
+                        loss_fn_inputs={"target_tokens": targets, "weights": weights})
+    (d,) = decode_forward_backward(_request([datum], "cross_entropy")).data
+    assert d.inputs["target_tokens"].tolist() == [[1, 2], [3, 4], [5, 6]]
+    assert d.inputs["weights"].shape == (3, 2)
+    out = deserialize_forward_backward_output(encode_forward_backward_output([torch.full((3, 2), -0.5)], {}))
+    assert out.loss_fn_outputs[0]["logprobs"].to_torch().shape == (3, 2)  # the SDK reshapes by trailing_shape
 
 
 def test_output_reads_back_in_the_sdk():

@@ -58,8 +58,12 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
 
-    def restart(self) -> None:
-        """A new process on the same data directory and port (clients of the old one reach it)."""
+    def restart(self, kill: bool = False) -> None:
+        """A new process on the same data directory and port (clients of the old one reach it); ``kill``: the old one
+        SIGKILLed, nothing of it shut down cleanly."""
+        if kill and self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
         self.stop()
         self.start(self.port)
 

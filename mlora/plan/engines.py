@@ -29,7 +29,7 @@ import torch
 
 from mlora.formats.hf_config import ModelSpec
 from mlora.lora.config import LoraConfig
-from mlora.plan.memory import engine_bytes
+from mlora.plan.memory import engine_bytes, microbatch_tokens, packed_step_bytes
 from mlora.plan.workload import Engine
 
 GIB = 1 << 30
@@ -248,3 +248,32 @@ def size_service_engine(spec: ModelSpec, device: DeviceMemory, *, dtype: torch.d
             f"{_gib(device.total)} are free (reserve {_gib(reserve)}): shorten the context (--max-model-len), give "
             "the KV cache yourself (--kv-cache-bytes), or serve training only (--no-sampling)") from None
     return ServiceSizing(engine, trainer_base, share)
+
+
+ACTIVATION_SHARE = 0.5  # of the trainer's share (beside its base): one forward_backward micro-batch's activations
+
+
+@dataclass(frozen=True)
+class MicrobatchSizing:
+    """The service's default token budget of a forward_backward micro-batch."""
+
+    tokens: int
+    planned: int  # bytes of activations and logits the planner gives a micro-batch of ``tokens``
+    budget: int
+
+    def line(self) -> str:
+        return (f"forward_backward micro-batches of at most {self.tokens:,} tokens (planned activations and logits "
+                f"{_gib(self.planned)} of a {_gib(self.budget)} budget; a longer datum runs alone; "
+                "--max-tokens-per-microbatch overrides, 0 runs each batch as one micro-batch)")
+
+
+def size_service_microbatch(spec: ModelSpec, trainer_share: int, *, dtype: torch.dtype, lora_rank: int,
+                            longest: int) -> MicrobatchSizing:
+    """How many tokens one micro-batch of the service's mixed batches may hold: its activations and logits
+    (:func:`mlora.plan.memory.packed_step_bytes`, a LoRA of the largest rank clients may create) within
+    :data:`ACTIVATION_SHARE` of the trainer's share; the rest is the clients' adapters and AdamW states. A batch of
+    several clients' long multi-turn datums in one micro-batch otherwise holds activations for all their tokens at
+    once (SmolLM2: 8.8 GiB for 4,096 tokens), which ended the server's process on a 24 GiB machine."""
+    budget = max(0, int(ACTIVATION_SHARE * trainer_share))
+    tokens = microbatch_tokens(spec, budget, dtype, lora_rank, longest)
+    return MicrobatchSizing(tokens, packed_step_bytes(spec, tokens, dtype, lora_rank), budget)

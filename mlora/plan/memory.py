@@ -367,3 +367,28 @@ def plan_memory(spec: ModelSpec, layout: Layout, workload: Workload, engine: Eng
                 phase=top.name, phases={p.name: persistent + p.grads + p.activations + p.logits + p.engine
                                         for p in phases}))
     return plan
+
+
+def packed_step_bytes(spec: ModelSpec, tokens: int, dtype: torch.dtype, rank: int) -> int:
+    """Peak activation and logits bytes of one packed forward + backward micro-batch of ``tokens`` tokens on one
+    process (TP 1, PP 1): the actor update's peak (:func:`_update_phase`) with a LoRA of ``rank`` on every linear
+    layer (a LoRA on the output layer adds ``rank`` values per token: nothing next to its logits)."""
+    workload = Workload.packed_budget(tokens, rank=rank, critic=False, dtype=dtype,
+                                      target_modules="all-linear")
+    phase = _update_phase(spec, Layout(), workload, 0, 0, False, 0)
+    return phase.activations + phase.logits
+
+
+def microbatch_tokens(spec: ModelSpec, budget: int, dtype: torch.dtype, rank: int, longest: int) -> int:
+    """The most tokens (up to ``longest``) a packed forward + backward micro-batch may hold for its activations and
+    logits (:func:`packed_step_bytes`) to stay within ``budget`` bytes; at least 1."""
+    lo, hi = 1, max(1, longest)
+    if packed_step_bytes(spec, hi, dtype, rank) <= budget:
+        return hi
+    while lo < hi:  # the bytes grow with the tokens: bisect
+        mid = (lo + hi + 1) // 2
+        if packed_step_bytes(spec, mid, dtype, rank) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -31,6 +31,7 @@ from typing import NoReturn
 
 from mlora.rollout.cpu_threads import engine_environment
 from mlora.rollout.generator import Generation, SamplingConfig, per_prompt_configs
+from mlora.rollout.prompt_distribution import PromptDistribution
 from mlora.rollout.serve import vllm_lora_rank
 from mlora.rollout.shm_names import SHM_DIR, remove_stale, shm_name
 
@@ -363,7 +364,9 @@ class VLLMServer:
         running). A request: ``id``; ``prompt`` (token ids); ``sampling`` (a :class:`SamplingConfig`, one sample per
         ``n_samples_per_prompt``) or ``params`` (``SamplingParams`` arguments, the service's); ``adapter``: a loaded
         adapter's name, ``(name, lora_id, path)`` to load on first use, or None (the one adapter loaded, or the
-        base); optional ``prompt_logprobs``, ``topk_prompt``, ``topk_sample``."""
+        base); optional ``prompt_logprobs``, ``topk_prompt``, ``topk_sample``, and ``target_cells`` (rows and token
+        ids to score) and ``alt_k`` (draws per position), which read the whole next-token distribution at every
+        prompt position (:func:`request_result`)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.lora.request import LoRARequest
@@ -374,6 +377,8 @@ class VLLMServer:
             topk_sample, topk_prompt = r.get("topk_sample", 0), r.get("topk_prompt", 0)
             ask_prompt = r.get("prompt_logprobs", False) or topk_prompt > 0
             try:
+                if _asks_distribution(r):
+                    _keep_prompt_distributions()
                 if "sampling" in r:
                     params = _vllm_params(r["sampling"])
                 else:
@@ -383,7 +388,11 @@ class VLLMServer:
                         max_tokens=p["max_tokens"], seed=p["seed"], stop=p["stop"] or None,
                         stop_token_ids=p["stop_token_ids"] or None, ignore_eos=p["ignore_eos"],
                         include_stop_str_in_output=True, logprobs=topk_sample)
-                params.prompt_logprobs = topk_prompt if ask_prompt else None
+                # -1: the whole vocabulary (the engine's max_logprobs must allow it), only for requests that need it
+                params.prompt_logprobs = -1 if _asks_distribution(r) else topk_prompt if ask_prompt else None
+                # SamplingParams decides when built whether a request reads the prefix cache; the positions it reads
+                # from there would get no prompt log-probs (their rows stay uninitialised memory in vLLM's tensors)
+                params.skip_reading_prefix_cache = params.prompt_logprobs is not None
                 params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per request, when it has finished
                 adapter = r.get("adapter")
                 lora = (LoRARequest(*adapter) if isinstance(adapter, (tuple, list))
@@ -483,10 +492,56 @@ def _topk(steps, k: int) -> tuple[list[list[int]], list[list[float]]]:
 MASK_LOGPROB = -99999.0  # Tinker's sentinel of a top-k cell (token 0) or row not computed (tinker.types.topk_logprobs)
 
 
+def _asks_distribution(request: dict) -> bool:
+    """Whether a continuous request reads the whole next-token distribution at its prompt positions."""
+    return request.get("target_cells") is not None or request.get("alt_k", 0) > 0
+
+
+@functools.cache
+def _keep_prompt_distributions() -> None:
+    """Have this process's vLLM hand the prompt log-probs of the whole vocabulary (``prompt_logprobs=-1``, asked
+    only by :func:`_asks_distribution` requests) over as the engine's tensors, ``[len(prompt) - 1, 1 + vocab]``.
+    vLLM would turn them into Python objects and detokenize every token of the vocabulary at every position:
+    measured on SmolLM2 (49k tokens), a 64-token prompt took 20 s that way (1 s undetokenized), and 200 positions
+    took 1.2 GB of Python objects where the tensors take 0.16 GB. Other requests keep vLLM's own path."""
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+
+    pythonize = getattr(LogprobsProcessor, "_update_prompt_logprobs", None)
+    if pythonize is None:
+        raise ValueError("this vLLM build's LogprobsProcessor has no _update_prompt_logprobs: mlora cannot read "
+                         "the whole prompt distribution (target_prompt_logprobs, prompt_alt_tokens_k) from it")
+
+    def update(self, tensors) -> None:
+        if self.num_prompt_logprobs == -1:
+            self.prompt_logprobs = tensors
+        else:
+            pythonize(self, tensors)
+
+    LogprobsProcessor._update_prompt_logprobs = update
+
+
+def _prompt_scores(request: dict, out, k: int) -> tuple[list[float], list[list[int]], list[list[float]],
+                                                          PromptDistribution | None]:
+    """Of every prompt position after the first: the prompt token's log-prob, the ``k`` most likely tokens and
+    their log-probs; and the whole distribution when the request reads it (else None)."""
+    if _asks_distribution(request):
+        tensors = out.prompt_logprobs  # as _keep_prompt_distributions keeps them (.cpu(): a no-op on the host)
+        dist = PromptDistribution(tensors.logprob_token_ids.cpu().numpy(), tensors.logprobs.cpu().numpy())
+        ids, lps = dist.topk(k)
+        return dist.prompt_logprobs().tolist(), ids.tolist(), lps.tolist(), dist
+    steps, prompt = out.prompt_logprobs or [], request["prompt"]
+    ids, lps = _topk(steps[1:], k) if k > 0 else ([], [])
+    return [steps[i][prompt[i]].logprob for i in range(1, len(prompt))], ids, lps, None
+
+
 def request_result(request: dict, out) -> dict:
     """A finished continuous request's result: ``sequences`` (each ``tokens``, ``logprobs`` of the sampled tokens,
     ``text``, ``finish_reason``, ``topk`` ids and log-probs or None), ``prompt_logprobs`` (NaN at position 0) and
-    ``topk_prompt`` when asked, else None."""
+    ``topk_prompt`` when asked, else None; with ``prompt_last_n``, positions before the last N are not scored (NaN,
+    and top-k rows of Tinker's "not computed" sentinel). ``target``: the log-probs (float32) of the request's
+    ``target_cells`` (rows, token ids; row ``i`` is prompt position ``i + 1``), ``alt_tokens``: ``alt_k`` draws at
+    every prompt position after the first at the request's temperature, tokens and their log-probs
+    (:meth:`PromptDistribution.draw`); each None when not asked (``prompt_last_n`` leaves them whole)."""
     import math
 
     k = request.get("topk_sample", 0)
@@ -496,16 +551,29 @@ def request_result(request: dict, out) -> dict:
         sequences.append({"tokens": tokens, "logprobs": [step[t].logprob for step, t in zip(c.logprobs, tokens)],
                           "text": c.text, "finish_reason": str(c.finish_reason),
                           "topk": _topk(c.logprobs, k) if k > 0 else None})
-    result = {"sequences": sequences, "prompt_logprobs": None, "topk_prompt": None}
+    result = {"sequences": sequences, "prompt_logprobs": None, "topk_prompt": None, "target": None,
+              "alt_tokens": None}
     k_prompt = request.get("topk_prompt", 0)
-    if request.get("prompt_logprobs") or k_prompt > 0:
-        steps = out.prompt_logprobs or []
+    if request.get("prompt_logprobs") or k_prompt > 0 or _asks_distribution(request):
+        scored, ids, lps, dist = _prompt_scores(request, out, k_prompt)
         prompt = request["prompt"]
         if request.get("prompt_logprobs"):
-            result["prompt_logprobs"] = [math.nan] + [steps[i][prompt[i]].logprob for i in range(1, len(prompt))]
+            result["prompt_logprobs"] = [math.nan] + scored
         if k_prompt > 0:
-            ids, lps = _topk(steps[1:], k_prompt)
             result["topk_prompt"] = ([[0] * k_prompt] + ids, [[MASK_LOGPROB] * k_prompt] + lps)
+        if request.get("target_cells") is not None:
+            result["target"] = dist.logprobs_of(*request["target_cells"])
+        if request.get("alt_k", 0) > 0:
+            p = request["params"]
+            result["alt_tokens"] = dist.draw(request["alt_k"], p["temperature"], p["seed"])
+        skipped = len(prompt) - request["prompt_last_n"] if request.get("prompt_last_n") else 0
+        if skipped > 0:  # Tinker's prompt_logprobs_last_n: only the last N positions are scored
+            if result["prompt_logprobs"] is not None:
+                result["prompt_logprobs"][:skipped] = [math.nan] * skipped
+            if result["topk_prompt"] is not None:
+                ids, lps = result["topk_prompt"]
+                ids[:skipped] = [[0] * k_prompt for _ in range(skipped)]
+                lps[:skipped] = [[MASK_LOGPROB] * k_prompt for _ in range(skipped)]
     return result
 
 

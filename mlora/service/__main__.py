@@ -30,10 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-window", type=float, default=0.01,
                     help="seconds a ready forward_backward waits for other clients' to run in one batch (and an idle "
                          "sampling engine for the rest of a burst of sample requests)")
-    ap.add_argument("--max-tokens-per-microbatch", type=int, default=0,
+    ap.add_argument("--max-tokens-per-microbatch", type=int, default=None,
                     help="tokens of one micro-batch: a forward_backward batch's rows (split over the DP replicas) are "
                          "packed into micro-batches of at most this many tokens, which bounds activation memory "
-                         "however many clients' requests a batch holds (default 0: each batch in one micro-batch)")
+                         "however many clients' requests a batch holds; a longer datum is refused (default: sized at "
+                         "start from the trainer's memory, a longer datum alone; 0: each batch in one micro-batch)")
     ap.add_argument("--max-resident-clients", type=int, default=None,
                     help="clients whose adapters stay in the model; the least recently used others wait in host "
                          "memory (factors, gradients, AdamW state) and come back when they call (default: all stay)")
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from mlora.service.app import Service, build_app
     from mlora.service.tenants import Tenants
 
-    if args.max_tokens_per_microbatch < 0:
+    if args.max_tokens_per_microbatch is not None and args.max_tokens_per_microbatch < 0:
         print(f"--max-tokens-per-microbatch={args.max_tokens_per_microbatch} must be >= 0 (0: each batch in one "
               "micro-batch)", file=sys.stderr)
         return 2
@@ -77,9 +78,11 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
     mesh = mlora.init_parallel(tp=args.tp, pp=args.pp)
-    sampler = None
+    sampler, sizing, log = None, None, logging.getLogger("mlora.service")
+    from mlora.service.sizing import engine_sizing, microbatch_sizing
+
     if not args.no_sampling and mesh.rank == 0:  # started first: the engine loads while the trainer does
-        from mlora.service.sampler import Sampler, engine_sizing
+        from mlora.service.sampler import Sampler
 
         try:
             sizing = engine_sizing(args.model, args.dtype, mesh, args.max_lora_rank, args.max_loras,
@@ -87,13 +90,26 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"python -m mlora.service: {e}", file=sys.stderr)
             return 2
-        logging.getLogger("mlora.service").info(sizing.line())
+        log.info(sizing.line())
         sampler = Sampler(args.model, None, dtype=args.dtype, max_lora_rank=args.max_lora_rank,
                           max_loras=args.max_loras, kv_cache_memory_bytes=sizing.engine.kv_cache_memory_bytes,
                           max_model_len=args.max_model_len, batch_window=args.batch_window,
                           gpu_memory_utilization=sizing.engine.gpu_memory_utilization)
+    max_tokens = args.max_tokens_per_microbatch
+    if max_tokens is None:  # every rank the same budget: rank 0's (its engine's share, or the host's memory now)
+        budget = microbatch_sizing(args.model, args.dtype, mesh, args.max_lora_rank, args.max_model_len,
+                                   None if sizing is None else sizing.trainer_share) if mesh.rank == 0 else None
+        if mesh.world_size > 1:
+            import torch.distributed as dist
+
+            shared = [budget]
+            dist.broadcast_object_list(shared, src=0)
+            budget = shared[0]
+        if mesh.rank == 0:
+            log.info(budget.line())
+        max_tokens = budget.tokens
     model = mlora.from_pretrained(args.model, mesh, dtype=DTYPES[args.dtype])
-    tenants = Tenants(model, args.max_resident_clients, args.max_tokens_per_microbatch)
+    tenants = Tenants(model, args.max_resident_clients, max_tokens, strict=args.max_tokens_per_microbatch is not None)
     if mesh.rank != 0:  # rank 0 serves HTTP and sends every model call here (mlora.service.mesh)
         from mlora.service.mesh import follow
 
@@ -103,8 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         from mlora.service.mesh import Broadcast
 
         tenants = Broadcast(tenants)
-        logging.getLogger("mlora.service").info("serving on %d ranks (TP %d x PP %d x DP %d)", mesh.world_size,
-                                                mesh.tp, mesh.pp, mesh.dp)
+        log.info("serving on %d ranks (TP %d x PP %d x DP %d)", mesh.world_size, mesh.tp, mesh.pp, mesh.dp)
     service = Service(tenants, args.model, args.data_dir, args.model_name, args.session_timeout, args.batch_window,
                       sampler)
     try:

@@ -22,9 +22,10 @@ import uuid
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 
-from mlora.service.sampler import SampleJob, Sampler, sampling_params
+from mlora.service.rest import NotFound, Rest, age_recipients, check_ttl, write_external
+from mlora.service.sampler import PromptTargets, SampleJob, Sampler, prompt_targets, sampling_params
 from mlora.service.scheduler import Job, Scheduler
 from mlora.service.store import Store, owner_of
 from mlora.service.tenants import Tenants, lora_config
@@ -43,8 +44,11 @@ NOT_ADAMW = ("this server trains with AdamW only (AdamParams; optimizer_config A
              "optimizer has no public definition to reproduce")
 KEEP_EPHEMERAL = 8  # a model's most recent unnamed sampler checkpoints kept (older ones' samplers expire)
 MAX_TOPK = 20  # top-k log-probs per position (vLLM's default max_logprobs)
-UNSUPPORTED_SAMPLE = {"target_prompt_logprobs": None, "prompt_alt_tokens_k": 0, "prompt_logprobs_last_n": None,
-                      "record_stability_info": None}
+# target_prompt_logprobs and prompt_alt_tokens_k read the engine's whole next-token distribution at every prompt
+# position, num_samples * len(prompt) * vocab cells (each sample's prefill reads its own; vLLM sorts each row): at
+# most this many. Measured on SmolLM2 (49k tokens), one CPU core: a 600-token prompt (29.5M cells) took 5.2 s where
+# it takes 0.28 s without them, and the engine's peak memory grew 0.8 GB
+DISTRIBUTION_CELLS = 1 << 25
 
 
 class UserError(Exception):
@@ -65,6 +69,7 @@ class Service:
             {model_name} if model_name else set())
         self.model_name = model_name or str(model_dir)
         self.store = Store(self.data_dir / "service.sqlite")
+        self.rest = Rest(self.store, self.data_dir)
         self.tenants = tenants
         self.scheduler = Scheduler(self.store, self._run_fb_batch, batch_window)
         self.sampler = sampler
@@ -95,6 +100,7 @@ class Service:
         row = self.store.model(model_id)
         if row is None or row["owner"] != owner:
             raise UserError(f"model {model_id!r} not found")
+        self.store.heartbeat(row["session_id"])  # a client that calls is alive, whatever its heartbeats do
         if row["state"] == "lost":
             raise UserError(f"model {model_id!r} was lost when the server restarted; create a training client from "
                             "one of its checkpoints (load_state / create_training_client_from_state)")
@@ -102,9 +108,10 @@ class Service:
             raise UserError(f"model {model_id!r} was freed (its session finished or stopped sending heartbeats)")
         return row
 
-    def _owned_checkpoint(self, owner: str, path: str) -> dict:
+    def _owned_checkpoint(self, owner: str, path: str, read: bool = False) -> dict:
+        """Checkpoint ``path`` of ``owner`` (``read``: or one its owner published)."""
         row = self.store.checkpoint(path)
-        if row is None or row["owner"] != owner:
+        if not (self.rest.readable(owner, row) if read else row is not None and row["owner"] == owner):
             raise UserError(f"checkpoint {path!r} not found (paths look like tinker://<model_id>/weights/<name>)")
         return row
 
@@ -148,6 +155,8 @@ class Service:
                 self.store.finish_session(session_id)
                 for model_id in self.store.session_models(session_id):
                     self._free(model_id)
+            for path in self.rest.expire(time.time()):
+                log.info("checkpoint %s reached its TTL: deleted", path)
 
     def _prune_ephemeral(self, model_id: str, keep: int) -> None:
         """Remove the unnamed sampler checkpoints of ``model_id`` (files and rows) that no client holds: all but the
@@ -176,7 +185,7 @@ class Service:
     # ------------------------------------------------------------------ routes' bodies
     def create_session(self, owner: str, body: dict) -> dict:
         session_id = f"s{uuid.uuid4().hex[:12]}"
-        self.store.add_session(session_id, owner, body.get("user_metadata") or {})
+        self.store.add_session(session_id, owner, body.get("user_metadata") or {}, body.get("display_name"))
         return {"session_id": session_id, "type": "create_session"}
 
     def _session(self, owner: str, session_id: str) -> None:
@@ -236,13 +245,23 @@ class Service:
         return self._future(owner, "optim_step", run, model_id, int(body["seq_id"]))
 
     def save(self, owner: str, body: dict, kind: str) -> dict:
+        """save_weights (``kind`` weights), save_weights_for_sampler (sampler_weights) and save_weights_external
+        (external_weights: the PEFT files, optionally age-encrypted, with a TTL; downloaded through :mod:`rest`)."""
+        request_type = {"weights": "save_weights", "sampler_weights": "save_weights_for_sampler",
+                        "external_weights": "save_weights_external"}[kind]
         model_id = body["model_id"]
         row = self._owned_model(owner, model_id)
         name = body.get("path")
-        sampler_id = None
+        sampler_id, expires, recipients = None, None, []
+        if kind == "external_weights":
+            try:
+                expires, recipients = check_ttl(body.get("ttl_seconds")), age_recipients(
+                    body.get("age_encryption_recipients"))
+            except ValueError as e:
+                raise UserError(str(e)) from None
         if name is None:  # save_weights_and_get_sampling_client: sampler weights of a new sampling session
             if kind != "sampler_weights" or body.get("sampling_session_seq_id") is None:
-                raise UserError(f"save_{'weights' if kind == 'weights' else 'weights_for_sampler'} needs a name (path)")
+                raise UserError(f"{request_type} needs a name (path)")
             self._need_sampler()
             seq = int(body["sampling_session_seq_id"])
             sampler_id = f"{row['session_id']}:sample:{seq}"
@@ -256,20 +275,28 @@ class Service:
             raise UserError(f"checkpoint {path!r} exists; pass overwrite=True to replace it")
 
         def run():
-            self.tenants.save(model_id, directory, optimizer=kind == "weights")
-            self.store.add_checkpoint(path, model_id, owner, kind, name, str(directory), row["config"])
+            if kind == "external_weights":  # the PEFT files alone, at the export's root (what a download takes)
+                staging = directory.with_name(f".{name}.adapter")
+                self.tenants.save(model_id, staging, optimizer=False)
+                size = write_external(staging / "adapter", directory, recipients)
+                shutil.rmtree(staging, ignore_errors=True)
+            else:
+                self.tenants.save(model_id, directory, optimizer=kind == "weights")
+            self.store.add_checkpoint(path, model_id, owner, kind, name, str(directory), row["config"], expires)
+            if kind == "external_weights":
+                return "application/json", json.dumps({"path": path, "size_bytes": size, "type": request_type}).encode()
             if sampler_id is None:
                 return "application/json", json.dumps({"path": path, "type": request_type}).encode()
             self.store.add_sampler(sampler_id, row["session_id"], owner, row["base_model"], path)
             self._prune_ephemeral(model_id, KEEP_EPHEMERAL)
             return "application/json", json.dumps({"sampling_session_id": sampler_id, "type": request_type}).encode()
-        request_type = "save_weights" if kind == "weights" else "save_weights_for_sampler"
         return self._future(owner, request_type, run, model_id, int(body["seq_id"]))
 
     def load_weights(self, owner: str, body: dict) -> dict:
-        checkpoint = self._owned_checkpoint(owner, body["path"])
+        checkpoint = self._owned_checkpoint(owner, body["path"], read=True)
         if checkpoint["kind"] != "weights":
-            raise UserError(f"{body['path']!r} holds sampler weights; load_weights takes tinker://.../weights/<name>")
+            raise UserError(f"{body['path']!r} is not a training checkpoint; load_weights takes "
+                            "tinker://<model_id>/weights/<name>")
         optimizer = bool(body.get("optimizer", False))
         if "model_id" in body:  # into an existing model
             model_id = body["model_id"]
@@ -298,6 +325,12 @@ class Service:
         row = self.store.future(request_id)
         if row is None or row["owner"] != owner:
             raise UserError(f"request {request_id!r} not found")
+        # a client polling its futures is alive: on a loaded machine its heartbeats can queue behind these polls
+        # (the SDK sends both on one connection pool), and its session must not be reaped under it
+        if row["model_id"] is not None:
+            holder = self.store.model(row["model_id"]) or self.store.sampler(row["model_id"])
+            if holder is not None:
+                self.store.heartbeat(holder["session_id"])
         if row["state"] == "pending":
             worker = self.sampler if row["kind"] == "sample" and self.sampler is not None else self.scheduler
             await asyncio.to_thread(worker.wait, request_id, LONG_POLL)
@@ -330,7 +363,9 @@ class Service:
 
     def _sampled_checkpoint(self, owner: str, path: str) -> tuple[Path, str, float]:
         """The adapter directory, base model and version of checkpoint ``path`` (sampler or training weights)."""
-        checkpoint = self._owned_checkpoint(owner, path)
+        checkpoint = self._owned_checkpoint(owner, path, read=True)
+        if checkpoint["kind"] == "external_weights":
+            raise UserError(f"{path!r} is an export for download; sample from its sampler or training weights")
         directory = Path(checkpoint["directory"]) / "adapter"
         if not directory.is_dir():
             raise UserError(f"checkpoint {path!r} has no adapter files any more (unnamed sampler weights are kept for "
@@ -342,9 +377,10 @@ class Service:
 
     def asample(self, owner: str, body: dict) -> dict:
         sampler = self._need_sampler()
-        for key, default in UNSUPPORTED_SAMPLE.items():
-            if body.get(key, default) not in (default, False):
-                raise UserError(f"sample request field {key}={body[key]!r} is not supported by this server")
+        if body.get("record_stability_info"):  # Tinker's unpublished StableReinforce data
+            raise UserError(f"sample request field record_stability_info={body['record_stability_info']!r} is not "
+                            "supported by this server: it records data for loss_fn='stable_reinforce', whose "
+                            "objective Tinker does not publish; sample without it and train with 'ppo' or 'gspo'")
         sampler_id, model_path = body.get("sampling_session_id"), body.get("model_path")
         if sampler_id is not None:
             row = self.store.sampler(sampler_id)
@@ -384,13 +420,22 @@ class Service:
         for key, k in topk.items():
             if not 0 <= k <= MAX_TOPK:
                 raise UserError(f"{key}={k} must be in [0, {MAX_TOPK}]")
+        last_n = body.get("prompt_logprobs_last_n")
+        if last_n is not None:
+            if not body.get("prompt_logprobs"):
+                raise UserError("prompt_logprobs_last_n needs prompt_logprobs=True")
+            if not isinstance(last_n, int) or not 1 <= last_n <= len(prompt) - 1:
+                raise UserError(f"prompt_logprobs_last_n={last_n!r} must be an integer from 1 to len(prompt) - 1 = "
+                                f"{len(prompt) - 1}")
+        targets, alt_k = _prompt_distribution(body, len(prompt), n, limit, spec.vocab_size)
         new = uuid.uuid4().hex
         seq_id = body.get("seq_id")
         request_id = self.store.add_future(new, owner, "sample", sampler_id if seq_id is not None else None,
                                            None if seq_id is None else int(seq_id))
         if request_id == new:  # not a retried submission
             sampler.submit(SampleJob(request_id, prompt, n, params, adapter, bool(body.get("prompt_logprobs")),
-                                     topk["topk_prompt_logprobs"], topk["topk_sample_logprobs"]))
+                                     topk["topk_prompt_logprobs"], topk["topk_sample_logprobs"], last_n,
+                                     target_prompt_logprobs=targets, prompt_alt_tokens_k=alt_k))
         return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(n)]}
 
     def finish_session(self, owner: str, session_id: str) -> None:
@@ -398,6 +443,59 @@ class Service:
         self.store.finish_session(session_id)
         for model_id in self.store.session_models(session_id):
             self._free(model_id)
+
+
+def _prompt_distribution(body: dict, prompt_len: int, num_samples: int, context: int,
+                         vocab_size: int) -> tuple[PromptTargets | None, int]:
+    """A sample request's ``target_prompt_logprobs`` and ``prompt_alt_tokens_k``, or UserError naming what is wrong.
+    Both read the whole next-token distribution (:data:`DISTRIBUTION_CELLS`)."""
+    targets = _targets(body.get("target_prompt_logprobs"), prompt_len, context, vocab_size)
+    k = _alt_tokens_k(body.get("prompt_alt_tokens_k", 0), prompt_len, context)
+    cells = num_samples * prompt_len * vocab_size
+    if (targets is not None or k > 0) and cells > DISTRIBUTION_CELLS:
+        raise UserError(f"target_prompt_logprobs and prompt_alt_tokens_k read the whole next-token distribution at "
+                        f"every prompt position: num_samples * len(prompt) * vocab = {num_samples} * {prompt_len} * "
+                        f"{vocab_size} = {cells} passes this server's bound of {DISTRIBUTION_CELLS}; send a shorter "
+                        "prompt or fewer samples")
+    return targets, k
+
+
+def _top_cells(context: int) -> int:
+    """The SDK says Tinker bounds ``len(prompt) * distinct ids`` and ``len(prompt) * k`` the way it bounds a top-k
+    width: here, as much as :data:`MAX_TOPK` at every position of the longest prompt (``context``)."""
+    return MAX_TOPK * context
+
+
+def _targets(tensor, prompt_len: int, context: int, vocab_size: int) -> PromptTargets | None:
+    """A request's ``target_prompt_logprobs`` (None: not asked), within :func:`_top_cells` (per row: the most
+    distinct ids any row names)."""
+    if tensor is None:
+        return None
+    try:
+        targets = prompt_targets(tensor, prompt_len, vocab_size)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    distinct, bound = targets.most_distinct_in_a_row(), _top_cells(context)
+    if prompt_len * distinct > bound:
+        raise UserError(f"target_prompt_logprobs names up to {distinct} distinct token ids in a row: len(prompt) * "
+                        f"{distinct} = {prompt_len * distinct} passes this server's bound of {bound} (top-k "
+                        f"{MAX_TOPK} x context {context}); at most {bound // prompt_len} a row for this prompt")
+    return targets
+
+
+def _alt_tokens_k(k, prompt_len: int, context: int) -> int:
+    """A request's ``prompt_alt_tokens_k``, within :func:`_top_cells`."""
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise UserError(f"prompt_alt_tokens_k={k!r} must be an integer >= 0")
+    if k > 0 and prompt_len < 2:
+        raise UserError("prompt_alt_tokens_k draws at every prompt position after the first: the prompt needs at "
+                        "least 2 tokens")
+    bound = _top_cells(context)
+    if prompt_len * k > bound:
+        raise UserError(f"prompt_alt_tokens_k={k}: len(prompt) * k = {prompt_len * k} passes this server's bound of "
+                        f"{bound} (top-k {MAX_TOPK} x context {context}); k is at most {bound // prompt_len} for "
+                        "this prompt")
+    return k
 
 
 MALFORMED = (KeyError, TypeError, ValueError, AttributeError)  # a body missing a field, or of the wrong shape
@@ -424,6 +522,8 @@ def build_app(service: Service):
             return JSONResponse(fn())
         except UserError as e:
             return user_error(str(e))
+        except NotFound as e:
+            return user_error(str(e), 404)
         except MALFORMED as e:
             return malformed(e)
 
@@ -452,7 +552,17 @@ def build_app(service: Service):
                                       "max_context_length": spec.max_position_embeddings}]}
 
     @app.post("/api/v1/telemetry")
-    async def telemetry():
+    async def telemetry(request: Request):
+        # the SDK reports a client's own failures here (often only here): they go to the server's log
+        try:
+            batch = await request.json()
+            for event in batch.get("events") or []:
+                if isinstance(event, dict) and event.get("error_message") is not None:
+                    last = (event.get("traceback") or "").strip().splitlines()[-3:]
+                    log.warning("a client of session %s reported: %s | %s", batch.get("session_id"),
+                                event["error_message"], " / ".join(line.strip() for line in last))
+        except (ValueError, AttributeError, TypeError):
+            pass  # telemetry is best-effort: a body this server cannot read is still accepted
         return {"status": "accepted"}
 
     def json_route(fn):  # a JSON body in, fn(owner, body) out
@@ -466,7 +576,9 @@ def build_app(service: Service):
                      "load_weights": service.load_weights, "asample": service.asample,
                      "create_sampling_session": service.create_sampling_session,
                      "save_weights": lambda who, body: service.save(who, body, "weights"),
-                     "save_weights_for_sampler": lambda who, body: service.save(who, body, "sampler_weights")}.items():
+                     "save_weights_for_sampler": lambda who, body: service.save(who, body, "sampler_weights"),
+                     "save_weights_external": lambda who, body: service.save(who, body, "external_weights"),
+                     "weights_info": lambda who, body: service.rest.weights_info(who, body["tinker_path"])}.items():
         app.post(f"/api/v1/{name}")(json_route(fn))
 
     @app.post("/api/v1/session_heartbeat")
@@ -503,4 +615,75 @@ def build_app(service: Service):
     async def get_sampler(sampler_id: str, request: Request):
         return answer(lambda: service.get_sampler(owner(request), sampler_id))
 
+    add_rest_routes(app, service.rest, owner, answer)
     return app
+
+
+def add_rest_routes(app: FastAPI, rest: Rest, owner, answer) -> None:
+    """The REST API's routes (:mod:`mlora.service.rest`); a checkpoint's own routes before the one they extend."""
+    runs, checkpoint = "/api/v1/training_runs", "/api/v1/training_runs/{run}/checkpoints/{checkpoint:path}"
+
+    def no_projects(project_id: str | None) -> None:
+        if project_id is not None:
+            raise UserError(f"project_id={project_id!r}: this server has no projects")
+
+    @app.get(runs)
+    async def training_runs(request: Request, limit: int = 20, offset: int = 0, access_scope: str = "owned",
+                            project_id: str | None = None):
+        return answer(lambda: no_projects(project_id) or rest.training_runs(owner(request), limit, offset,
+                                                                              access_scope))
+
+    @app.get(runs + "/{run}")
+    async def training_run(run: str, request: Request, access_scope: str = "owned"):
+        return answer(lambda: rest.training_run(owner(request), run, access_scope))
+
+    @app.get(runs + "/{run}/checkpoints")
+    async def checkpoints(run: str, request: Request):
+        return answer(lambda: rest.checkpoints(owner(request), run))
+
+    @app.get(checkpoint + "/external_weights_urls")
+    async def external_urls(run: str, checkpoint: str, request: Request):
+        return answer(lambda: rest.external_urls(owner(request), run, checkpoint, str(request.base_url)))
+
+    @app.put(checkpoint + "/ttl")
+    async def ttl(run: str, checkpoint: str, request: Request):
+        body = await request.json()
+        return answer(lambda: rest.set_ttl(owner(request), run, checkpoint, body["ttl_seconds"]) or {})
+
+    @app.post(checkpoint + "/publish")
+    async def publish(run: str, checkpoint: str, request: Request):
+        return answer(lambda: rest.publish(owner(request), run, checkpoint, True) or {})
+
+    @app.delete(checkpoint + "/publish")
+    async def unpublish(run: str, checkpoint: str, request: Request):
+        return answer(lambda: rest.publish(owner(request), run, checkpoint, False) or {})
+
+    @app.delete(checkpoint)
+    async def delete_checkpoint(run: str, checkpoint: str, request: Request):
+        return answer(lambda: rest.delete_checkpoint(owner(request), run, checkpoint) or {})
+
+    @app.get("/api/v1/checkpoints")
+    async def user_checkpoints(request: Request, limit: int = 100, offset: int = 0):
+        return answer(lambda: rest.user_checkpoints(owner(request), limit, offset))
+
+    @app.get("/api/v1/sessions")
+    async def sessions(request: Request, limit: int = 20, offset: int = 0, access_scope: str = "owned"):
+        return answer(lambda: rest.sessions(owner(request), limit, offset, access_scope))
+
+    @app.get("/api/v1/billing/usage/checkpoints/current")
+    async def storage_usage(request: Request, project_id: str | None = None):
+        return answer(lambda: no_projects(project_id) or rest.storage_usage(owner(request)))
+
+    @app.get("/api/v1/sessions/{session_id}")
+    async def session(session_id: str, request: Request):
+        return answer(lambda: rest.session(owner(request), session_id))
+
+    @app.get("/api/v1/external_files/{token}")
+    async def external_file(token: str):
+        # the signed URL is the credential (a plain GET, as from a storage bucket): no API key
+        try:
+            return FileResponse(rest.external_file(token))
+        except NotFound as e:
+            return user_error(str(e), 404)
+        except ValueError as e:
+            return user_error(str(e), 403)

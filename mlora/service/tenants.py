@@ -71,16 +71,18 @@ def lora_config(rank: int, seed: int | None, train_attn: bool, train_mlp: bool, 
 class Tenants:
     """Every client model of the served base (``model``: an :class:`mlora.MLoraModel`)."""
 
-    def __init__(self, model, max_resident: int | None = None, max_tokens: int = 0) -> None:
+    def __init__(self, model, max_resident: int | None = None, max_tokens: int = 0, strict: bool = True) -> None:
         """``max_resident``: the clients whose adapters stay in the model (None: all); ``max_tokens``: the tokens
-        of one micro-batch of a ``forward_backward`` batch (0: the whole batch in one)."""
+        of one micro-batch of a ``forward_backward`` batch (0: the whole batch in one); ``strict``: a datum longer
+        than ``max_tokens`` is refused (the user's budget), else it runs in a micro-batch of its own (the service's
+        default budget, :func:`mlora.service.sizing.microbatch_sizing`)."""
         if max_resident is not None and max_resident < 1:
             raise ValueError(f"max_resident={max_resident} must be >= 1 (or None: every client resident)")
         if max_tokens < 0:
             raise ValueError(f"max_tokens={max_tokens} must be >= 0 (0: each batch in one micro-batch)")
         self.model = model
         self.max_resident = max_resident
-        self.max_tokens = max_tokens
+        self.max_tokens, self.strict = max_tokens, strict
         self.clients: OrderedDict[str, ClientModel] = OrderedDict()  # least recently used first
 
     # ------------------------------------------------------------------ lifecycle
@@ -175,12 +177,12 @@ class Tenants:
         rows = [d for r in requests for d in r.data]
         owner = [k for k, r in enumerate(requests) for _ in r.data]
         lengths = [d.tokens.shape[0] for d in rows]
-        if self.max_tokens and max(lengths) > self.max_tokens:
+        if self.strict and self.max_tokens and max(lengths) > self.max_tokens:
             raise ValueError(f"a datum of {max(lengths)} tokens is longer than this server's "
                              f"--max-tokens-per-microbatch={self.max_tokens}")
         vocab = self.model.spec.vocab_size
         for d in rows:
-            ids = torch.cat([d.tokens, d.inputs["target_tokens"].long()])
+            ids = torch.cat([d.tokens, d.inputs["target_tokens"].long().flatten()])
             if bool(((ids < 0) | (ids >= vocab)).any()):
                 bad = sorted({int(t) for t in ids if not 0 <= t < vocab})
                 raise ValueError(f"token ids {bad[:5]} are outside this model's vocabulary [0, {vocab})")
@@ -188,12 +190,17 @@ class Tenants:
         names = [self.client(r.model_id, keep=in_batch).adapter for r in requests]
         mesh = self.model.mesh
         mine = balanced_shares(lengths, mesh.dp)[mesh.dp_rank]
+        # K targets per position ((N, K) target_tokens: top-K distillation): the batch's log-probs are taken for its
+        # largest K, a row of fewer using its first columns
+        widths = [d.inputs["target_tokens"].shape[1] if d.inputs["target_tokens"].dim() == 2 else 0 for d in rows]
+        width = max(widths)
         per_row: dict[int, torch.Tensor] = {}
         losses = [0.0] * len(requests)
         if mine:  # a DP replica with no rows (fewer rows than replicas) has nothing to run
-            bins = pack_bins([lengths[i] for i in mine], self.max_tokens or sum(lengths),
+            bins = pack_bins([lengths[i] for i in mine], max(self.max_tokens, max(lengths)) if self.max_tokens
+                             else sum(lengths),
                              "--max-tokens-per-microbatch")
-            micro_batches = [self._micro_batch([mine[j] for j in b], rows, owner, names) for b in bins]
+            micro_batches = [self._micro_batch([mine[j] for j in b], rows, owner, names, width) for b in bins]
             lo, hi = self.model.vocab_shard_range()
             group = mesh.tp_group if mesh.tp > 1 else None
 
@@ -203,6 +210,8 @@ class Tenants:
                 for i, start in zip(mb["rows"], mb["packed"].starts):
                     d, k = rows[i], owner[i]
                     row = logp[start:start + d.tokens.shape[0]].float()
+                    if width:
+                        row = row[:, :widths[i]] if widths[i] else row[:, 0]
                     inputs = {key: v.to(logp.device, torch.float32) for key, v in d.inputs.items()
                               if key != "target_tokens"}
                     loss = datum_loss(requests[k].loss_fn, row, inputs, configs[k])
@@ -239,13 +248,20 @@ class Tenants:
         return out
 
     @staticmethod
-    def _micro_batch(indices: list[int], rows: list, owner: list[int], names: list[str]) -> dict:
+    def _micro_batch(indices: list[int], rows: list, owner: list[int], names: list[str], width: int = 0) -> dict:
         """One packed micro-batch of ``rows[indices]``: ids and targets back to back, each client's LoRA routed to
-        its own rows (``adapter_rows``: every client of the batch named, with no rows here if it has none)."""
+        its own rows (``adapter_rows``: every client of the batch named, with no rows here if it has none).
+        ``width`` > 0: targets ``[1, T, width]``, a row's own targets in its first columns (the rest repeat its
+        first, and no loss reads them)."""
         lengths = tuple(rows[i].tokens.shape[0] for i in indices)
         layout = PackedRows(lengths, max(lengths), sum(lengths))
         ids = torch.cat([rows[i].tokens for i in indices])[None]
-        targets = torch.cat([rows[i].inputs["target_tokens"].long() for i in indices])[None]
+
+        def padded(t: torch.Tensor) -> torch.Tensor:
+            t = t.long() if t.dim() == 2 else t.long()[:, None]
+            return torch.cat([t, t[:, :1].expand(-1, width - t.shape[1])], 1)
+        targets = torch.cat([padded(rows[i].inputs["target_tokens"]) if width else rows[i].inputs["target_tokens"].long()
+                             for i in indices])[None]
         adapter_rows = {name: [j for j, i in enumerate(indices) if owner[i] == k] for k, name in enumerate(names)}
         return {"input_ids": ids, "packed": layout, "targets": targets, "rows": indices, "adapter_rows": adapter_rows}
 

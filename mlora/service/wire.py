@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from mlora.service.losses import check_shapes
+
 _NUMPY = {1: np.float32, 2: np.int64, 3: np.int32, 4: np.uint16}  # DTYPE_FLOAT32, INT64, INT32, BFLOAT16
 
 
@@ -26,7 +28,8 @@ def _pb():
 
 @dataclass
 class Datum:
-    """One training example: the input tokens ``[N]`` and its ``loss_fn_inputs`` (each ``[N]``)."""
+    """One training example: the input tokens ``[N]`` and its ``loss_fn_inputs`` (each ``[N]``, or ``[N, K]`` with
+    K targets per position)."""
 
     tokens: torch.Tensor
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -67,7 +70,8 @@ def _tensor(t, name: str) -> torch.Tensor:
 
 
 def decode_forward_backward(body: bytes) -> ForwardBackward:
-    """Parse a ``ForwardBackwardRequest``; ValueError for what mlora cannot take (images, 2-D targets)."""
+    """Parse a ``ForwardBackwardRequest``; ValueError for what mlora cannot take (images) or inputs whose shapes do
+    not fit the datum (:func:`mlora.service.losses.check_shapes`)."""
     from google.protobuf.message import DecodeError
 
     pb = _pb()
@@ -79,7 +83,7 @@ def decode_forward_backward(body: bytes) -> ForwardBackward:
     config: dict[str, float | str] = dict(req.loss_fn_config)
     for key, value in req.loss_fn_config_v2.items():
         config[key] = value.number if value.WhichOneof("value") == "number" else value.text
-    data = []
+    data, ks = [], []
     for i, d in enumerate(req.data):
         parts = []
         for chunk in d.model_input:
@@ -89,24 +93,31 @@ def decode_forward_backward(body: bytes) -> ForwardBackward:
             parts.append(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4"))
         tokens = torch.from_numpy(np.concatenate(parts).astype(np.int64)) if parts else torch.zeros(0, dtype=torch.long)
         inputs = {name: _tensor(t, name) for name, t in d.loss_fn_inputs.items()}
-        for name, t in inputs.items():
-            if t.dim() != 1 or t.shape[0] != tokens.shape[0]:
-                raise ValueError(f"datum {i}: loss_fn_inputs[{name!r}] has shape {list(t.shape)}; this server takes "
-                                 f"one value per input token, [{tokens.shape[0]}]")
         if not len(tokens):
             raise ValueError(f"datum {i}: empty model_input")
+        if "target_tokens" in inputs:  # (a request without them fails naming them: check_loss)
+            try:
+                k = check_shapes(req.loss_fn, tokens.shape[0], inputs)
+            except ValueError as e:
+                raise ValueError(f"datum {i}: {e}") from None
+            if data and k != ks[0]:  # the output's per-datum log-probs share one trailing shape
+                raise ValueError(f"datum {i} has {k or 1} targets per position, datum 0 {ks[0] or 1}: the datums of "
+                                 "one request take the same K")
+            ks.append(k)
         data.append(Datum(tokens, inputs))
     return ForwardBackward(req.model_id, int(req.seq_id), req.loss_fn, config, bool(req.forward_only), data)
 
 
 def encode_forward_backward_output(logprobs: list[torch.Tensor], metrics: dict[str, float]) -> bytes:
-    """A ``ForwardBackwardOutput``: each datum's learner log-probs (float32 ``[N]``) and ``name:reduction`` metrics."""
+    """A ``ForwardBackwardOutput``: each datum's learner log-probs (float32 ``[N]``, or ``[N, K]``: the trailing shape)
+    and ``name:reduction`` metrics."""
     pb = _pb()
     arrays = [lp.detach().to(torch.float32).cpu().contiguous().numpy() for lp in logprobs]
     offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype(np.int64)
     record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=len(arrays))
     record.fields["logprobs"].CopyFrom(pb.BatchedTensor(
-        data=b"".join(a.tobytes() for a in arrays), offsets=offsets.tobytes(), dtype=pb.DTYPE_FLOAT32))
+        data=b"".join(a.tobytes() for a in arrays), offsets=offsets.tobytes(), dtype=pb.DTYPE_FLOAT32,
+        trailing_shape=list(arrays[0].shape[1:]) if arrays else []))
     out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
     out.loss_fn_outputs.append(record)
     for key, value in metrics.items():
