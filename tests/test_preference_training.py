@@ -5,7 +5,7 @@
 - DPO on top of the SFT adapter (frozen, stacked under policy and reference): held-out
   ``rewards/accuracies`` rises from 0 to >= 0.8; its first loss is exactly ln 2 (the reference includes
   the SFT adapter); a run resumed from its step-3 checkpoint logs the same steps 4–6 and ends with the
-  same adapter;
+  same adapter; with ``hf_save_interval`` its adapter is exported every 3 steps;
 - reward model: held-out accuracy >= 0.85, and the exported PEFT SEQ_CLS adapter, loaded by
   ``PeftModel.from_pretrained(AutoModelForSequenceClassification(base, num_labels=1), dir)``, scores the
   held-out pairs with the same accuracy.
@@ -64,7 +64,7 @@ def sft(assets, tmp_path_factory) -> tuple[Path, list[dict]]:
 def dpo(assets, sft, tmp_path_factory) -> tuple[Path, list[dict]]:
     run_dir = tmp_path_factory.mktemp("dpo")
     rows = _run("dpo", assets, run_dir, "trainer.total_steps=6", "trainer.eval_interval=3", "trainer.ckpt_interval=3",
-                f"trainer.policy.model.frozen_adapter_path={sft[0] / 'final_adapter'}")
+                "trainer.hf_save_interval=3", f"trainer.policy.model.frozen_adapter_path={sft[0] / 'final_adapter'}")
     return run_dir, rows
 
 
@@ -89,6 +89,18 @@ def test_dpo_raises_held_out_accuracy(dpo):
     for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                 "logps/rejected", "loss", "grad_norm"):
         assert key in last, key
+
+
+def test_dpo_exports_its_adapter_every_hf_save_interval(dpo):
+    """SkyRL's hf_save_interval in the preference stages: <run_dir>/global_step_<k>/policy, PEFT; the last is the
+    final adapter, the one before it another."""
+    from safetensors.torch import load_file
+
+    run_dir, _ = dpo
+    final = load_file(run_dir / "final_adapter" / "adapter_model.safetensors")
+    step3, step6 = (load_file(run_dir / f"global_step_{k}" / "policy" / "adapter_model.safetensors") for k in (3, 6))
+    assert sorted(p.name for p in run_dir.glob("global_step_*")) == ["global_step_3", "global_step_6"]
+    assert all(torch.equal(step6[k], final[k]) for k in final) and not all(torch.equal(step3[k], final[k]) for k in final)
 
 
 def test_dpo_resume_continues_exactly(dpo, assets, sft, tmp_path):

@@ -348,7 +348,7 @@ def test_overlong_filtering_and_shaping_of_a_batch():
 
 def test_hf_save_schedule():
     """SkyRL's hf_save_interval: every N steps, at an epoch's end and after the last step; <= 0 never."""
-    from mlora.train.rl_stage import hf_save_due
+    from mlora.train.loop import hf_save_due
 
     assert [s for s in range(1, 11) if hf_save_due(s, 3, 10, 100)] == [3, 6, 9, 10]
     assert [s for s in range(1, 11) if hf_save_due(s, 4, 10, 5)] == [4, 5, 8, 10]

@@ -1,4 +1,5 @@
-"""Vocab-parallel log-probs and entropy at TP 2 == full vocabulary within 1e-5, without gathering it; also
+"""Vocab-parallel log-probs and entropy at TP 2 == full vocabulary within 1e-5, without gathering it (one target per
+position, and K of them: a teacher's top-K); also
 at a sampling temperature, and the log-probs of vLLM's min-p / top-k / top-p distribution vs vLLM's rule
 (sort, cumsum, mask) on the whole vocabulary; rollout correction (TIS, masks, rollout_is) on those log-probs, loss and gradient."""
 
@@ -31,6 +32,11 @@ def test_vocab_parallel_logprobs_entropy(tmp_path):
             assert set(ops) == {"all_reduce"}, ops  # per-token scalars only: no gather of the vocabulary
             # bisection: <= 2 x 32 steps + max, sums, kept masses; each a few scalars per token
             assert ops["all_reduce"][0] <= 72 and ops["all_reduce"][1] / ops["all_reduce"][0] < r["vocab_bytes"] / 50
+        # K targets per position ([3, 7, 4]): each log-prob and the logits' gradient as the full vocabulary's, with
+        # the same two all-reduces (max, then one of every per-token scalar)
+        m = r["multi"]
+        assert m["shape"] == [3, 7, 4] and m["lp"] < TOL and m["grad"] < TOL, m
+        assert m["collectives"]["all_reduce"][0] == 2, m
         # rollout correction (token TIS + outlier mask on PPO, and rollout_is) on TP-2 log-probs == full vocabulary
         for name, c in r["correction"].items():
             assert c["loss"] < TOL and c["grad"] < TOL and c["grad_norm"] > 1e-3 and c["metrics_equal"], (name, c)

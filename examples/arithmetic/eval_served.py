@@ -13,58 +13,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 from mlora.rollout.data import load_prompts
 from mlora.rollout.envs import response_reward
+from mlora.rollout.openai_server import OpenAIServer, free_port
 from mlora.rollout.serve import largest_adapter_rank, serve_command
 from mlora.train.metrics_log import read_metrics
 
 ADAPTER = "policy"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _post(url: str, body: dict, timeout: float = 600) -> dict:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, log: Path, limit_s: float = 600) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the vLLM server exited with {proc.returncode} before it was ready; its log: {log}\n"
-                               + log.read_text()[-3000:])
-        try:
-            with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            time.sleep(2)
-    raise TimeoutError(f"the vLLM server was not ready after {limit_s:.0f} s; its log: {log}")
-
-
-def served_accuracy(url: str, rows: list[dict], env_class: str, max_tokens: int) -> tuple[float, list[dict]]:
+def served_accuracy(server: OpenAIServer, rows: list[dict], env_class: str, max_tokens: int
+                    ) -> tuple[float, list[dict]]:
     """Share of ``rows`` answered right by adapter ``policy`` through the chat API, greedy."""
     right, answers = 0, []
     for row in rows:
         messages = row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
-        out = _post(f"{url}/v1/chat/completions", {"model": ADAPTER, "messages": messages, "temperature": 0.0,
-                                                    "max_tokens": max_tokens})
-        text = out["choices"][0]["message"]["content"]
+        text = server.chat(ADAPTER, messages, max_tokens)
         score = response_reward(row.get("env_class") or env_class, row, text, [])
         right += score
         answers.append({"question": messages[-1]["content"], "response": text, "reward": score})
@@ -86,27 +54,16 @@ def main(argv: list[str] | None = None) -> int:
     if not (adapter / "adapter_model.safetensors").is_file():
         raise SystemExit(f"{adapter} holds no adapter: did the run finish?")
     rows = load_prompts(args.val)
-    port = _free_port()
+    port = free_port()
     argv_ = serve_command(args.model, {ADAPTER: adapter}, max_lora_rank=largest_adapter_rank([adapter]),
                           dtype=args.dtype, host="127.0.0.1", port=port,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_model_len=args.max_model_len)
     log = args.run_dir / "vllm_server.log"
     print("starting:", " ".join(argv_), flush=True)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    with open(log, "w") as out:
-        proc = subprocess.Popen(argv_, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_ready(url, proc, log)
+    with OpenAIServer(argv_, port, log) as server:
         t0 = time.perf_counter()
-        acc, answers = served_accuracy(url, rows, rows[0].get("env_class") or "gsm8k", args.max_tokens)
+        acc, answers = served_accuracy(server, rows, rows[0].get("env_class") or "gsm8k", args.max_tokens)
         seconds = time.perf_counter() - t0
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
     (args.run_dir / "served_eval.jsonl").write_text("".join(json.dumps(a) + "\n" for a in answers))
     trainer = _last_eval(args.run_dir / "metrics.jsonl")
     print(f"served by vLLM's OpenAI server: held-out accuracy {acc:.3f} over {len(rows)} questions ({seconds:.0f} s)")

@@ -528,8 +528,7 @@ def _check_reward_model(cfg: TrainConfig) -> None:
 
 # trainer.* keys of rollouts, PPO epochs and the critic, which the one-step-per-batch stages never read
 RL_ONLY_TRAINER_KEYS = ("update_epochs_per_batch", "micro_forward_batch_size_per_gpu", "max_prompt_length",
-                        "critic_mini_batch_size", "eval_batch_size", "dump_eval_results", "hf_save_interval",
-                        "export_path", "dump_data_batch")
+                        "critic_mini_batch_size", "eval_batch_size", "dump_eval_results", "dump_data_batch")
 
 
 def _check_preference(cfg: TrainConfig, world_size: int) -> None:

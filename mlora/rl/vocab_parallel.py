@@ -33,38 +33,45 @@ class _VocabParallelLogProb(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, vocab_start, vocab_valid, group, with_entropy, temperature):
+        multi = target.dim() == logits.dim()  # K targets per position ([..., K]): K log-probs, one normaliser
         shifted, gmax = _shifted(logits, vocab_valid, group, temperature=temperature)
         local = target - vocab_start
         in_shard = (local >= 0) & (local < vocab_valid)
-        index = local.clamp(0, shifted.shape[-1] - 1)[..., None]
-        picked = torch.where(in_shard, shifted.gather(-1, index)[..., 0], torch.zeros_like(gmax))
+        index = local.clamp(0, shifted.shape[-1] - 1)
+        if not multi:
+            index, in_shard = index[..., None], in_shard[..., None]
+        picked = torch.where(in_shard, shifted.gather(-1, index), torch.zeros_like(index, dtype=shifted.dtype))
         exp = shifted.exp()
-        stats = [exp.sum(-1), picked]
+        stats = [exp.sum(-1, keepdim=True), picked]
         if with_entropy:  # Σ exp(s)·s, as a batched dot product (no temporary of the logits' size)
-            stats.append((exp.unsqueeze(-2) @ shifted.clamp(min=-1e4).unsqueeze(-1))[..., 0, 0])
+            stats.append((exp.unsqueeze(-2) @ shifted.clamp(min=-1e4).unsqueeze(-1))[..., 0])
         del exp, shifted
-        stacked = torch.stack(stats)
+        stacked = torch.cat(stats, -1)  # one all-reduce for every per-token scalar
         _all_reduce(stacked, group, dist.ReduceOp.SUM)
-        sum_exp = stacked[0]
+        sum_exp = stacked[..., 0]
         log_z = sum_exp.log()
-        mean_shifted = stacked[2] / sum_exp if with_entropy else torch.zeros_like(sum_exp)  # E_p[z - max]
+        mean_shifted = stacked[..., -1] / sum_exp if with_entropy else torch.zeros_like(sum_exp)  # E_p[z - max]
         ctx.save_for_backward(logits, gmax, sum_exp, mean_shifted, index, in_shard)
-        ctx.vocab_valid, ctx.with_entropy, ctx.temperature = vocab_valid, with_entropy, temperature
+        ctx.vocab_valid, ctx.with_entropy, ctx.temperature, ctx.multi = vocab_valid, with_entropy, temperature, multi
         entropy = log_z - mean_shifted if with_entropy else torch.zeros_like(log_z)
-        return stacked[1] - log_z, entropy
+        logprob = stacked[..., 1:1 + index.shape[-1]] - log_z[..., None]
+        return (logprob if multi else logprob[..., 0]), entropy
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):
         logits, gmax, sum_exp, mean_shifted, index, in_shard = ctx.saved_tensors
+        if not ctx.multi:
+            grad_logprob = grad_logprob[..., None]
         shifted, _ = _shifted(logits, ctx.vocab_valid, None, gmax, ctx.temperature)
         probs = shifted.exp().div_(sum_exp[..., None])
+        total = grad_logprob.sum(-1)  # each target's log-prob shares the normaliser: d/dz_j of it is -p_j
         if ctx.with_entropy:
             # dH/dz_j = -p_j (z_j - E_p[z]);  d log p(y)/dz_j = 1[j = y] - p_j
             grad = shifted.clamp_(min=-1e4).sub_(mean_shifted[..., None]).mul_(grad_entropy[..., None])
-            grad.add_(grad_logprob[..., None]).mul_(probs).neg_()
+            grad.add_(total[..., None]).mul_(probs).neg_()
         else:
-            grad = probs.mul_(-grad_logprob[..., None])
-        grad.scatter_add_(-1, index, (grad_logprob * in_shard.to(grad.dtype))[..., None])
+            grad = probs.mul_(-total[..., None])
+        grad.scatter_add_(-1, index, grad_logprob * in_shard.to(grad.dtype))
         if ctx.temperature != 1.0:  # d/dz = (d/du) / T
             grad.div_(ctx.temperature)
         return grad.to(logits.dtype), None, None, None, None, None, None
@@ -111,6 +118,9 @@ def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor, vocab_st
                             group=None, with_entropy: bool = False, temperature: float = 1.0
                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``target`` (and entropy) under ``softmax(z / T)``, from this rank's logits shard ``[..., V/TP]``.
+
+    ``target`` is ``[...]`` (one token per position) or ``[..., K]`` (K tokens per position, e.g. a teacher's top-K:
+    the log-probs are ``[..., K]``, one normaliser per position).
 
     ``log p(y) = z_y / T - logsumexp(z / T)``; ``H = -Σ p log p``. ``vocab_start`` is the global id
     of the shard's first column; ``vocab_valid`` how many of its columns are real vocabulary (the

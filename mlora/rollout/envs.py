@@ -4,8 +4,8 @@ Two kinds, one ``environment.env_class`` (or a row's ``env_class``):
 
 - a reward environment (mlora's own registry, :func:`register_env`) scores one response:
   ``env.reward(sample, response_text, response_ids) -> float``, ``sample`` the prompt row (with its
-  ``reward_spec``): ``arithmetic`` (the last number of the response), ``target_token``, ``copy_first``,
-  ``reward_model``;
+  ``reward_spec``): ``arithmetic`` (the last number of the response), ``arithmetic_gold`` (the RLHF study's gold
+  reward), ``target_token``, ``copy_first``, ``reward_model``;
 - a SkyRL-Gym text environment (``skyrl_gym``'s registry, ``skyrl_gym.register``, or an entry point
   ``package.module:Class``) is one object per trajectory that answers each model turn
   (:mod:`mlora.rollout.multi_turn`): SkyRL's shipped ones (``gsm8k`` with its strict ``#### N`` reward,
@@ -131,6 +131,37 @@ class LastNumberEnv:
     def reward(self, sample: dict, response_text: str, response_ids: list[int]) -> float:
         truth = _normalise(str(sample["reward_spec"]["ground_truth"]))
         return float(last_number(response_text) == truth)
+
+
+GOLD_CONCISE_WORDS, GOLD_ZERO_WORDS = 10, 20
+GOLD_STYLE_WEIGHT = 0.5
+_INTEGER = re.compile(r"-?\d+")
+
+
+def gold_parts(text: str, a: int, b: int) -> tuple[float, float]:
+    """(correct, concise) of an answer to ``a + b`` (the RLHF study's gold reward, :mod:`mlora.demos.rlhf_gold`):
+    1 when its last integer is the sum; 1 up to :data:`GOLD_CONCISE_WORDS` words, linearly down to 0 at
+    :data:`GOLD_ZERO_WORDS`."""
+    numbers = _INTEGER.findall(text)
+    correct = float(bool(numbers) and int(numbers[-1]) == a + b)
+    words = len(text.split())
+    concise = min(1.0, max(0.0, (GOLD_ZERO_WORDS - words) / (GOLD_ZERO_WORDS - GOLD_CONCISE_WORDS)))
+    return correct, concise
+
+
+def gold_score(text: str, a: int, b: int) -> float:
+    """The RLHF study's gold reward: correct + 0.5 · concise (:func:`gold_parts`), in [0, 1.5]."""
+    correct, concise = gold_parts(text, a, b)
+    return correct + GOLD_STYLE_WEIGHT * concise
+
+
+@register_env("arithmetic_gold")
+class GoldArithmeticEnv:
+    """The gold reward of the RLHF study (:func:`gold_score`); ``reward_spec`` gives the operands ``a`` and ``b``."""
+
+    def reward(self, sample: dict, response_text: str, response_ids: list[int]) -> float:
+        spec = sample["reward_spec"]
+        return gold_score(response_text, int(spec["a"]), int(spec["b"]))
 
 
 @register_env("target_token")

@@ -105,6 +105,13 @@ def interval_due(step: int, interval: int, total: int) -> bool:
     return interval > 0 and (step % interval == 0 or step == total)
 
 
+def hf_save_due(step: int, interval: int, total_steps: int, steps_per_epoch: int) -> bool:
+    """SkyRL's ``trainer.hf_save_interval`` schedule: every ``interval`` steps, at each epoch's end and
+    after the last step; never when ``interval <= 0``."""
+    return interval_due(step, interval, total_steps) or (
+        interval > 0 and steps_per_epoch > 0 and step % steps_per_epoch == 0)
+
+
 def load_model(cfg: TrainConfig, mesh) -> tuple[mlora.MLoraModel, tuple[str, ...]]:
     """The shared base on this rank's mesh with ``trainer.policy.model.frozen_adapter_path`` (e.g. an SFT
     adapter) loaded frozen as :data:`FROZEN`; returns the model and the frozen adapters every trained

@@ -88,7 +88,8 @@ class PreferenceStage:
         self.evaluates = bool(self.val_batches)
 
     def open(self, run_dir: Path) -> None:
-        """Nothing beyond the model: the data is in memory."""
+        """Where ``trainer.hf_save_interval`` writes (the data is in memory)."""
+        self.export_dir = Path(self.cfg.trainer.export_path or run_dir)
 
     def schedule(self, start_step: int):
         t = self.cfg.trainer
@@ -101,6 +102,10 @@ class PreferenceStage:
         t0 = time.perf_counter()
         metrics = self.engine.step(collate([self.train[i] for i in picked], self.pad_id, self.pairs))
         metrics["timing/train_s"] = time.perf_counter() - t0
+        t = self.cfg.trainer
+        # SkyRL's hf_save_interval, as the RL stage: the adapter (PEFT) in <export>/global_step_<k>/policy
+        if loop.hf_save_due(step, t.hf_save_interval, self.total_steps, self.n_examples // t.train_batch_size):
+            save_final_adapter(self.cfg, self.model, self.engine, self.export_dir / f"global_step_{step}" / "policy")
         return metrics
 
     def evaluate(self, step: int) -> dict[str, float]:

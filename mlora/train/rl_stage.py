@@ -34,7 +34,7 @@ from mlora.train.engine import ActorCriticEngine, step_experiments
 from mlora.train.experiments import CRITIC, POLICY, Experiment, ExperimentEngines, experiments_step_line, joint_schedule
 from mlora.train.from_config import lora_config, ppo_config, sampling_config
 from mlora.train.learned_reward import REWARD, build_learned_reward
-from mlora.train.loop import FROZEN, interval_due
+from mlora.train.loop import FROZEN, hf_save_due
 from mlora.train.metrics_log import log, step_line
 from mlora.train.rollouts import (
     Collected,
@@ -86,13 +86,6 @@ def zero_variance_filter(cfg: TrainConfig, batch: RolloutBatch) -> dict[str, flo
     keep = zero_variance_keep(batch.rewards, groups, batch.action_mask.sum(-1) > 0, a.zero_variance_filter_tol)
     batch.loss_mask = keep.float() if batch.loss_mask is None else batch.loss_mask * keep.float()
     return {"reward/num_zero_variance_filtered": float(len(set(groups)) - len({g for g, k in zip(groups, keep) if k}))}
-
-
-def hf_save_due(step: int, interval: int, total_steps: int, steps_per_epoch: int) -> bool:
-    """SkyRL's ``trainer.hf_save_interval`` schedule: every ``interval`` steps, at each epoch's end and
-    after the last step; never when ``interval <= 0``."""
-    return interval_due(step, interval, total_steps) or (
-        interval > 0 and steps_per_epoch > 0 and step % steps_per_epoch == 0)
 
 
 def dump_batch(batch: RolloutBatch, path: Path, trained: dict[str, torch.Tensor] | None = None) -> None:

