@@ -55,6 +55,11 @@ def test_label_noise_rate_and_flips():
     assert abs(rate - 0.25) < 0.057, rate
     assert rlhf_gold.label_pairs(answers, 0.25, 7) == pairs  # seeded
     assert rlhf_gold.label_pairs({(2, 3): ["5", "5."]}, 0.25, 7) == []  # equal gold: no pair
+    # several pairs per question: each answer in one pair at most, each pair of different gold
+    many = rlhf_gold.label_pairs({(2, 3): ["5", "6", "5.", "5", "7", "five " * 25]}, 0.0, 7, per_question=4)
+    assert [(p.chosen, p.rejected) for p in many] == [("5", "6"), ("5.", "7"), ("5", "five " * 25)]
+    with pytest.raises(ValueError, match="per_question=0: at least one pair per question"):
+        rlhf_gold.label_pairs(answers, 0.25, 7, per_question=0)
     with pytest.raises(ValueError, match=r"flip=0.5: the probability of flipping a gold label must be in \[0, 0.5\)"):
         rlhf_gold.label_pairs(answers, 0.5, 7)
 

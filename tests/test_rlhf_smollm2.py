@@ -9,7 +9,9 @@
   measurement's greedy gold of the same final policy (within one of 64 answers), and within 2 of 64 answers of the
   trainer's own evaluation (which serves the policy over the base with the SFT adapter merged: other float
   rounding);
-- the summary holds the reward model's held-out accuracy, the pair statistics and one study point per export.
+- the reward model's held-out pair accuracy from a fresh load equals the trainer's last evaluation of it (within
+  one pair); the summary holds its accuracy against gold, the noise ceiling, the pair statistics and one study
+  point per export.
 
 Opt-in (``MLORA_RLHF_SMOKE=1``): about 7 minutes on 2 cores, which the suite's 30-minute budget does not hold yet.
 """
@@ -70,4 +72,9 @@ def test_served_policies_and_the_summary(smoke):
         assert points[0]["kl"] == pytest.approx(0.0, abs=1e-4)  # step 0 is the SFT policy itself
         assert all(0.0 <= p["gold"] <= 1.5 for p in points)
     assert summary["rm_heldout_accuracy"][0][0] == 0 and summary["pairs"]["pairs_train"] > 0
+    rm = summary["rm_heldout"]
+    assert rm["pairs"] == summary["pairs"]["pairs_heldout"] > 0
+    # the fresh load orders the held-out pairs as the trainer's final evaluation did (one near-tie may differ)
+    assert abs(rm["accuracy_vs_labels"] - summary["rm_heldout_accuracy"][-1][1]) <= 1 / rm["pairs"] + 1e-9
+    assert rm["noise_ceiling"] == pytest.approx(summary["pairs"]["heldout_label_agrees_with_gold"])
     assert "| kl | 1 |" in (smoke / "stdout.txt").read_text()

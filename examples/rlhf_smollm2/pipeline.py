@@ -38,8 +38,9 @@ import study_eval
 from mlora.demos import rlhf_gold
 from mlora.rollout.openai_server import free_port
 
-ANSWERS_PER_QUESTION = 4
-HELDOUT_PAIR_SHARE = 0.2  # of the pair questions, held out for the reward model's accuracy
+ANSWERS_PER_QUESTION = 8
+PAIRS_PER_QUESTION = 4  # each answer in one pair at most
+HELDOUT_PAIR_SHARE = 0.2  # of the questions that gave pairs, held out (with their pairs) for the reward model
 MAX_TOKENS = 32
 # how long each stage runs: the study, --quick (every stage for a few steps, within 10 minutes), and --size smoke
 # (tests/test_rlhf_smollm2.py: one arm, one seed, a step or two, the wiring only). pair_questions: of the SFT
@@ -133,14 +134,16 @@ def sample_answers(model: str, adapter: Path, questions: list[tuple[int, int]], 
 def build_pairs(answers: dict[tuple[int, int], list[str]], flip: float, seed: int, out: Path) -> dict:
     """Pairs labelled by gold with noise, split by question into ``pairs_train`` / ``pairs_heldout`` parquet;
     what the sampled answers and the labels look like."""
-    pairs = rlhf_gold.label_pairs(answers, flip, seed)
-    cut = int(len(pairs) * (1 - HELDOUT_PAIR_SHARE))
-    _write(rlhf_gold.pair_rows(pairs[:cut]), out / "pairs_train.parquet")
-    _write(rlhf_gold.pair_rows(pairs[cut:]), out / "pairs_heldout.parquet")
+    pairs = rlhf_gold.label_pairs(answers, flip, seed, PAIRS_PER_QUESTION)
+    questions = list(dict.fromkeys((p.a, p.b) for p in pairs))
+    held_questions = set(questions[int(len(questions) * (1 - HELDOUT_PAIR_SHARE)):])
+    train = [p for p in pairs if (p.a, p.b) not in held_questions]
+    held = [p for p in pairs if (p.a, p.b) in held_questions]
+    _write(rlhf_gold.pair_rows(train), out / "pairs_train.parquet")
+    _write(rlhf_gold.pair_rows(held), out / "pairs_heldout.parquet")
     golds = [rlhf_gold.gold_score(t, a, b) for (a, b), texts in answers.items() for t in texts]
-    held = pairs[cut:]
     return {"questions": len(answers), "answers": len(golds), "sft_policy_gold_mean": sum(golds) / len(golds),
-            "pairs_train": cut, "pairs_heldout": len(held),
+            "pair_questions": len(questions), "pairs_train": len(train), "pairs_heldout": len(held),
             "heldout_label_agrees_with_gold": sum(not p.flipped for p in held) / max(len(held), 1)}
 
 
@@ -228,8 +231,8 @@ def main() -> None:
         runs[name] = out / name
 
     t0 = time.perf_counter()
-    summary["study"] = measure_study(model, sft_dir / "final_adapter", rm_dir / "final_adapter", runs,
-                                     files["heldout"], out, args.seed, steps["samples"])
+    summary["study"], summary["rm_heldout"] = measure_study(model, sft_dir / "final_adapter", rm_dir / "final_adapter",
+                                                            runs, files["heldout"], out, args.seed, steps["samples"])
     seconds["study_eval"] = time.perf_counter() - t0
     plot_study(summary["study"], out / "overoptimisation.png")
 
@@ -250,8 +253,10 @@ def main() -> None:
     print("\nserved by one vLLM OpenAI server (gold of the greedy answers to the held-out questions): " + ", ".join(
         f"{name} {r['gold']:.3f}" + (f" (trainer {r['trainer_final_gold']:.3f})" if "trainer_final_gold" in r else "")
         for name, r in summary["served"].items()))
-    print(f"\nreward model held-out accuracy (noisy labels; the noise ceiling is "
-          f"{summary['pairs']['heldout_label_agrees_with_gold']:.2f}): {summary['rm_heldout_accuracy']}")
+    rm = summary["rm_heldout"]
+    print(f"\nreward model on {rm['pairs']} held-out pairs: {rm['accuracy_vs_labels']:.3f} against their labels "
+          f"(the noise ceiling: {rm['noise_ceiling']:.3f}), {rm['accuracy_vs_gold']:.3f} against gold; the trainer's "
+          f"evaluation by step: {summary['rm_heldout_accuracy']}")
     print(f"figure: {out / 'overoptimisation.png'}; everything: {out / 'summary.json'}")
 
 
@@ -261,13 +266,15 @@ def checkpoints_of(run_dir: Path) -> dict[int, Path]:
 
 
 def measure_study(model: str, sft: Path, reward: Path, runs: dict[str, Path], heldout: Path, out: Path, seed: int,
-                  samples_per_question: int) -> dict[str, list[dict]]:
+                  samples_per_question: int) -> tuple[dict[str, list[dict]], dict[str, float]]:
     """Per run (arm x seed) and saved step, step 0 being the SFT policy: gold, proxy, KL and greedy gold of the
     policy's answers to the held-out questions (:mod:`study_eval`); sampling in a child process (its engine's
-    memory goes with it), the reward model's scores in this one."""
+    memory goes with it), the reward model's scores in this one. And the reward model's held-out pair accuracy
+    against the labels and against gold, beside the noise ceiling."""
     import concurrent.futures
     import multiprocessing
 
+    import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
     from mlora.rollout.data import load_prompts, prompt_ids
@@ -279,11 +286,12 @@ def measure_study(model: str, sft: Path, reward: Path, runs: dict[str, Path], he
         samples = pool.submit(study_eval.sample_checkpoints, model, sft, checkpoints, rows, samples_per_question,
                               seed, out / "study_adapters").result()
     tokenizer = AutoTokenizer.from_pretrained(model)
-    measured = study_eval.measure(samples, rows, [prompt_ids(r, tokenizer) for r in rows],
-                                  study_eval.RewardScorer(model, sft, reward))
+    scorer = study_eval.RewardScorer(model, sft, reward)
+    measured = study_eval.measure(samples, rows, [prompt_ids(r, tokenizer) for r in rows], scorer)
+    rm = study_eval.pair_accuracy(scorer, pq.read_table(out / "assets" / "pairs_heldout.parquet").to_pylist(), tokenizer)
     return {name: [{"step": 0, **measured["sft"]}] + [{"step": int(key.split("@")[1]), **m}
                                                       for key, m in measured.items() if key.split("@")[0] == name]
-            for name in runs}
+            for name in runs}, rm
 
 
 def plot_study(study: dict[str, list[dict]], figure: Path) -> None:

@@ -121,3 +121,21 @@ def measure(samples: dict[str, dict], rows: list[dict], prompts_ids: list[list[i
         out[name] = {"gold": sum(gold) / len(gold), "proxy": sum(proxy) / len(proxy), "kl": kl_sum / max(tokens, 1),
                      "greedy_gold": sum(greedy) / len(greedy)}
     return out
+
+
+def pair_accuracy(scorer: RewardScorer, pairs: list[dict], tokenizer) -> dict[str, float]:
+    """The reward model (a fresh load) on held-out pairs: the share it orders as their (noisy) labels do, the share
+    it orders as gold does, and the noise ceiling (the share of labels that agree with gold: what a reward model
+    equal to gold would score against the labels). Token ids as the reward-model trainer makes them."""
+    from mlora.train.preference_data import tokenize_example
+
+    by_label = by_gold = 0
+    for i, row in enumerate(pairs):
+        ex = tokenize_example(tokenizer, row["prompt"], (row["chosen"], row["rejected"]), f"held-out pair {i}")
+        chosen, rejected = (scorer.score(ex.prompt + list(r)) for r in ex.responses)
+        by_label += chosen > rejected
+        by_gold += (chosen > rejected) != bool(row["flipped"])
+    n = max(len(pairs), 1)
+    return {"pairs": len(pairs), "accuracy_vs_labels": by_label / n, "accuracy_vs_gold": by_gold / n,
+            "noise_ceiling": sum(not r["flipped"] for r in pairs) / n}
+

@@ -65,22 +65,29 @@ class Pair:
     flipped: bool  # the label disagrees with gold
 
 
-def label_pairs(answers: dict[tuple[int, int], list[str]], flip: float, seed: int) -> list[Pair]:
-    """One preference pair per question from its sampled ``answers``: the first two answers with different gold
-    (questions whose answers all score alike give none), labelled by gold and flipped with probability ``flip``."""
+def label_pairs(answers: dict[tuple[int, int], list[str]], flip: float, seed: int, per_question: int = 1
+                ) -> list[Pair]:
+    """Up to ``per_question`` preference pairs per question from its sampled ``answers``: pairs of answers with
+    different gold, in order (each answer in at most one pair, so a question's pairs are independent draws;
+    questions whose answers all score alike give none), labelled by gold and flipped with probability ``flip``."""
     if not 0.0 <= flip < 0.5:
         raise ValueError(f"flip={flip}: the probability of flipping a gold label must be in [0, 0.5)")
+    if per_question < 1:
+        raise ValueError(f"per_question={per_question}: at least one pair per question")
     rng = random.Random(seed)
     out = []
     for (a, b), texts in answers.items():
-        scored = [(gold_score(t, a, b), t) for t in texts]
-        for i, (gi, ti) in enumerate(scored):
-            other = next(((g, t) for g, t in scored[i + 1:] if g != gi), None)
-            if other is not None:
-                (g_hi, hi), (_, lo) = sorted([(gi, ti), other], reverse=True)
-                flipped = rng.random() < flip
-                out.append(Pair(a, b, lo if flipped else hi, hi if flipped else lo, flipped))
-                break
+        free = [(gold_score(t, a, b), t) for t in texts]
+        made = 0
+        while made < per_question and free:
+            gi, ti = free.pop(0)
+            j = next((j for j, (g, _) in enumerate(free) if g != gi), None)
+            if j is None:
+                continue
+            (_, hi), (_, lo) = sorted([(gi, ti), free.pop(j)], reverse=True)
+            flipped = rng.random() < flip
+            out.append(Pair(a, b, lo if flipped else hi, hi if flipped else lo, flipped))
+            made += 1
     return out
 
 
