@@ -253,7 +253,8 @@ def main() -> None:
     plot_study(summary["study"], out / "overoptimisation.png")
 
     t0 = time.perf_counter()
-    finals = {name: checkpoints_of(d)[max(checkpoints_of(d))] for name, d in runs.items()}
+    # the final policies as the measurement stacked them on the SFT adapter (study_eval.sample_checkpoints)
+    finals = {name: out / "study_adapters" / f"{name}@{max(checkpoints_of(d))}" for name, d in runs.items()}
     summary["served"] = serve_and_score(model, sft_dir / "final_adapter", finals, files["heldout"], out)
     ppo_rows = _rows(ppo_dir)
     for name, served in summary["served"].items():
@@ -339,17 +340,16 @@ def plot_study(study: dict[str, list[dict]], figure: Path) -> None:
 
 
 def serve_and_score(model: str, sft: Path, policies: dict[str, Path], heldout: Path, out: Path) -> dict:
-    """One vLLM OpenAI server holding the SFT adapter and every policy, each policy as its stack over the SFT
-    adapter written as one adapter (:func:`mlora.export.stack.stack_adapters`: the exact sum, vLLM applies one
-    adapter per request); the held-out questions asked of each by name, greedy, scored by the gold program."""
+    """One vLLM OpenAI server holding the SFT adapter and every policy, each policy already stacked over the SFT
+    adapter as one adapter (:func:`mlora.export.stack.stack_adapters`: the exact sum, vLLM applies one adapter per
+    request); the held-out questions asked of each by name, greedy, scored by the gold program."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from mlora.export.stack import stack_adapters
     from mlora.rollout.data import load_prompts
     from mlora.rollout.openai_server import OpenAIServer
     from mlora.rollout.serve import largest_adapter_rank, serve_command
 
-    served = {"sft": sft} | {name: stack_adapters([sft, p], out / "served" / name) for name, p in policies.items()}
+    served = {"sft": sft} | policies
     rows = load_prompts(heldout)
     port = free_port()
     argv = serve_command(model, served, max_lora_rank=largest_adapter_rank(served.values()), dtype="float32",
