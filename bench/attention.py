@@ -142,4 +142,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import records  # the run becomes a record of bench/records.jsonl
+
+    records.main(main, group="LoRA compute")

@@ -59,9 +59,15 @@ def rows() -> list[str]:
     return out
 
 
-if __name__ == "__main__":
+def main() -> None:
     print(f"CPU-independent (shapes only); torch {torch.__version__}")
     print("| layout | base | recompute | colocated engine | peak / GPU (GiB) | peak at | weights+LoRA+AdamW+grads | "
           "activations | logits | engine | " + " | ".join(GPUS) + " |")
     print("| " + " | ".join(["---"] * 12) + " |")
     print("\n".join(rows()))
+
+
+if __name__ == "__main__":
+    import records  # the run becomes a record of bench/records.jsonl
+
+    records.main(main, group="Memory")

@@ -293,4 +293,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.append(str(Path(__file__).resolve().parent))  # after the SDK: this file is not `tinker`
+    import records  # noqa: E402 - the run becomes a record of bench/records.jsonl
+
+    records.main(main, group="Tinker service")

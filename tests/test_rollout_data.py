@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from doc_commands import GSM8K_DATA, split
 
 from mlora.rollout.data import load_prompts
 from mlora.rollout.envs import gsm8k_reference, last_number, make_env, register_env, registered_envs, response_reward
@@ -49,9 +50,12 @@ def test_synthetic_envs_and_registry():
 
 
 def test_gsm8k_preparation_from_sample(tmp_path):
-    script = ROOT / "examples" / "gsm8k" / "gsm8k_dataset.py"
+    """The preparation command docs/getting-started.md shows (tests/doc_commands.py), into a temporary directory and
+    from the bundled sample instead of the Hub."""
+    _, argv = split(GSM8K_DATA)
+    assert argv[0] == "python" and argv[2:] == ["--output_dir", "data/gsm8k"], argv
     sample = ROOT / "examples" / "gsm8k" / "sample" / "gsm8k_sample.jsonl"
-    subprocess.run([sys.executable, str(script), "--output_dir", str(tmp_path), "--from-file", str(sample)],
+    subprocess.run([sys.executable, str(ROOT / argv[1]), "--output_dir", str(tmp_path), "--from-file", str(sample)],
                    check=True, capture_output=True)
     train, val = load_prompts(tmp_path / "train.parquet"), load_prompts(tmp_path / "validation.parquet")
     assert len(train) + len(val) == 20

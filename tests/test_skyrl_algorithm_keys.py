@@ -1,6 +1,6 @@
 """SkyRL's ``trainer.algorithm`` keys (and the generator / async keys issue 48 names) on mlora: every one of SkyRL's
-``AlgorithmConfig`` fields (read from the ``skyrl`` wheel) is a key here and in the README's table; those mlora
-implements reach the trainer's objects; those it does not are refused by a ConfigError naming the key and why
+``AlgorithmConfig`` fields (read from the ``skyrl`` wheel) is a key here and in the table of docs/skyrl.md; those
+mlora implements reach the trainer's objects; those it does not are refused by a ConfigError naming the key and why
 (never Hydra's generic message, never dropped); the signal filters and DAPO's dynamic sampling on batches."""
 
 from __future__ import annotations
@@ -39,17 +39,18 @@ def _leaves(obj, prefix: str = "") -> list[str]:
     return out
 
 
-def test_every_skyrl_algorithm_key_is_a_key_and_in_the_readme_table():
+def test_every_skyrl_algorithm_key_is_a_key_and_in_the_docs_table():
     from mlora.config.schema import TrainConfig
 
     skyrl = _leaves(skyrl_module("train.config").AlgorithmConfig())
     mine = set(_leaves(TrainConfig().trainer.algorithm))
     assert [k for k in skyrl if k not in mine] == []
-    readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index("### SkyRL's algorithm keys"):]
-    table = table[:table.index("\n## ")]
+    page = (ROOT / "docs" / "skyrl.md").read_text()
+    table = page[page.index("## SkyRL's algorithm keys"):]
+    end = table.find("\n## ", 1)  # the next section, or the page's end
+    table = table if end < 0 else table[:end]
     missing = [k for k in skyrl if f"`{k}`" not in table and f"`{k.split('.')[0]}.*`" not in table]
-    assert missing == [], f"SkyRL algorithm keys missing from the README's table: {missing}"
+    assert missing == [], f"SkyRL algorithm keys missing from the table in docs/skyrl.md: {missing}"
 
 
 def test_implemented_keys_reach_the_trainer():

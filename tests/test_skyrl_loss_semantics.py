@@ -103,7 +103,7 @@ def test_is_ratio_std():
     _, m = off_policy_correction(old, mu, full, cfg)
     assert m["is_ratio_std"] == pytest.approx(float((skyrl_safe_exp_delta(old - mu) * full).std()), rel=REL)
     # with padding, mlora takes the std over response tokens only (SkyRL's counts the padding as zeros, so its
-    # value depends on how a micro-batch was padded): a deliberate difference, stated in the README
+    # value depends on how a micro-batch was padded): a deliberate difference, stated in docs/algorithms.md
     mask = full.clone()
     mask[1, 3:] = 0.0
     _, m = off_policy_correction(old, mu, mask, cfg)

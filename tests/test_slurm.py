@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from conftest import _free_port
+from doc_commands import SLURM_CPU_DEMO, sbatch_parts
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "slurm" / "train.sbatch"
@@ -234,8 +235,8 @@ def test_cpu_nodes_need_a_process_count(cluster, tmp_path):
 def test_two_nodes_cpu_demo(cluster, tmp_path):
     """TP2xPP2 over two nodes (2 ranks each, one torchrun per node, c10d rendezvous on n1)."""
     t0 = time.time()
-    job = cluster.sbatch(tmp_path, "--config-name", "cpu_demo", "trainer.total_steps=3", *SHORT,
-                         env={"MLORA_NPROC_PER_NODE": "2"})
+    env, nodes, _, args = sbatch_parts(SLURM_CPU_DEMO)  # as docs/getting-started.md shows it (tests/doc_commands.py)
+    job = cluster.sbatch(tmp_path, *args, "trainer.total_steps=3", *SHORT, env=env, nodes=nodes)
     info = cluster.wait(job, 900)
     out = cluster.output(job)
     assert info["JobState"] == "COMPLETED", out

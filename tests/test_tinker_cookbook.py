@@ -45,8 +45,8 @@ KEY = "tml-mlora-cookbook"
 @pytest.fixture(scope="module")
 def server(smollm2, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cookbook_server")
-    # sized by hand: the suite's other worker runs beside it (started as the README shows, the engine takes half of
-    # what is free then: tests/test_tinker_service.py runs that command, and the README's memory curve is of it)
+    # sized by hand: the suite's other worker runs beside it (started as docs/tinker.md shows, the engine takes half of
+    # what is free then: tests/test_tinker_service.py runs that command, and the memory curve in docs/tinker.md is of it)
     s = Server(smollm2, tmp / "data", tmp / "server.log", ["--kv-cache-bytes", str(256 << 20), "--max-model-len", "1024",
                                                           "--max-lora-rank", "32"], threads=2)
     yield s

@@ -1,7 +1,7 @@
-"""The README's table of the Tinker SDK's surface is complete and current: every public method of the SDK's
+"""The table of the Tinker SDK's surface in docs/tinker.md is complete and current: every public method of the SDK's
 ServiceClient, TrainingClient, SamplingClient and RestClient (the installed tinker, walked here) has a row in
 :data:`mlora.service.surface.SURFACE` (served / partial / not served, and why), no row names a method the SDK no
-longer has, and the README holds exactly the table :func:`mlora.service.surface.markdown` prints."""
+longer has, and docs/tinker.md holds exactly the table :func:`mlora.service.surface.markdown` prints."""
 
 from __future__ import annotations
 
@@ -26,11 +26,12 @@ def _sdk_methods() -> set[str]:
     return out
 
 
-def test_every_sdk_method_has_a_row_and_the_readme_shows_the_table():
+def test_every_sdk_method_has_a_row_and_the_docs_show_the_table():
     from mlora.service.surface import NOT_SERVED, PARTIAL, SERVED, SURFACE, markdown
 
     sdk = _sdk_methods()
     assert sorted(sdk - set(SURFACE)) == [], "SDK methods without a row in mlora/service/surface.py"
     assert sorted(set(SURFACE) - sdk) == [], "rows for methods the SDK does not have"
     assert all(status in (SERVED, PARTIAL, NOT_SERVED) and note for status, note in SURFACE.values())
-    assert markdown() in (ROOT / "README.md").read_text(), "README's table differs: python -m mlora.service.surface"
+    assert markdown() in (ROOT / "docs" / "tinker.md").read_text(), \
+        "docs/tinker.md's table differs from what python -m mlora.service.surface prints"

@@ -38,7 +38,7 @@ from pathlib import Path
 _BAD_INPUT = (ValueError, FileNotFoundError, FileExistsError)
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="convert_checkpoint.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and convert; returns the exit status."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
         if args.command == "hf-to-mcore":

@@ -24,9 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, when mlora is not installed
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv`` and convert; returns the exit status."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser; runs nothing."""
     ap = argparse.ArgumentParser(prog="import_adapter.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--in", dest="src", required=True, metavar="BRIDGE_CKPT",
@@ -40,7 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                     help="cast the factors (default: as stored)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and convert; returns the exit status."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = build_parser().parse_args(argv)
 
     from mlora.export.bridge_adapter import import_bridge_adapter
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# An A/B test on one base (README "K experiments on one base"): SmolLM2-135M-Instruct learns small-number
+# An A/B test on one base (docs/experiments.md): SmolLM2-135M-Instruct learns small-number
 # addition with GRPO under two KL coefficients side by side in one job (config smollm2_ab_kl); prints the
 # comparison table at the end (also in $RUN_DIR/experiments.md, the plot in $RUN_DIR/metrics.png).
 # Extra arguments are Hydra overrides for mlora-train (e.g. trainer.total_steps=20).

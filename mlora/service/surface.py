@@ -2,7 +2,7 @@
 ``TrainingClient``, ``SamplingClient`` and ``RestClient`` (tinker 0.38), served / partial / not served, and why.
 
 ``tests/test_tinker_surface.py`` walks the SDK's classes (a method it adds must be placed here) and checks the
-README's table is :func:`markdown` of this one. ``python -m mlora.service.surface`` prints it.
+table in docs/tinker.md is :func:`markdown` of this one. ``python -m mlora.service.surface`` prints it.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ SURFACE.update({f"RestClient.{name}": value for name, value in {
 
 
 def markdown() -> str:
-    """The README's table: one row per SDK method, in class order."""
+    """The table of docs/tinker.md: one row per SDK method, in class order."""
     rows = ["| SDK method | status | here |", "| --- | --- | --- |"]
     rows += [f"| `{name}` | {status} | {note} |" for name, (status, note) in SURFACE.items()]
     counts = {s: sum(v[0] == s for v in SURFACE.values()) for s in (SERVED, PARTIAL, NOT_SERVED)}
