@@ -274,7 +274,7 @@ def test_topk_targets_gspo_and_dro_through_the_sdk(server, base):
 
 
 def test_the_readme_server_command_as_written(base, tmp_path):
-    """``python -m mlora.service --model ... --data-dir ... --port ...``, no other flag (the README's command): the
+    """``python -m mlora.service --model ... --data-dir ... --port ...``, no other flag (the command docs/tinker.md shows): the
     engine's memory and the micro-batches' token budget are sized at start and printed, and a client trains and
     samples."""
     server = Server(base, tmp_path / "data", tmp_path / "server.log", [])
@@ -725,3 +725,22 @@ def test_a_held_sampling_client_outlives_newer_snapshots(server, base):
     with pytest.raises(Exception, match="no adapter files any more|not found"):
         unused.sample(prompt, 1, params).result()
     assert len(reference.sample(prompt, 1, params).result().sequences) == 1
+
+
+def test_the_port_is_held_from_the_start():
+    """The server binds its port before the engine and the trainer load (their connections take ephemeral ports
+    meanwhile); a port already taken stops it at once, naming the port."""
+    import socket
+
+    from mlora.service.__main__ import listen
+
+    held = listen("127.0.0.1", 0)
+    port = held.getsockname()[1]
+    held.listen()
+    try:
+        with pytest.raises(OSError, match=f"--port {port}: cannot listen there"):
+            listen("127.0.0.1", port)
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # bound and listening: connections queue until uvicorn serves
+    finally:
+        held.close()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import socket
 import sys
 
 import torch
@@ -15,13 +17,14 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The server's command-line parser; runs nothing."""
     ap = argparse.ArgumentParser(prog="python -m mlora.service", description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="the base: an HF checkpoint directory")
     ap.add_argument("--data-dir", required=True, help="where the state (SQLite) and checkpoints live")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    ap.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    ap.add_argument("--port", type=int, default=8000, help="the port to listen on")
+    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="the base's dtype")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (under torchrun; world = tp x pp x dp)")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (under torchrun; world = tp x pp x dp)")
     ap.add_argument("--model-name", default=None, help="another name clients may give as base_model")
@@ -50,7 +53,24 @@ def main(argv: list[str] | None = None) -> int:
                                "printed at start-up)")
     sampling.add_argument("--max-model-len", type=int, default=None,
                           help="the engine's context length (default: the model's)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound before the engine and the trainer load: while they do (tens of seconds), their own
+    connections take ephemeral ports, and a free port chosen before the start could be taken by then."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); give a free port") from e
+    return sock
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True)
 
     import uvicorn
@@ -76,6 +96,13 @@ def main(argv: list[str] | None = None) -> int:
         if limit is not None and not 1 <= args.max_model_len <= limit:
             print(f"--max-model-len={args.max_model_len}: give at most the model's context, {limit} tokens",
                   file=sys.stderr)
+            return 2
+    http = None
+    if int(os.environ.get("RANK", "0")) == 0:  # rank 0 serves HTTP
+        try:
+            http = listen(args.host, args.port)
+        except OSError as e:
+            print(f"python -m mlora.service: {e}", file=sys.stderr)
             return 2
     mesh = mlora.init_parallel(tp=args.tp, pp=args.pp)
     sampler, sizing, log = None, None, logging.getLogger("mlora.service")
@@ -123,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     service = Service(tenants, args.model, args.data_dir, args.model_name, args.session_timeout, args.batch_window,
                       sampler)
     try:
-        uvicorn.run(build_app(service), host=args.host, port=args.port, log_level="warning")
+        config = uvicorn.Config(build_app(service), host=args.host, port=args.port, log_level="warning")
+        uvicorn.Server(config).run(sockets=[http])
     finally:
         service.close()
         if mesh.world_size > 1:
