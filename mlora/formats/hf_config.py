@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from mlora.formats.moe_refusals import MOE_REFUSALS
+
 # mixture-of-experts architectures: experts, router and their HF names (see MoESpec)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "OlmoeForCausalLM")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
@@ -18,13 +20,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
 QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 # q/k RMSNorm before RoPE: over each head's head_dim (Qwen3) or over all heads at once (OLMoE)
 QK_NORM = {"Qwen3ForCausalLM": "head", "Qwen3MoeForCausalLM": "head", "OlmoeForCausalLM": "full"}
-# MoE architectures people ask for that mlora does not build yet, with what they need
-MOE_NOT_YET = {"DeepseekV3ForCausalLM": "multi-head latent attention and grouped top-k routing",
-               "GptOssForCausalLM": "attention sinks, biased experts and clamped SwiGLU",
-               "Qwen3NextForCausalLM": "linear-attention (gated delta net) layers, which megatron-core 0.16 has "
-                                       "no local layer for",
-               "Qwen3_5MoeForConditionalGeneration": "linear-attention (gated delta net) layers, which megatron-core "
-                                                     "0.16 has no local layer for"}
+# every other mixture-of-experts architecture transformers has, with what it would need (mlora/formats/moe_refusals.py)
+MOE_NOT_YET = MOE_REFUSALS
 
 
 @dataclass(frozen=True)
@@ -135,6 +132,9 @@ def _rope_parameters(cfg: Any) -> dict:
 def model_spec(cfg: Any) -> ModelSpec:
     """Read the architecture facts of an HF config, rejecting what mlora cannot reproduce exactly."""
     arch = (cfg.architectures or [None])[0]
+    if arch in MOE_NOT_YET:
+        raise ValueError(f"architecture {arch!r} needs {MOE_NOT_YET[arch]}, which mlora does not build; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     if getattr(cfg, "hidden_act", "silu") != "silu":
