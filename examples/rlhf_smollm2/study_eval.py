@@ -29,14 +29,19 @@ def _operands(row: dict) -> tuple[int, int]:
     return int(spec["a"]), int(spec["b"])
 
 
+SLOTS = 6  # checkpoints sampled in one engine batch (one adapter slot each, beside the SFT adapter's)
+
+
 def sample_checkpoints(model: str, sft: Path, checkpoints: dict[str, Path], rows: list[dict], n: int, seed: int,
                        work: Path, greedy: set[str]) -> dict[str, dict]:
     """For each checkpoint (name -> PEFT adapter trained over ``sft``; ``"sft"`` itself may be one): its ``n``
     samples per row (token ids, their log-probs, texts), π_SFT's log-probs of the samples, and for the checkpoints
-    in ``greedy`` their greedy answers."""
+    in ``greedy`` their greedy answers. :data:`SLOTS` checkpoints share each batch (vLLM multi-LoRA: one pass of
+    the base for all of them); row ``i``'s samples are seeded ``seed + i`` whatever the batch, as alone."""
     from transformers import AutoTokenizer
 
     from mlora.export.stack import stack_adapters
+    from mlora.rollout.cpu_threads import available_cores
     from mlora.rollout.data import prompt_ids
     from mlora.rollout.generator import SamplingConfig
     from mlora.rollout.serve import largest_adapter_rank
@@ -45,33 +50,55 @@ def sample_checkpoints(model: str, sft: Path, checkpoints: dict[str, Path], rows
     tokenizer = AutoTokenizer.from_pretrained(model)
     prompts = [prompt_ids(r, tokenizer) for r in rows]
     served = {name: (sft if path == sft else stack_adapters([sft, path], work / name)) for name, path in checkpoints.items()}
+    # every core: this child process computes alone (vLLM's CPU worker would otherwise take one thread here)
     engine = VLLMServer(model, engine_kwargs(max_lora_rank=largest_adapter_rank([*served.values(), sft]),
-                                             dtype="float32", seed=seed, kv_cache_memory_bytes=256 << 20,
-                                             max_model_len=160, max_loras=2))
+                                             dtype="float32", seed=seed, kv_cache_memory_bytes=512 << 20,
+                                             max_model_len=160, max_loras=SLOTS + 1), cpu_cores=available_cores())
+    sampling = SamplingConfig(temperature=1.0, max_generate_length=MAX_TOKENS, n_samples_per_prompt=n, seed=seed)
+    greedy_sampling = SamplingConfig(temperature=0.0, max_generate_length=MAX_TOKENS, seed=seed)
     out: dict[str, dict] = {}
+    names = list(served)
     try:
         engine.set_adapter(sft, "sft")
-        for name, adapter in served.items():
-            engine.set_adapter(adapter, "policy")  # one slot beside the SFT adapter's, reloaded per checkpoint
-            sampled = engine.generate(prompts, SamplingConfig(temperature=1.0, max_generate_length=MAX_TOKENS,
-                                                              n_samples_per_prompt=n, seed=seed),
-                                      adapters=["policy"] * len(prompts))
-            greedy_answers = engine.generate(
-                prompts, SamplingConfig(temperature=0.0, max_generate_length=MAX_TOKENS, seed=seed),
-                adapters=["policy"] * len(prompts)) if name in greedy else None
-            full = [prompts[g.prompt_index] + list(g.token_ids) for g in sampled]
-            sft_lp = _prompt_logprobs(engine, full, "sft")
-            out[name] = {"samples": [(g.prompt_index, list(g.token_ids), list(g.logprobs), g.text) for g in sampled],
-                         "sft_logprobs": [lp[len(prompts[g.prompt_index]):] for g, lp in zip(sampled, sft_lp)],
-                         "greedy": [g.text for g in greedy_answers] if greedy_answers is not None else None}
+        for first in range(0, len(names), SLOTS):
+            chunk = names[first:first + SLOTS]
+            for slot, name in enumerate(chunk):
+                engine.set_adapter(served[name], f"slot{slot}")  # reloaded in place chunk after chunk
+            sampled = _by_slot(engine.generate(
+                prompts * len(chunk), sampling, indices=list(range(len(prompts))) * len(chunk),
+                adapters=[f"slot{s}" for s in range(len(chunk)) for _ in prompts]), len(prompts), len(chunk))
+            finals = [s for s, name in enumerate(chunk) if name in greedy]
+            greedy_answers = _by_slot(engine.generate(
+                prompts * len(finals), greedy_sampling, indices=list(range(len(prompts))) * len(finals),
+                adapters=[f"slot{s}" for s in finals for _ in prompts]), len(prompts), len(finals)) if finals else []
+            full = [prompts[g.prompt_index] + list(g.token_ids) for gens in sampled for g in gens]
+            sft_lp = iter(_prompt_logprobs(engine, full, "sft"))
+            for slot, name in enumerate(chunk):
+                gens = sampled[slot]
+                out[name] = {"samples": [(g.prompt_index, list(g.token_ids), list(g.logprobs), g.text) for g in gens],
+                             "sft_logprobs": [next(sft_lp)[len(prompts[g.prompt_index]):] for g in gens],
+                             "greedy": ([g.text for g in greedy_answers[finals.index(slot)]] if slot in finals
+                                        else None)}
     finally:
         engine.shutdown()
     return out
 
 
+def _by_slot(generations, rows: int, slots: int) -> list[list]:
+    """A batch of ``slots`` copies of the ``rows`` prompts, split back per copy, ``prompt_index`` the row's."""
+    per = [[] for _ in range(slots)]
+    for g in generations:
+        slot, row = divmod(g.prompt_index, rows)
+        g.prompt_index = row
+        per[slot].append(g)
+    return per
+
+
 def _prompt_logprobs(engine, sequences: list[list[int]], adapter: str) -> list[list[float]]:
     """Log-probs of each sequence's tokens (the first one's is NaN) under ``adapter``, from the running engine."""
-    params = {"temperature": 1.0, "top_k": -1, "top_p": 1.0, "max_tokens": 1, "seed": 0, "stop": None,
+    # unseeded: the one sampled token is dropped, and vLLM cannot rewind a seeded CPU generator when a long batch
+    # of prompts is prefilled in chunks ("CPU Generator does not use offset")
+    params = {"temperature": 1.0, "top_k": -1, "top_p": 1.0, "max_tokens": 1, "seed": None, "stop": None,
               "stop_token_ids": None, "ignore_eos": False}
     requests = [{"id": f"score-{i}", "prompt": seq, "params": params, "adapter": adapter, "prompt_logprobs": True}
                 for i, seq in enumerate(sequences)]
@@ -107,16 +134,35 @@ class RewardScorer:
         hidden = inner.model(input_ids=torch.tensor([ids])).last_hidden_state
         return float(inner.score(hidden[:, -1])[0, 0])
 
+    @torch.no_grad()
+    def score_many(self, sequences: list[list[int]], batch: int = 32) -> list[float]:
+        """:meth:`score` of each sequence, ``batch`` at a time: right-padded, each scored at its own last token
+        (causal attention: the padding after it changes nothing there but float rounding)."""
+        inner = self.model.base_model.model
+        scores: list[float] = []
+        for first in range(0, len(sequences), batch):
+            part = sequences[first:first + batch]
+            longest = max(map(len, part))
+            ids = torch.zeros(len(part), longest, dtype=torch.long)
+            mask = torch.zeros(len(part), longest, dtype=torch.long)
+            for i, seq in enumerate(part):
+                ids[i, :len(seq)] = torch.tensor(seq)
+                mask[i, :len(seq)] = 1
+            hidden = inner.model(input_ids=ids, attention_mask=mask).last_hidden_state
+            last = hidden[torch.arange(len(part)), torch.tensor([len(q) - 1 for q in part])]
+            scores += inner.score(last)[:, 0].tolist()
+        return scores
+
 
 def measure(samples: dict[str, dict], rows: list[dict], prompts_ids: list[list[int]], scorer: RewardScorer
             ) -> dict[str, dict[str, float]]:
     """gold, proxy, KL and greedy gold of each checkpoint's samples (see the module docstring)."""
     out = {}
     for name, s in samples.items():
-        gold, proxy, kl_sum, tokens = [], [], 0.0, 0
+        gold, kl_sum, tokens = [], 0.0, 0
+        proxy = scorer.score_many([prompts_ids[i] + ids for i, ids, _, _ in s["samples"]])
         for (i, ids, logprobs, text), sft_lp in zip(s["samples"], s["sft_logprobs"]):
             gold.append(rlhf_gold.gold_score(text, *_operands(rows[i])))
-            proxy.append(scorer.score(prompts_ids[i] + ids))
             kl_sum += sum(p - q for p, q in zip(logprobs, sft_lp))
             tokens += len(ids)
         greedy = [rlhf_gold.gold_score(t, *_operands(r)) for t, r in zip(s["greedy"] or [], rows)]
@@ -131,10 +177,13 @@ def pair_accuracy(scorer: RewardScorer, pairs: list[dict], tokenizer) -> dict[st
     equal to gold would score against the labels). Token ids as the reward-model trainer makes them."""
     from mlora.train.preference_data import tokenize_example
 
-    by_label = by_gold = 0
+    sequences = []
     for i, row in enumerate(pairs):
         ex = tokenize_example(tokenizer, row["prompt"], (row["chosen"], row["rejected"]), f"held-out pair {i}")
-        chosen, rejected = (scorer.score(ex.prompt + list(r)) for r in ex.responses)
+        sequences += [ex.prompt + list(r) for r in ex.responses]
+    scores = scorer.score_many(sequences)
+    by_label = by_gold = 0
+    for row, chosen, rejected in zip(pairs, scores[0::2], scores[1::2]):
         by_label += chosen > rejected
         by_gold += (chosen > rejected) != bool(row["flipped"])
     n = max(len(pairs), 1)
