@@ -12,6 +12,7 @@ file's source by name (:func:`owner_function`), unchanged.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import importlib.util
 import sys
@@ -69,3 +70,17 @@ def algorithm_config(**overrides):
             target = getattr(target, part)
         setattr(target, leaf, value)
     return cfg
+
+
+def config_keys() -> dict[str, object]:
+    """Every leaf of SkyRL's own configuration (``SkyRLTrainConfig``, walked from its dataclasses): dotted key ->
+    its default."""
+    def walk(obj, prefix: str) -> dict[str, object]:
+        out = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            out.update(walk(value, prefix + f.name + ".") if dataclasses.is_dataclass(value)
+                       else {prefix + f.name: value})
+        return out
+
+    return walk(skyrl_module("train.config").SkyRLTrainConfig(), "")

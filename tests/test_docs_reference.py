@@ -5,7 +5,6 @@ bench script records its runs. Pure: no site build (``test_docs_site.py`` builds
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import sys
 from pathlib import Path
@@ -62,26 +61,14 @@ class S:
     assert docs["S"] == "doc"
 
 
-def _skyrl_keys() -> dict[str, object]:
-    from skyrl_oracle import skyrl_module
-
-    def walk(obj, prefix: str) -> dict[str, object]:
-        out = {}
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            out.update(walk(value, prefix + f.name + ".") if dataclasses.is_dataclass(value)
-                       else {prefix + f.name: value})
-        return out
-
-    return walk(skyrl_module("train.config").SkyRLTrainConfig(), "")
-
-
 def test_skyrl_names_agree_with_skyrl():
     """A key the reference calls mlora's own is not in SkyRL 0.3.0's configuration; one it calls SkyRL's is there,
     or is an older SkyRL name, or says where SkyRL has it (a newer SkyRL, an example's config)."""
+    from skyrl_oracle import config_keys
+
     from mlora.config.reference import SKYRL_OLD_NAMES, config_rows
 
-    skyrl = _skyrl_keys()
+    skyrl = config_keys()
     rows, _ = config_rows()
     mine = {r.key for r in rows}
     wrongly_mine = [r.key for r in rows if r.mlora_only and r.key in skyrl]
