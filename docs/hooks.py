@@ -4,7 +4,7 @@ A committed page holding ``<!-- mlora:generated NAME -->`` gets that marker repl
 
 - ``configuration``: every ``mlora-train`` key, from the typed schema (:mod:`mlora.config.reference`) and the
   SkyRL keys mlora refuses (:mod:`mlora.config.skyrl_absent`);
-- ``cli``: every command line, from its parser (:mod:`mlora.cli_reference`);
+- ``cli``: every command line, from its parser (``docs/cli_reference.py``);
 - ``performance``: the figures of ``bench/records.jsonl`` (``bench/records.py``).
 
 and any page may cite one figure with ``<!-- mlora:record ID -->``: replaced by the record's headline figures, date
@@ -29,11 +29,16 @@ MARKER = re.compile(r"(?<!`)<!-- mlora:generated ([a-z]+) -->")
 RECORD = re.compile(r"(?<!`)<!-- mlora:record ([A-Za-z0-9_.-]+) -->")
 
 
-def _records_module():
-    spec = importlib.util.spec_from_file_location("_mlora_bench_records", ROOT / "bench" / "records.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def load(relpath: str):
+    """A module of this checkout by its path (``bench/records.py``, ``docs/cli_reference.py``): neither folder goes
+    on ``sys.path``, where ``bench/tinker.py`` would shadow the tinker SDK."""
+    name = "_mlora_docs_" + relpath.replace("/", "_").removesuffix(".py")
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / relpath)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while the class is made
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def configuration() -> str:
@@ -45,13 +50,12 @@ def configuration() -> str:
 
 
 def cli() -> str:
-    from mlora.cli_reference import commands, config_names, render_markdown
-
-    return "\n".join(render_markdown(commands(ROOT), config_names()))
+    reference = load("docs/cli_reference.py")
+    return "\n".join(reference.render_markdown(reference.commands(ROOT), reference.config_names()))
 
 
 def performance() -> str:
-    records = _records_module()
+    records = load("bench/records.py")
     return "\n".join(records.render_markdown(records.load()))
 
 
@@ -74,7 +78,7 @@ def on_page_markdown(markdown: str, page, config, files) -> str:  # noqa: ARG001
 
     markdown = MARKER.sub(generate, markdown)
     if RECORD.search(markdown):
-        records = _records_module()
+        records = load("bench/records.py")
         by_id = {r["id"]: r for r in records.load()}
         target = posixpath.relpath("performance.md", posixpath.dirname(page.file.src_uri) or ".")
 

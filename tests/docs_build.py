@@ -29,6 +29,20 @@ class Build:
     log: str
 
 
+def load(relpath: str):
+    """``bench/records.py`` or ``docs/cli_reference.py`` as the site's build loads them (``docs/hooks.py``), without
+    putting their folders on ``sys.path`` (``bench/tinker.py`` would shadow the tinker SDK for the whole worker)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_mlora_docs_hooks", ROOT / "docs" / "hooks.py")
+    hooks = sys.modules.get("_mlora_docs_hooks")
+    if hooks is None:
+        hooks = importlib.util.module_from_spec(spec)
+        sys.modules["_mlora_docs_hooks"] = hooks
+        spec.loader.exec_module(hooks)
+    return hooks.load(relpath)
+
+
 def built_site() -> Build:
     """The site of this test run, built on the first call (by whichever worker gets there first)."""
     lock = Path(tempfile.gettempdir()) / f"mlora-docs-{hashlib.sha1(str(ROOT).encode()).hexdigest()[:12]}.lock"

@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from docs_build import load
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-import records  # noqa: E402 - bench/records.py
+records = load("bench/records.py")
+cli_reference = load("docs/cli_reference.py")
 
 
 def test_every_config_key_has_a_description_type_and_default():
@@ -110,7 +110,7 @@ def test_old_skyrl_names_are_merged_by_validate(old):
 
 
 def test_every_command_and_argument_has_help():
-    from mlora.cli_reference import commands, config_names
+    commands, config_names = cli_reference.commands, cli_reference.config_names
 
     cmds = commands()
     names = {c.name for c in cmds}

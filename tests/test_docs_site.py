@@ -5,10 +5,9 @@ command line, every performance record."""
 from __future__ import annotations
 
 import re
-import sys
 
 import pytest
-from docs_build import ROOT, built_site
+from docs_build import ROOT, built_site, load
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +38,7 @@ def test_strict_build_and_generated_pages(site):
     for name in ("mlora.MLoraModel", "mlora.init_parallel", "mlora.LoraConfig", "merge_adapter", "stack_adapters"):
         assert name in api, name
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    import records
-
+    records = load("bench/records.py")
     performance = _page(site, "performance")
     missing = [r["id"] for r in records.load() if f'record <code>{r["id"]}</code>' not in performance]
     assert not missing, missing
@@ -50,11 +47,7 @@ def test_strict_build_and_generated_pages(site):
 def test_readme_figures_are_records():
     """The README's headline figures (``**1.17×**``) are typed once, in ``bench/records.jsonl``: each is a headline
     figure of a record (the performance page's), not a second copy that could drift."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import records
-    finally:
-        sys.path.pop(0)
+    records = load("bench/records.py")
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## Headline figures", 1)[1].split("\n## ", 1)[0]
     figures = [f for f in re.findall(r"\*\*(.+?)\*\*", section) if re.fullmatch(r"\d+(\.\d+)?×", f)]

@@ -13,7 +13,7 @@
   one pair); the summary holds its accuracy against gold, the noise ceiling, the pair statistics and one study
   point per export.
 
-Opt-in (``MLORA_RLHF_SMOKE=1``): about 7 minutes on 2 cores, which the suite's 30-minute budget does not hold yet.
+Opt-in (``MLORA_RLHF_SMOKE=1``): about 8 minutes on 2 cores, which the suite's 30-minute budget does not hold yet.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SCORE_TOL = 2e-4
 pytestmark = pytest.mark.skipif(os.environ.get("MLORA_RLHF_SMOKE") != "1",
-                                reason="opt-in: MLORA_RLHF_SMOKE=1 (about 7 minutes on 2 cores)")
+                                reason="opt-in: MLORA_RLHF_SMOKE=1 (about 8 minutes on 2 cores)")
 
 
 @pytest.fixture(scope="module")
