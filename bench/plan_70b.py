@@ -1,8 +1,7 @@
-"""The Llama-3-70B memory table of docs/memory-planning.md: the planner's peak per GPU of one PPO step
-(actor + critic LoRA r 32 on all linears, value head, micro-batch 1, sequence 4096) on 8 GPUs, for each layout, base precision and
-recompute, and with a colocated vLLM TP8 engine (262,144 KV tokens, bf16 weights) that sleeps while the
-trainer works (mlora's colocated runs on CUDA) or stays awake. Predictions from config.json alone, not
-GPU measurements.
+"""The Llama-3-70B memory table of docs/memory-planning.md: the planner's peak per GPU of one PPO step (actor + critic
+LoRA r 32 on all linears, value head, micro-batch 1, sequence 4096) on 8 GPUs, for each layout, base precision and
+recompute, and with a colocated vLLM TP8 engine (262,144 KV tokens, bf16 weights) that sleeps while the trainer
+works (mlora's colocated runs on CUDA) or stays awake. Predictions from config.json alone, not GPU measurements.
 
     .venv/bin/python bench/plan_70b.py          # prints the markdown rows
 """
