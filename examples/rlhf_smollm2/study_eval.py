@@ -58,19 +58,22 @@ def sample_checkpoints(model: str, sft: Path, checkpoints: dict[str, Path], rows
     greedy_sampling = SamplingConfig(temperature=0.0, max_generate_length=MAX_TOKENS, seed=seed)
     out: dict[str, dict] = {}
     names = list(served)
+
+    def per_slot(s: SamplingConfig, slots: list[int]) -> list[list]:
+        """The prompts once per slot in one batch (row ``i`` seeded ``seed + i`` in every copy), split per slot."""
+        generations = engine.generate(prompts * len(slots), s, indices=list(range(len(prompts))) * len(slots),
+                                      adapters=[f"slot{slot}" for slot in slots for _ in prompts])
+        return _by_slot(generations, len(prompts), len(slots))
+
     try:
         engine.set_adapter(sft, "sft")
         for first in range(0, len(names), SLOTS):
             chunk = names[first:first + SLOTS]
             for slot, name in enumerate(chunk):
                 engine.set_adapter(served[name], f"slot{slot}")  # reloaded in place chunk after chunk
-            sampled = _by_slot(engine.generate(
-                prompts * len(chunk), sampling, indices=list(range(len(prompts))) * len(chunk),
-                adapters=[f"slot{s}" for s in range(len(chunk)) for _ in prompts]), len(prompts), len(chunk))
+            sampled = per_slot(sampling, list(range(len(chunk))))
             finals = [s for s, name in enumerate(chunk) if name in greedy]
-            greedy_answers = _by_slot(engine.generate(
-                prompts * len(finals), greedy_sampling, indices=list(range(len(prompts))) * len(finals),
-                adapters=[f"slot{s}" for s in finals for _ in prompts]), len(prompts), len(finals)) if finals else []
+            greedy_answers = per_slot(greedy_sampling, finals) if finals else []
             full = [prompts[g.prompt_index] + list(g.token_ids) for gens in sampled for g in gens]
             sft_lp = iter(_prompt_logprobs(engine, full, "sft"))
             for slot, name in enumerate(chunk):
