@@ -37,7 +37,7 @@ def test_split_is_fixed_disjoint_and_complete():
 def test_demonstrations_are_gold_best():
     rows = rlhf_gold.demonstrations(rlhf_gold.split_questions(0)["sft"], seed=3)
     for row in rows:
-        a, b = (int(x) for x in row["prompt"][0]["content"].removeprefix("What is ").split("?")[0].split(" + "))
+        a, b = (int(x) for x in row["prompt"][-1]["content"].removeprefix("What is ").split("?")[0].split(" + "))
         assert rlhf_gold.gold_score(row["response"][0]["content"], a, b) == 1.5
 
 

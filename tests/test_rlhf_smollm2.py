@@ -6,7 +6,7 @@
   transformers' float32 kernels);
 - every policy is evaluated, stacked on the SFT adapter as one adapter, by the study's checkpoint measurement,
   and served by one vLLM OpenAI server next to the SFT adapter; the gold of the served answers is the
-  measurement's greedy gold of the same final policy (within one of 64 answers), and within 2 of 64 answers of the
+  measurement's greedy gold of the same final policy (within one answer), and within 2 answers of the
   trainer's own evaluation (which serves the policy over the base with the SFT adapter merged: other float
   rounding);
 - the reward model's held-out pair accuracy from a fresh load equals the trainer's last evaluation of it (within
@@ -24,6 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -62,10 +63,11 @@ def test_served_policies_and_the_summary(smoke):
     summary = json.loads((smoke / "summary.json").read_text())
     served = summary["served"]
     assert set(served) == {"sft", "kl_s1", "dpo_s1"}
+    one_answer = 1.5 / len(pq.read_table(smoke / "assets" / "heldout.parquet"))  # gold is in [0, 1.5]
     for name in ("kl_s1", "dpo_s1"):
         # the same adapter, greedy, on two vLLM engines batching differently: one near-tie may fall the other way
-        assert abs(served[name]["gold"] - served[name]["checkpoint_eval_greedy_gold"]) <= 1.5 / 64, name
-    assert abs(served["kl_s1"]["gold"] - served["kl_s1"]["trainer_final_gold"]) <= 2 * 1.5 / 64
+        assert abs(served[name]["gold"] - served[name]["checkpoint_eval_greedy_gold"]) <= one_answer, name
+    assert abs(served["kl_s1"]["gold"] - served["kl_s1"]["trainer_final_gold"]) <= 2 * one_answer
     assert [p["step"] for p in summary["study"]["kl_s1"]] == [0, 1]
     assert [p["step"] for p in summary["study"]["dpo_s1"]] == [0, 1]
     for points in summary["study"].values():
@@ -74,7 +76,9 @@ def test_served_policies_and_the_summary(smoke):
     assert summary["rm_heldout_accuracy"][-1][0] == 2 and summary["pairs"]["pairs_train"] > 0  # the final step
     rm = summary["rm_heldout"]
     assert rm["pairs"] == summary["pairs"]["pairs_heldout"] > 0
-    # the fresh load orders the held-out pairs as the trainer's final evaluation did (one near-tie may differ)
-    assert abs(rm["accuracy_vs_labels"] - summary["rm_heldout_accuracy"][-1][1]) <= 1 / rm["pairs"] + 1e-9
+    # the fresh load orders the held-out pairs as the trainer's final evaluation did (on the pairs it evaluated: whole
+    # micro-batches; one near-tie may differ)
+    assert 0 < rm["first"] <= rm["pairs"]
+    assert abs(rm["accuracy_vs_labels_first"] - summary["rm_heldout_accuracy"][-1][1]) <= 1 / rm["first"] + 1e-9
     assert rm["noise_ceiling"] == pytest.approx(summary["pairs"]["heldout_label_agrees_with_gold"])
     assert "| kl | 1 |" in (smoke / "stdout.txt").read_text()

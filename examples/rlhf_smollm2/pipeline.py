@@ -43,21 +43,25 @@ ANSWERS_PER_QUESTION = 4  # per policy (the SFT one and the base)
 PAIRS_PER_QUESTION = 4  # each answer in one pair at most
 HELDOUT_PAIR_SHARE = 0.2  # of the questions that gave pairs, held out (with their pairs) for the reward model
 MAX_TOKENS = 32
-# how long each stage runs (steps; PPO's batch is configs/smollm2_rlhf.yaml's): the study (full, about 40 minutes
-# on 2 cores), --quick (every stage and every arm for a step, within 10 minutes) and --size smoke
+# how long each stage runs (steps; PPO's batch is configs/smollm2_rlhf.yaml's): the study (full, within 30 minutes
+# on 2 cores with a fresh setup), --quick (every stage and every arm for a step, within 10 minutes) and --size smoke
 # (tests/test_rlhf_smollm2.py: one arm, the wiring only). every: the policies' export interval;
-# pair_questions: of the SFT questions, how many the SFT policy answers for pairs (None: all);
-# samples: sampled answers per held-out question per checkpoint in the study's measurement
+# pair_questions: of the SFT questions, how many the SFT policy answers for pairs (None: all); heldout: of the
+# held-out questions, how many judge the policies (None: all 64); samples: sampled answers per held-out question
+# per checkpoint in the study's measurement
 SIZES = {
     "full": {"sft": 12, "rm": 24, "ppo": 12, "dpo": 8, "every": 4, "seeds": (1, 2), "arms": ("kl", "nokl", "nokl_r2"),
-             "pair_questions": None, "samples": 1},
+             "pair_questions": None, "heldout": 48, "samples": 1},
     "quick": {"sft": 2, "rm": 2, "ppo": 1, "dpo": 1, "every": 1, "seeds": (1,), "arms": ("kl", "nokl", "nokl_r2"),
-              "pair_questions": 40, "samples": 1},
+              "pair_questions": 40, "heldout": 32, "samples": 1},
     "smoke": {"sft": 2, "rm": 2, "ppo": 1, "dpo": 1, "every": 1, "seeds": (1,), "arms": ("kl",),
-              "pair_questions": 40, "samples": 1},
+              "pair_questions": 24, "heldout": 16, "samples": 1},
 }
-LORA = ["trainer.policy.model.lora.rank=16", "trainer.policy.model.lora.alpha=32"]  # the SFT and reward adapters
+# the SFT, reward and DPO stages: their adapters' LoRA, and sequence packing (answers of 2 to 32 tokens: padded to
+# the widest, a third of each pass would be padding; configs/smollm2_rlhf.yaml packs PPO's rows too)
+STAGE = ["trainer.policy.model.lora.rank=16", "trainer.policy.model.lora.alpha=32", "trainer.use_sample_packing=true"]
 KL_COEF = 0.1  # the KL arm's penalty (per token, k1, in the reward); not tuned: one value that a few steps feel
+DPO_LR = 3e-4  # PPO's actor's (configs/smollm2_rlhf.yaml): the same LoRA moved as fast (dpo.yaml's 5e-5 hardly moved it)
 RM_ACCURACY = "eval/accuracy"  # the reward model's held-out pair accuracy (against the noisy labels)
 
 
@@ -97,9 +101,10 @@ def mlora_train(config: str, overrides: list[str], log_file: Path, reuse: bool =
     return time.perf_counter() - t0
 
 
-def build_assets(out: Path, seed: int) -> dict[str, Path]:
-    """The SFT demonstrations and the RL and held-out prompt files."""
+def build_assets(out: Path, seed: int, heldout: int | None) -> dict[str, Path]:
+    """The SFT demonstrations and the RL and held-out prompt files (the first ``heldout`` held-out questions)."""
     split = rlhf_gold.split_questions(seed)
+    split["heldout"] = split["heldout"][:heldout]
     out.mkdir(parents=True, exist_ok=True)
     return {"sft": _write(rlhf_gold.demonstrations(split["sft"], seed), out / "sft.parquet"),
             "rl": _write([rlhf_gold.prompt_row(a, b, "reward_model") for a, b in split["rl"]], out / "rl.parquet"),
@@ -195,14 +200,14 @@ def main() -> None:
     model = args.model or str(smollm2_dir())
     size_name = "quick" if args.quick else args.size
     steps = SIZES[size_name]
-    files = build_assets(out / "assets", args.seed)
+    files = build_assets(out / "assets", args.seed, steps["heldout"])
     seconds, summary = {}, {"model": model, "flip": args.flip, "size": size_name}
 
     sft_dir = out / "sft"
     seconds["sft"] = mlora_train("sft", [f"trainer.policy.model.path={model}", f"data.train_data=[{files['sft']}]",
                                          f"trainer.run_dir={sft_dir}", f"trainer.total_steps={steps['sft']}",
                                          "trainer.eval_interval=0", "trainer.ckpt_interval=0",
-                                         "trainer.policy.optimizer_config.lr=2e-4", *LORA], out / "sft.log",
+                                         "trainer.policy.optimizer_config.lr=2e-4", *STAGE], out / "sft.log",
                                  args.resume)
 
     t0 = time.perf_counter()
@@ -227,9 +232,10 @@ def main() -> None:
         f"trainer.policy.model.path={model}", f"trainer.policy.model.frozen_adapter_path={sft_dir / 'final_adapter'}",
         f"data.train_data=[{out / 'assets' / 'pairs_train.parquet'}]",
         f"data.val_data=[{out / 'assets' / 'pairs_heldout.parquet'}]", f"trainer.run_dir={rm_dir}",
-        f"trainer.total_steps={steps['rm']}", f"trainer.eval_interval={max(steps['rm'] // 3, 1)}",
-        "trainer.eval_before_train=false", "trainer.ckpt_interval=0", "trainer.policy.optimizer_config.lr=3e-4", *LORA], out / "rm.log", args.resume)
-    summary["rm_heldout_accuracy"] = [(r["step"], r[RM_ACCURACY]) for r in _rows(rm_dir) if RM_ACCURACY in r]
+        f"trainer.total_steps={steps['rm']}", f"trainer.eval_interval={max(steps['rm'] // 2, 1)}",
+        "trainer.eval_before_train=false", "trainer.ckpt_interval=0", "trainer.policy.optimizer_config.lr=3e-4", *STAGE], out / "rm.log", args.resume)
+    rm_evals = [r for r in _rows(rm_dir) if RM_ACCURACY in r]
+    summary["rm_heldout_accuracy"] = [(r["step"], r[RM_ACCURACY]) for r in rm_evals]
 
     ppo_dir, every = out / "ppo", steps["every"]
     seconds["ppo"] = mlora_train("smollm2_rlhf", [
@@ -246,12 +252,14 @@ def main() -> None:
             f"trainer.policy.model.path={model}", f"trainer.policy.model.frozen_adapter_path={sft_dir / 'final_adapter'}",
             f"data.train_data=[{out / 'assets' / 'pairs_train.parquet'}]", f"trainer.run_dir={out / name}",
             f"trainer.total_steps={steps['dpo']}", f"trainer.seed={seed}", "trainer.eval_interval=0",
-            f"trainer.hf_save_interval={every}", "trainer.ckpt_interval=0", *LORA], out / f"{name}.log", args.resume)
+            f"trainer.hf_save_interval={every}", "trainer.ckpt_interval=0", f"trainer.policy.optimizer_config.lr={DPO_LR}",
+            *STAGE], out / f"{name}.log", args.resume)
         runs[name] = out / name
 
     t0 = time.perf_counter()
     summary["study"], summary["rm_heldout"] = measure_study(model, sft_dir / "final_adapter", rm_dir / "final_adapter",
-                                                            runs, files["heldout"], out, args.seed, steps["samples"])
+                                                            runs, files["heldout"], out, args.seed, steps["samples"],
+                                                            rm_evals[-1]["eval/examples"])
     seconds["study_eval"] = time.perf_counter() - t0
     plot_study(summary["study"], out / "overoptimisation.png")
 
@@ -276,7 +284,8 @@ def main() -> None:
     rm = summary["rm_heldout"]
     print(f"\nreward model on {rm['pairs']} held-out pairs: {rm['accuracy_vs_labels']:.3f} against their labels "
           f"(the noise ceiling: {rm['noise_ceiling']:.3f}), {rm['accuracy_vs_gold']:.3f} against gold; the trainer's "
-          f"evaluation by step: {summary['rm_heldout_accuracy']}")
+          f"evaluation by step, of the first {rm['first']} (whole micro-batches): {summary['rm_heldout_accuracy']}, "
+          f"the fresh load on those: {rm['accuracy_vs_labels_first']:.3f}")
     print(f"figure: {out / 'overoptimisation.png'}; everything: {out / 'summary.json'}")
 
 
@@ -286,11 +295,12 @@ def checkpoints_of(run_dir: Path) -> dict[int, Path]:
 
 
 def measure_study(model: str, sft: Path, reward: Path, runs: dict[str, Path], heldout: Path, out: Path, seed: int,
-                  samples_per_question: int) -> tuple[dict[str, list[dict]], dict[str, float]]:
+                  samples_per_question: int, rm_evaluated: int) -> tuple[dict[str, list[dict]], dict[str, float]]:
     """Per run (arm x seed) and saved step, step 0 being the SFT policy: gold, proxy, KL and greedy gold of the
     policy's answers to the held-out questions (:mod:`study_eval`); sampling in a child process (its engine's
     memory goes with it), the reward model's scores in this one. And the reward model's held-out pair accuracy
-    against the labels and against gold, beside the noise ceiling."""
+    against the labels and against gold, beside the noise ceiling (and against the labels of the first
+    ``rm_evaluated`` pairs: those the trainer's evaluation averaged over)."""
     import concurrent.futures
     import multiprocessing
 
@@ -309,7 +319,8 @@ def measure_study(model: str, sft: Path, reward: Path, runs: dict[str, Path], he
     tokenizer = AutoTokenizer.from_pretrained(model)
     scorer = study_eval.RewardScorer(model, sft, reward)
     measured = study_eval.measure(samples, rows, [prompt_ids(r, tokenizer) for r in rows], scorer)
-    rm = study_eval.pair_accuracy(scorer, pq.read_table(out / "assets" / "pairs_heldout.parquet").to_pylist(), tokenizer)
+    rm = study_eval.pair_accuracy(scorer, pq.read_table(out / "assets" / "pairs_heldout.parquet").to_pylist(), tokenizer,
+                                  rm_evaluated)
     return {name: [{"step": 0, **measured["sft"]}] + [{"step": int(key.split("@")[1]), **m}
                                                       for key, m in measured.items() if key.split("@")[0] == name]
             for name in runs}, rm

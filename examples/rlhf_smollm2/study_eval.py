@@ -174,10 +174,11 @@ def measure(samples: dict[str, dict], rows: list[dict], prompts_ids: list[list[i
     return out
 
 
-def pair_accuracy(scorer: RewardScorer, pairs: list[dict], tokenizer) -> dict[str, float]:
-    """The reward model (a fresh load) on held-out pairs: the share it orders as their (noisy) labels do, the share
-    it orders as gold does, and the noise ceiling (the share of labels that agree with gold: what a reward model
-    equal to gold would score against the labels). Token ids as the reward-model trainer makes them."""
+def pair_accuracy(scorer: RewardScorer, pairs: list[dict], tokenizer, first: int) -> dict[str, float]:
+    """The reward model (a fresh load) on held-out pairs: the share it orders as their (noisy) labels do (of all, and
+    of the ``first`` ones), the share it orders as gold does, and the noise ceiling (the share of labels that agree
+    with gold: what a reward model equal to gold would score against the labels). Token ids as the reward-model
+    trainer makes them."""
     from mlora.train.preference_data import tokenize_example
 
     sequences = []
@@ -185,11 +186,10 @@ def pair_accuracy(scorer: RewardScorer, pairs: list[dict], tokenizer) -> dict[st
         ex = tokenize_example(tokenizer, row["prompt"], (row["chosen"], row["rejected"]), f"held-out pair {i}")
         sequences += [ex.prompt + list(r) for r in ex.responses]
     scores = scorer.score_many(sequences)
-    by_label = by_gold = 0
-    for row, chosen, rejected in zip(pairs, scores[0::2], scores[1::2]):
-        by_label += chosen > rejected
-        by_gold += (chosen > rejected) != bool(row["flipped"])
+    right = [chosen > rejected for chosen, rejected in zip(scores[0::2], scores[1::2])]
     n = max(len(pairs), 1)
-    return {"pairs": len(pairs), "accuracy_vs_labels": by_label / n, "accuracy_vs_gold": by_gold / n,
-            "noise_ceiling": sum(not r["flipped"] for r in pairs) / n}
+    return {"pairs": len(pairs), "accuracy_vs_labels": sum(right) / n,
+            "accuracy_vs_gold": sum(r != bool(row["flipped"]) for r, row in zip(right, pairs)) / n,
+            "noise_ceiling": sum(not r["flipped"] for r in pairs) / n,
+            "first": first, "accuracy_vs_labels_first": sum(right[:first]) / max(first, 1)}
 

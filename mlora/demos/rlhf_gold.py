@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from mlora.rollout.envs import gold_parts, gold_score  # noqa: F401 (the task's gold program, defined with its env)
 
 QUESTION = "What is {a} + {b}? Answer in one short sentence."
+# the system message, empty: without one SmolLM2's chat template writes its default (16 tokens, a third of a prompt
+# and answer), and every stage of the study (SFT, sampling, reward model, PPO, DPO, measurement) pays for it
+SYSTEM = ""
 LOW, HIGH = 2, 19  # operands, inclusive: 324 questions
 SPLIT = {"heldout": 64, "sft": 130}  # the rest (130) are the RL prompts
 # what a demonstrator writes: correct and short, in several phrasings (SFT teaches the form, not one string)
@@ -33,7 +36,8 @@ DEMONSTRATIONS = ("{a} + {b} = {s}.", "The answer is {s}.", "{a} plus {b} equals
 
 def prompt_row(a: int, b: int, env_class: str) -> dict:
     """A prompt row (chat ``prompt``, ``reward_spec`` with the operands) scored by ``env_class``."""
-    return {"prompt": [{"role": "user", "content": QUESTION.format(a=a, b=b)}], "env_class": env_class,
+    return {"prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION.format(a=a, b=b)}],
+            "env_class": env_class,
             "data_source": "rlhf_gold", "reward_spec": {"method": "rule", "ground_truth": str(a + b), "a": a, "b": b}}
 
 

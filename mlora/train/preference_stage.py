@@ -111,6 +111,8 @@ class PreferenceStage:
     def evaluate(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
         out = {f"eval/{k}": v for k, v in self.engine.evaluate_all(self.val_batches).items()}
+        # how many held-out examples the means are over: whole micro-batches x DP only, the first ones in file order
+        out["eval/examples"] = sum(b.size for b in self.val_batches)
         out["timing/eval_s"] = time.perf_counter() - t0
         return out
 
