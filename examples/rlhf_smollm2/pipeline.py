@@ -4,8 +4,8 @@ Stages, each an ordinary ``mlora-train`` run (TP1, one rank) or a vLLM engine, a
 
 1. assets: the questions of :mod:`mlora.demos.rlhf_gold` split into SFT/pair, RL and held-out prompts;
 2. SFT: adapter ``policy`` on program-written demonstrations -> ``sft/final_adapter``;
-3. pairs: the SFT policy and the base each answer each SFT question 4 times (vLLM, T = 1); two answers of
-   different gold make a pair (up to 4 per question, mostly one of each policy), labelled by gold and flipped with
+3. pairs: the SFT policy and the base each answer each SFT question 3 times (vLLM, T = 1); two answers of
+   different gold make a pair (up to 3 per question, mostly one of each policy), labelled by gold and flipped with
    probability ``--flip``; split by question into train and held-out;
 4. reward model: adapter ``reward`` + score head on the pairs, stacked on the frozen SFT adapter (InstructGPT
    starts its reward model from the SFT model: it scores the SFT policy's text) -> ``rm/final_adapter``;
@@ -39,8 +39,8 @@ import study_eval
 from mlora.demos import rlhf_gold
 from mlora.rollout.openai_server import free_port
 
-ANSWERS_PER_QUESTION = 4  # per policy (the SFT one and the base)
-PAIRS_PER_QUESTION = 4  # each answer in one pair at most
+ANSWERS_PER_QUESTION = 3  # per policy (the SFT one and the base)
+PAIRS_PER_QUESTION = 3  # each answer in one pair at most
 HELDOUT_PAIR_SHARE = 0.2  # of the questions that gave pairs, held out (with their pairs) for the reward model
 MAX_TOKENS = 32
 # how long each stage runs (steps; PPO's batch is configs/smollm2_rlhf.yaml's): the study (full, within 30 minutes
@@ -50,8 +50,8 @@ MAX_TOKENS = 32
 # held-out questions, how many judge the policies (None: all 64); samples: sampled answers per held-out question
 # per checkpoint in the study's measurement
 SIZES = {
-    "full": {"sft": 12, "rm": 24, "ppo": 12, "dpo": 8, "every": 4, "seeds": (1, 2), "arms": ("kl", "nokl", "nokl_r2"),
-             "pair_questions": None, "heldout": 48, "samples": 1},
+    "full": {"sft": 12, "rm": 24, "ppo": 12, "dpo": 6, "every": 4, "seeds": (1, 2), "arms": ("kl", "nokl", "nokl_r2"),
+             "pair_questions": None, "heldout": 40, "samples": 1},
     "quick": {"sft": 2, "rm": 2, "ppo": 1, "dpo": 1, "every": 1, "seeds": (1,), "arms": ("kl", "nokl", "nokl_r2"),
               "pair_questions": 40, "heldout": 32, "samples": 1},
     "smoke": {"sft": 2, "rm": 2, "ppo": 1, "dpo": 1, "every": 1, "seeds": (1,), "arms": ("kl",),
@@ -232,7 +232,7 @@ def main() -> None:
         f"trainer.policy.model.path={model}", f"trainer.policy.model.frozen_adapter_path={sft_dir / 'final_adapter'}",
         f"data.train_data=[{out / 'assets' / 'pairs_train.parquet'}]",
         f"data.val_data=[{out / 'assets' / 'pairs_heldout.parquet'}]", f"trainer.run_dir={rm_dir}",
-        f"trainer.total_steps={steps['rm']}", f"trainer.eval_interval={max(steps['rm'] // 2, 1)}",
+        f"trainer.total_steps={steps['rm']}", f"trainer.eval_interval={steps['rm']}",
         "trainer.eval_before_train=false", "trainer.ckpt_interval=0", "trainer.policy.optimizer_config.lr=3e-4", *STAGE], out / "rm.log", args.resume)
     rm_evals = [r for r in _rows(rm_dir) if RM_ACCURACY in r]
     summary["rm_heldout_accuracy"] = [(r["step"], r[RM_ACCURACY]) for r in rm_evals]
