@@ -138,6 +138,46 @@ def _warn_what_peft_drops(name: str, modules, spec) -> None:
                       "to get an adapter PEFT loads", stacklevel=3)
 
 
+def peft_refusals(modules, spec) -> list[str]:
+    """Why PEFT 0.21 on transformers 5 cannot load an adapter of these (layer, projection) ``modules`` as mlora saves
+    it (empty: it can). On the MoE models whose experts transformers 5 stacks and PEFT converts (Mixtral, and the
+    types converted like ``qwen2_moe``: Qwen3-MoE, OLMoE) one MoE layer's expert LoRA becomes one LoRA per stacked
+    parameter (``gate_up_proj``: gate and up side by side; ``down_proj``), of every expert. So in each MoE layer:
+    gate and up adapted together or not at all (PEFT refuses one alone: "without also targeting"); a projection
+    adapted on every expert or on none (one expert's factors: PEFT's size mismatch); and gate/up only with down
+    (PEFT loads gate_up_proj's LoRA without down_proj's into the wrong wrapper: missing keys, other logits).
+    Measured in ``tests/test_peft_moe_refusals.py`` with PEFT itself. Qwen2-MoE's experts PEFT does not convert
+    (:func:`_warn_what_peft_drops` says so)."""
+    moe = spec.moe
+    if moe is None or spec.architecture == "Qwen2MoeForCausalLM":
+        return []
+    gate, up, down = moe.projections
+    adapted: dict[int, dict[str, set[int]]] = {}
+    for layer, proj in modules:
+        expert = expert_of(proj)
+        if expert is not None:
+            adapted.setdefault(layer, {}).setdefault(proj.rsplit(".", 1)[1], set()).add(expert)
+    alone: dict[tuple[str, str], list[int]] = {}
+    partial: list[str] = []
+    no_down: list[int] = []
+    for layer, by_leaf in sorted(adapted.items()):
+        if (gate in by_leaf) != (up in by_leaf):
+            alone.setdefault((gate, up) if gate in by_leaf else (up, gate), []).append(layer)
+        partial += [f"{leaf} of experts {sorted(by_leaf[leaf])} in layer {layer}" for leaf in moe.projections
+                    if 0 < len(by_leaf.get(leaf, ())) < moe.num_experts]
+        if (gate in by_leaf or up in by_leaf) and down not in by_leaf:
+            no_down.append(layer)
+    problems = [f"the experts' {one} without {other} (layers {layers}): PEFT fuses them into gate_up_proj; target "
+                "both or neither" for (one, other), layers in alone.items()]
+    if partial:
+        problems.append(", ".join(partial) + f" but not of all {moe.num_experts}: PEFT stacks every expert of a layer "
+                        "into one parameter; adapt a projection on every expert of a layer or on none")
+    if no_down:
+        problems.append(f"the experts' {gate}/{up} without {down} (layers {no_down}): PEFT 0.21 loads gate_up_proj's "
+                        f"LoRA without down_proj's wrongly (missing keys, other logits); target {down} too")
+    return problems
+
+
 class AdapterHost:
     """Adapter management for a model that has ``gpt``, ``spec``, ``mesh``, ``dtype``, ``lora_compute_dtype``
     and ``base_weight``.
@@ -432,6 +472,15 @@ class AdapterHost:
         for peft_name, local, _ in self._factor_shards(name, experts=True):
             yield TensorShard(peft_name, local)
 
+    def require_peft_loadable(self, name: str) -> None:
+        """Raise when PEFT 0.21 could not load adapter ``name`` as :meth:`save_adapter` writes it
+        (:func:`peft_refusals`, the same on every rank); the trainer asks before its first step, so a run does not
+        train an adapter it cannot export."""
+        problems = peft_refusals(self.adapters[name].modules, self.spec)
+        if problems:
+            raise ValueError(f"adapter {name!r} cannot be written in PEFT's format for {self.spec.architecture}: "
+                             + "; ".join(problems) + " (mlora's training checkpoints hold any adapter)")
+
     def save_adapter(self, name: str, out_dir: str | os.PathLike) -> None:
         """Write adapter ``name`` as a PEFT directory (collective: call on every rank).
 
@@ -445,6 +494,7 @@ class AdapterHost:
         each file appears atomically. Loads unchanged with ``PeftModel.from_pretrained`` and in vLLM.
         """
         self._require(name)
+        self.require_peft_loadable(name)
         config = self.adapter_peft_config(name) if self.mesh.rank == 0 else None
         if config is not None:
             _warn_what_peft_drops(name, self.adapters[name].modules, self.spec)

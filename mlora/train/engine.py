@@ -58,6 +58,7 @@ class ActorCriticEngine:
         # own with the same seed starts (mlora.train.experiments)
         if policy not in model.adapters:
             model.add_adapter(policy, policy_lora or LoraConfig(), key=policy.rsplit("/", 1)[-1])
+        model.require_peft_loadable(policy)  # exported in PEFT's format (trainer.hf_save_interval, the final adapter)
         model.set_trainable(policy, True)
         self.actor_params = model.adapter_parameters(policy)
         self.actor_opt, self.actor_sched = build_optimizer(

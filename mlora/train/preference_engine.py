@@ -98,6 +98,7 @@ class PreferenceEngine:
             raise ValueError(f"adapter {self.adapter!r} is also in reference_adapters {list(self.reference)}")
         if self.adapter not in model.adapters:
             model.add_adapter(self.adapter, lora or LoraConfig())
+        model.require_peft_loadable(self.adapter)  # exported in PEFT's format (the final adapter)
         model.set_trainable(self.adapter, True)
         self.head = self.adapter if cfg.stage == "rm" else None
         params = model.adapter_parameters(self.adapter)
