@@ -9,16 +9,19 @@
   measurement's greedy gold of the same final policy (within one answer), and within 2 answers of the
   trainer's own evaluation (which serves the policy over the base with the SFT adapter merged: other float
   rounding);
-- the reward model's held-out pair accuracy from a fresh load equals the trainer's last evaluation of it (within
-  one pair); the summary holds its accuracy against gold, the noise ceiling, the pair statistics and one study
+- the reward model's held-out pair accuracy from a fresh load, on the pairs the trainer evaluated (whole
+  micro-batches, ``eval/examples``), equals the trainer's last evaluation of it (within one pair); the summary holds its accuracy against gold, the noise ceiling, the pair statistics and one study
   point per export.
 
-About 4 minutes on 2 cores (one module fixture runs the pipeline once for both tests).
+Opt-in (``MLORA_RLHF_SMOKE=1``): about 4 minutes alone on 2 cores (one module fixture runs the pipeline once for
+both tests), but 8.7 minutes in the suite beside the other worker, which took ``.ci/run`` to 35 minutes
+(2026-12-05): over the suite's 30-minute budget.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +32,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCORE_TOL = 2e-4
+pytestmark = pytest.mark.skipif(os.environ.get("MLORA_RLHF_SMOKE") != "1",
+                                reason="opt-in: MLORA_RLHF_SMOKE=1 (about 4 minutes alone on 2 cores)")
 
 
 @pytest.fixture(scope="module")

@@ -145,7 +145,7 @@ def peft_refusals(modules, spec) -> list[str]:
     parameter (``gate_up_proj``: gate and up side by side; ``down_proj``), of every expert. So in each MoE layer:
     gate and up adapted together or not at all (PEFT refuses one alone: "without also targeting"); a projection
     adapted on every expert or on none (one expert's factors: PEFT's size mismatch); and gate/up only with down
-    (PEFT loads gate_up_proj's LoRA without down_proj's into the wrong wrapper: missing keys, other logits).
+    (PEFT loads gate_up_proj's LoRA without down_proj's with missing keys and other logits).
     Measured in ``tests/test_peft_moe_refusals.py`` with PEFT itself. Qwen2-MoE's experts PEFT does not convert
     (:func:`_warn_what_peft_drops` says so)."""
     moe = spec.moe
