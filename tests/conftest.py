@@ -30,6 +30,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+# The slowest scopes, slowest first (the per-file totals .ci/run prints at its end): started first, so that the two
+# workers end together
+SLOWEST_FIRST = ("ray", "test_tinker_cookbook.py", "test_rlhf_smollm2.py", "test_experiments.py", "test_resume.py",
+                 "test_multi_turn.py", "test_skyrl_lora_examples.py", "test_memory_plan.py", "test_placement.py")
+
+
+def _slow_rank(scope: str) -> int | None:
+    name = scope.rsplit("/", 1)[-1]
+    return SLOWEST_FIRST.index(name) if name in SLOWEST_FIRST else None
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
     """``-n N --dist loadfile`` (pyproject's addopts): a test file's tests run on one worker, so its module
@@ -39,9 +50,21 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadFileScheduling
 
     class FileScheduling(LoadFileScheduling):
+        ordered = False
+
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
             return "ray" if path.rsplit("/", 1)[-1] in RAY_FILES else path
+
+        def _assign_work_unit(self, node) -> None:
+            # longest first: xdist queues files by their number of tests, which put a two-test file of 8 minutes
+            # last while the other worker sat idle; the rest keep xdist's order behind the slowest
+            if not self.ordered:
+                self.ordered = True
+                slow = sorted((s for s in self.workqueue if _slow_rank(s) is not None), key=_slow_rank)
+                for scope in reversed(slow):
+                    self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
 
     return FileScheduling(config, log)
 
@@ -105,6 +128,22 @@ def _pool():
 
         _POOL = RankPool(tempfile.mkdtemp(prefix="mlora-rank-pool-"))
     return _POOL
+
+
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The slowest test files, setup and teardown included (what SLOWEST_FIRST orders by)."""
+    if _FILE_SECONDS and terminalreporter.config.getoption("durations") is not None:
+        terminalreporter.write_sep("=", "slowest 12 test files")
+        for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:12]:
+            terminalreporter.write_line(f"{seconds:8.1f}s {path}")
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -157,12 +157,12 @@ def _biased_student(server: Server, smollm2: Path) -> str:
     renderer = renderers.get_renderer("qwen3_instruct", tokenizer=get_tokenizer(str(smollm2)))
     data = [conversation_to_datum([{"role": "user", "content": p}, {"role": "assistant", "content": "Turtles all "
                                    "the way down."}], renderer, max_length=128) for p in PROMPTS]
-    service = tinker.ServiceClient(base_url=server.url, api_key=KEY)
-    trainer = service.create_lora_training_client(str(smollm2), rank=8)
-    for _ in range(4):
-        trainer.forward_backward(data, "cross_entropy").result()
-        trainer.optim_step(tinker.AdamParams(learning_rate=1e-3)).result()
-    return trainer.save_state("biased").result().path
+    with tinker.ServiceClient(base_url=server.url, api_key=KEY) as service:  # closed: no heartbeat outlives it
+        trainer = service.create_lora_training_client(str(smollm2), rank=8)
+        for _ in range(4):
+            trainer.forward_backward(data, "cross_entropy").result()
+            trainer.optim_step(tinker.AdamParams(learning_rate=1e-3)).result()
+        return trainer.save_state("biased").result().path
 
 
 def test_on_policy_distillation_from_the_served_base(server, smollm2, tmp_path):
