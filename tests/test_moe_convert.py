@@ -1,6 +1,6 @@
 """tools/convert_checkpoint.py on mixtures of experts (Qwen3-MoE with a dense layer among its sparse ones,
-Qwen2-MoE's gated shared expert, Mixtral's block_sparse_moe w1/w3/w2, OLMoE's full-width q/k norm) and Qwen3's
-per-head q/k norm.
+Qwen2-MoE's gated shared expert, Mixtral's block_sparse_moe w1/w3/w2, OLMoE's full-width q/k norm, GLM-4.5's
+router correction bias and ungated shared experts) and Qwen3's per-head q/k norm.
 
 In this process (TP1, EP1): HF -> megatron-core dist checkpoint -> megatron's dist_checkpointing.load into a
 model built by mlora gives exactly the parameters mlora's own HF loader gives, and into a GPTModel of
@@ -28,7 +28,7 @@ from mlora.models.mcore_checkpoint import CONVERT_INFO, HF_SIDE_DIR, RELEASE_DIR
 from mlora.testing import load_checkpoint_tensors
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "convert_checkpoint.py"
-MODELS = ("qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+MODELS = ("qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe")
 MOE = ("qwen3_moe", "mixtral", "olmoe")
 
 
@@ -119,7 +119,11 @@ def test_tp1_checkpoint_loads_into_mlora_model_and_converts_back_bit_for_bit(tp1
                 assert stored[f"decoder.layers.{i}.mlp.router.weight"] == (moe.num_experts, h)
                 shared = f"decoder.layers.{i}.mlp.shared_experts."  # Qwen2-MoE's shared expert and its gate
                 assert (stored.get(shared + "gate_weight"), stored.get(shared + "linear_fc2.weight")) == (
-                    (None, None) if moe.shared_ffn_size is None else ((1, h), (h, moe.shared_ffn_size)))
+                    (None, None) if moe.shared_ffn_size is None
+                    else ((1, h) if moe.shared_gate else None, (h, moe.shared_ffn_size)))
+                # GLM-4.5's correction bias, as megatron's moe_router_enable_expert_bias names it
+                assert stored.get(f"decoder.layers.{i}.mlp.router.expert_bias") == (
+                    (moe.num_experts,) if moe.expert_bias else None)
             else:  # Qwen3-MoE's mlp_only_layers: a dense MLP
                 assert fc1 is None and stored[f"decoder.layers.{i}.mlp.linear_fc1.weight"] == (
                     2 * spec.intermediate_size, h)

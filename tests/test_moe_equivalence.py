@@ -1,11 +1,13 @@
-"""Mixture-of-experts bases (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) and Qwen3's per-head q/k norm against
+"""Mixture-of-experts bases (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5) and Qwen3's per-head q/k norm against
 transformers.
 
 Tiny random models built locally (8 experts, top-2; Qwen3-MoE renormalises its top-k weights and has a
 dense layer among its sparse ones; Qwen2-MoE adds a TP-split shared expert behind a sigmoid gate (LoRA on it
 too; PEFT drops its routed experts' LoRA, so their B is zeroed for the PEFT and merge checks); OLMoE
 normalises q/k over all heads at once; Mixtral routes top-k then softmax; Mixtral's experts take a LoRA rank
-of their own, ``expert_rank``). Two grouped launches (2 and 4 CPU ranks) cover (TP, PP, EP) = (1,1,1), (1,1,2), (2,1,2)+SP on 2
+of their own, ``expert_rank``; GLM-4.5 routes by sigmoid scores plus a correction bias, group-limited and scaled,
+beside two ungated shared experts (out of the PEFT adapter: PEFT maps their LoRA onto the routed experts), after a
+dense first layer, with RoPE on half of each head). Two grouped launches (2 and 4 CPU ranks) cover (TP, PP, EP) = (1,1,1), (1,1,2), (2,1,2)+SP on 2
 ranks (the experts split over the TP ranks), (1,2,1), and (2,1,2)+SP, (1,2,2) on 4 (DP 2): float32 logits
 equal transformers' (relative ≤ 1e-5); at TP 1 the router picks HF's experts for every token with HF's
 weights; the gradients of an all-linear LoRA (one adapter per expert and projection, and the attention's) plus
@@ -40,8 +42,8 @@ LAUNCHES = {
     2: ("1,1,1;1,1,2;2,1,2,sp;1,2,1", {(1, 1, 1, False), (1, 1, 2, False), (2, 1, 2, True), (1, 2, 1, False)}),
     4: ("2,1,2,sp;1,2,2", {(2, 1, 2, True), (1, 2, 2, False)}),
 }
-MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "olmoe"}
-SPARSE = {"qwen3_moe": {0, 2, 3}, "qwen2_moe": {0, 1, 3}}  # the others: every layer
+MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe"}
+SPARSE = {"qwen3_moe": {0, 2, 3}, "qwen2_moe": {0, 1, 3}, "glm4_moe": {1, 2, 3}}  # the others: every layer
 REFERENCE = (1, 2, 1)
 
 
@@ -104,7 +106,8 @@ def test_lora_gradients_of_every_expert_are_layout_independent(records):
         assert all(used[k] == {True} for k in used if ".experts." not in k)
         busy = [k for k in used if k.endswith(".lora_A") and used[k] == {True}]
         assert all(used[k[:-1] + "B"] == {True} for k in busy)
-        assert len(busy) >= 0.75 * len(experts) / 6, busy
+        # GLM-4.5's group-limited routing takes a token's experts from one group of 4: more of them idle
+        assert len(busy) >= (0.6 if model == "glm4_moe" else 0.75) * len(experts) / 6, busy
         for key in layouts:
             assert grads[key].keys() == ref.keys(), key
             diff = max(abs(a - b) for k in ref for a, b in zip(grads[key][k], ref[k]))
@@ -154,8 +157,10 @@ def test_merged_experts_equal_peft_merge(records):
         # attention q/k/v/o + the router + 8 experts x 3 in each layer (Qwen3-MoE's dense MLP: not in the adapter);
         # Qwen2-MoE: attention, the shared expert's gate/up/down in 3 sparse layers and the dense MLP of layer 2
         # (its routed experts' B zeroed: PEFT does not load their LoRA; its router not adapted)
+        # GLM-4.5: its dense layer 0 and shared experts out of the adapter, the routers adapted; one of its 24
+        # experts got no token of the step's batch (group-limited routing), so its B is still 0 and its weights as were
         n_changed = {"qwen3_moe": 4 * 4 + 3 * 25, "qwen2_moe": 4 * 4 + 3 * 3 + 3, "mixtral": 4 * 29,
-                     "olmoe": 4 * 29}[r["model"]]
+                     "olmoe": 4 * 29, "glm4_moe": 4 * 4 + 3 + 3 * 23}[r["model"]]
         assert r["same_names"] and r["changed"] == n_changed and r["max_rel"] < MERGE_TOL, r
 
 
@@ -217,6 +222,25 @@ def test_moe_errors(tiny_models, tmp_path):
     with pytest.raises(ValueError, match="tp=2 does not divide shared_expert_intermediate_size=95"):
         check_layout(model_spec(load_hf_config(_with_config(tiny_models / "qwen2_moe", tmp_path / "q2",
                                                             shared_expert_intermediate_size=95))), 2, 1)
+    # GLM-4.5: its shared experts by their name (megatron's too), no gate to target; routing megatron computes otherwise
+    glm = model_spec(load_hf_config(tiny_models / "glm4_moe")).moe
+    assert resolve_targets("shared_experts.down_proj", None, 4, glm) == {(i, "mlp.shared_experts.down_proj")
+                                                                         for i in (1, 2, 3)}
+    assert resolve_targets("layers.3.mlp.shared_experts.linear_fc1", None, 4, glm) == {
+        (3, "mlp.shared_experts.gate_proj"), (3, "mlp.shared_experts.up_proj")}
+    assert len(resolve_targets("all-linear", None, 4, glm)) == 4 * 4 + 3 + 3 * (8 + 1) * 3
+    with pytest.raises(ValueError, match="unknown target module 'shared_expert_gate'"):
+        resolve_targets(["q_proj", "shared_expert_gate"], None, 4, glm)
+    for changes, message in (({"norm_topk_prob": False}, r"norm_topk_prob=False is not supported \(megatron-core's "
+                                                          r"sigmoid router renormalises"),
+                             ({"num_experts_per_tok": 4}, r"megatron-core ranks a group by its 4 best scores, "
+                                                          r"transformers by its 2 best"),
+                             ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4,
+                                                   "partial_rotary_factor": 0.5}},
+                              r"partial_rotary_factor=0.5 and rope_type 'linear' is not supported")):
+        bad = _with_config(tiny_models / "glm4_moe", tmp_path / f"glm_{len(changes)}_{sorted(changes)[0]}", **changes)
+        with pytest.raises(ValueError, match=message):
+            model_spec(load_hf_config(bad))
     # MoE families that need more than mlora builds: named with what they need
     deepseek = _with_config(tiny_models / "qwen3_moe", tmp_path / "deepseek", architectures=["DeepseekV3ForCausalLM"])
     with pytest.raises(ValueError, match="'DeepseekV3ForCausalLM' .* needs multi-head latent attention"):
@@ -238,7 +262,7 @@ def test_moe_spec_of_each_family(tiny_models):
     from mlora.formats.hf_config import load_hf_config, model_spec
 
     specs = {name: model_spec(load_hf_config(tiny_models / name)) for name in ("mixtral", "qwen3_moe", "qwen2_moe",
-                                                                               "olmoe")}
+                                                                               "olmoe", "glm4_moe")}
     assert (specs["mixtral"].moe.normalize_topk, specs["qwen3_moe"].moe.normalize_topk,
             specs["olmoe"].moe.normalize_topk) == (True, True, False)
     assert specs["qwen3_moe"].moe.sparse_layers == (0, 2, 3) and specs["mixtral"].moe.sparse_layers == (0, 1, 2, 3)
@@ -250,3 +274,12 @@ def test_moe_spec_of_each_family(tiny_models):
     assert (q2.moe.shared_ffn_size, q2.moe.ffn_size, q2.moe.sparse_layers, q2.moe.normalize_topk) == (
         96, 64, (0, 1, 3), False)
     assert q2.qkv_bias and q2.qk_norm is None and specs["qwen3_moe"].moe.shared_ffn_size is None
+    # GLM-4.5: sigmoid routing with the correction bias, 2 groups (the best 1 kept), x2.5; 2 shared experts as one
+    # ungated MLP of 2 x 64; layer 0 dense; q/k/v bias; RoPE on 16 of each head's 32 dims
+    glm = specs["glm4_moe"]
+    assert (glm.moe.score, glm.moe.expert_bias, glm.moe.groups, glm.moe.scaling, glm.moe.normalize_topk) == (
+        "sigmoid", True, (2, 1), 2.5, True)
+    assert (glm.moe.shared_ffn_size, glm.moe.shared_name, glm.moe.shared_gate, glm.moe.sparse_layers) == (
+        128, "shared_experts", False, (1, 2, 3))
+    assert glm.qkv_bias and glm.qk_norm is None and (glm.rotary_percent, glm.rotary_dim) == (0.5, 16)
+    assert all(s.moe.score == "softmax" and not s.moe.expert_bias for n, s in specs.items() if n != "glm4_moe")

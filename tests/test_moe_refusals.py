@@ -105,7 +105,7 @@ def _checkpoint(tmp_path, arch: str, **fields):
 @pytest.mark.parametrize(("arch", "needs"), [
     ("DeepseekV3ForCausalLM", ["multi-head latent attention", "e_score_correction_bias", "group-limited top-k",
                                "shared expert", "first_k_dense_replace"]),
-    ("Glm4MoeForCausalLM", ["sigmoid routing", "e_score_correction_bias", "partial rotary", "first_k_dense_replace"]),
+    ("Glm4MoeLiteForCausalLM", ["multi-head latent attention", "GLM-4.5's MoE decoder"]),
     ("GptOssForCausalLM", ["attention sinks", "biases on the experts", "clamped SwiGLU", "sliding-window"]),
     ("Qwen3_5MoeForCausalLM", ["gated delta net"]),
     ("Qwen3_5MoeForConditionalGeneration", ["gated delta net", "vision"]),
@@ -125,7 +125,7 @@ def test_load_hf_config_names_what_a_refused_family_needs(tmp_path, arch, needs)
 
 def test_model_spec_names_what_a_refused_family_needs():
     class Config:  # model_spec is reached with a config built elsewhere (AutoConfig, a tool)
-        architectures = ["Glm4MoeForCausalLM"]
+        architectures = ["DeepseekV3ForCausalLM"]
 
-    with pytest.raises(ValueError, match="'Glm4MoeForCausalLM' needs sigmoid routing with e_score_correction_bias"):
+    with pytest.raises(ValueError, match="'DeepseekV3ForCausalLM' needs multi-head latent attention"):
         model_spec(Config())

@@ -13,9 +13,9 @@
   micro-batches, ``eval/examples``), equals the trainer's last evaluation of it (within one pair); the summary holds its accuracy against gold, the noise ceiling, the pair statistics and one study
   point per export.
 
-About 4 minutes alone on 2 cores (one module fixture runs the pipeline once for both tests), on one thread per
-process (``OMP_NUM_THREADS=1``) like the suite's other runs, so that beside the other worker no spinning thread waits
-on a busy core; tests/conftest.py starts this file among the first, so that it does not run alone at the end.
+Opt-in (``MLORA_RLHF_SMOKE=1``): about 4 minutes alone on 2 cores (one module fixture runs the pipeline once for
+both tests, one thread per process), but 7.4 minutes in the suite beside the other worker even when started first,
+which took ``.ci/run`` to 36 minutes (2026-12-05): over the suite's 30-minute budget.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCORE_TOL = 2e-4
+pytestmark = pytest.mark.skipif(os.environ.get("MLORA_RLHF_SMOKE") != "1",
+                                reason="opt-in: MLORA_RLHF_SMOKE=1 (about 4 minutes alone on 2 cores)")
 
 
 @pytest.fixture(scope="module")

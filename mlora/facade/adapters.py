@@ -145,7 +145,8 @@ def peft_refusals(modules, spec) -> list[str]:
     parameter (``gate_up_proj``: gate and up side by side; ``down_proj``), of every expert. So in each MoE layer:
     gate and up adapted together or not at all (PEFT refuses one alone: "without also targeting"); a projection
     adapted on every expert or on none (one expert's factors: PEFT's size mismatch); and gate/up only with down
-    (PEFT loads gate_up_proj's LoRA without down_proj's with missing keys and other logits).
+    (PEFT loads gate_up_proj's LoRA without down_proj's with missing keys and other logits). A shared expert's
+    LoRA (GLM-4.5's ``shared_experts``) PEFT maps onto the routed experts too: refused.
     Measured in ``tests/test_peft_moe_refusals.py`` with PEFT itself. Qwen2-MoE's experts PEFT does not convert
     (:func:`_warn_what_peft_drops` says so)."""
     moe = spec.moe
@@ -153,10 +154,13 @@ def peft_refusals(modules, spec) -> list[str]:
         return []
     gate, up, down = moe.projections
     adapted: dict[int, dict[str, set[int]]] = {}
+    shared: set[int] = set()
     for layer, proj in modules:
         expert = expert_of(proj)
         if expert is not None:
             adapted.setdefault(layer, {}).setdefault(proj.rsplit(".", 1)[1], set()).add(expert)
+        elif f".{moe.shared_name}." in proj:
+            shared.add(layer)
     alone: dict[tuple[str, str], list[int]] = {}
     partial: list[str] = []
     no_down: list[int] = []
@@ -175,6 +179,11 @@ def peft_refusals(modules, spec) -> list[str]:
     if no_down:
         problems.append(f"the experts' {gate}/{up} without {down} (layers {no_down}): PEFT 0.21 loads gate_up_proj's "
                         f"LoRA without down_proj's wrongly (missing keys, other logits); target {down} too")
+    if shared:
+        problems.append(f"the {moe.shared_name}' projections (layers {sorted(shared)}): PEFT 0.21 maps their "
+                        "gate_proj/up_proj/down_proj onto the routed experts' stacked parameters and loads other "
+                        f"logits; leave {moe.shared_name} out (e.g. exclude_modules=['{moe.shared_name}.gate_proj', "
+                        f"'{moe.shared_name}.up_proj', '{moe.shared_name}.down_proj'])")
     return problems
 
 

@@ -421,19 +421,23 @@ class MLoraModel(AdapterHost, torch.nn.Module):
     def adapted_weight_names(self, adapters: Iterable[str]) -> set[str]:
         """The HF weight names of the attention projections of every layer where one of ``adapters`` adapts one,
         and of the MLP's linears (every expert's) where it adapts one of those, and of a shared expert's where it
-        adapts one of its, and a MoE router's where it adapts that: whole blocks, because an engine fuses q/k/v, gate/up, a layer's experts and the shared
+        adapts one of its, and a MoE router's (its correction bias too) where it adapts that: whole blocks, because an engine fuses q/k/v, gate/up, a layer's experts and the shared
         expert's gate/up into one weight each and reloads such a weight whole (:mod:`mlora.rollout.vllm_weights`)."""
-        from mlora.lora.targets import LM_HEAD, PARENT, hf_module_name, is_router, model_projections
+        from mlora.lora.targets import LM_HEAD, PARENT, expert_of, hf_module_name, is_router, model_projections
 
-        def block(proj: str) -> str:  # the shared expert (mlp.shared_expert.*) is an MLP apart from the experts
+        def block(proj: str) -> str:  # the shared expert (mlp.shared_expert(s).*) is an MLP apart from the experts
             if is_router(proj) or proj == LM_HEAD:  # a weight of its own
                 return proj
-            return PARENT.get(proj, "shared_expert" if ".shared_expert." in proj else "mlp")
+            return PARENT.get(proj, "mlp" if expert_of(proj) is not None else "shared_expert")
 
         blocks = {(layer, block(proj)) for name in adapters for layer, proj in self.adapters[name].modules}
-        return {f"{hf_module_name(layer, proj)}.weight" for layer, proj in model_projections(self.spec.num_layers,
-                                                                                                self.spec.moe)
-                if (layer, block(proj)) in blocks}
+        names = {f"{hf_module_name(layer, proj)}.weight" for layer, proj in model_projections(self.spec.num_layers,
+                                                                                                 self.spec.moe)
+                 if (layer, block(proj)) in blocks}
+        if self.spec.moe is not None and self.spec.moe.expert_bias:  # the router's other weight: its correction bias
+            names |= {f"{hf_module_name(layer, proj)}.e_score_correction_bias" for layer, proj in blocks
+                      if is_router(proj)}
+        return names
 
     def _check_tied_lm_head(self, adapters: list[str]) -> None:
         from mlora.lora.targets import LM_HEAD

@@ -13,13 +13,18 @@ import torch
 from mlora.formats.moe_refusals import MOE_REFUSALS
 
 # mixture-of-experts architectures: experts, router and their HF names (see MoESpec)
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "OlmoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "OlmoeForCausalLM",
+                     "Glm4MoeForCausalLM")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
                            *MOE_ARCHITECTURES)
 # q/k/v bias on (their config's qkv_bias, Qwen2-MoE's; True when absent), no bias on o_proj
 QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+# attention_bias puts a bias on q/k/v only, never on o_proj (GLM-4.5)
+ATTENTION_BIAS_ON_QKV = ("Glm4MoeForCausalLM",)
 # q/k RMSNorm before RoPE: over each head's head_dim (Qwen3) or over all heads at once (OLMoE)
 QK_NORM = {"Qwen3ForCausalLM": "head", "Qwen3MoeForCausalLM": "head", "OlmoeForCausalLM": "full"}
+# RoPE on part of each head (partial_rotary_factor in rope_parameters)
+PARTIAL_ROTARY = ("Glm4MoeForCausalLM",)
 # every other mixture-of-experts architecture transformers has, with what it would need (mlora/formats/moe_refusals.py)
 MOE_NOT_YET = MOE_REFUSALS
 
@@ -32,7 +37,15 @@ class MoESpec:
     the HF names of one expert's projections and of the block that holds them. ``shared_ffn_size``: the FFN
     width of a shared expert every token goes through beside the routed ones, its output scaled by
     ``sigmoid(x · shared_expert_gate)`` (Qwen2-MoE: ``{block}.shared_expert`` and ``{block}.shared_expert_gate``,
-    projections named gate_proj/up_proj/down_proj); None: no shared expert."""
+    projections named gate_proj/up_proj/down_proj); None: no shared expert. ``shared_name``: the shared expert's
+    HF module below the block (GLM-4.5's ``shared_experts``: ``n_shared_experts`` experts as one MLP);
+    ``shared_gate``: whether its output has the sigmoid gate (GLM-4.5's has none).
+
+    ``score``: the router's score function, ``"softmax"`` or ``"sigmoid"`` (GLM-4.5, DeepSeek-V3: sigmoid scores,
+    the top-k chosen on the scores plus a fixed per-expert ``e_score_correction_bias`` when ``expert_bias``, the
+    k weights the unbiased scores renormalised, then times ``scaling``, HF's ``routed_scaling_factor``).
+    ``groups``: ``(n_group, topk_group)`` when the top-k is group-limited (the experts split into n_group
+    groups, each ranked by the sum of its two best scores, the top-k taken within the topk_group best)."""
 
     num_experts: int
     top_k: int
@@ -42,6 +55,12 @@ class MoESpec:
     block: str  # HF module holding router and experts: "mlp" or Mixtral's "block_sparse_moe"
     projections: tuple[str, str, str]  # HF names of an expert's gate, up and down projections
     shared_ffn_size: int | None = None
+    shared_name: str = "shared_expert"
+    shared_gate: bool = True
+    score: str = "softmax"
+    expert_bias: bool = False
+    scaling: float | None = None
+    groups: tuple[int, int] | None = None
 # rope types whose inverse frequencies are static and whose cos/sin are not rescaled.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -67,6 +86,12 @@ class ModelSpec:
     hf_config: Any  # the transformers PretrainedConfig
     qk_norm: str | None = None  # None, "head" (RMSNorm over head_dim) or "full" (over all heads' width)
     moe: MoESpec | None = None
+    rotary_percent: float = 1.0  # RoPE on the first rotary_percent of each head's dims (GLM-4.5: 0.5), the rest as is
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's dims RoPE rotates (transformers' ``int(head_dim * partial_rotary_factor)``)."""
+        return int(self.head_dim * self.rotary_percent)
 
     @property
     def sparse_layers(self) -> tuple[int, ...]:
@@ -139,7 +164,7 @@ def model_spec(cfg: Any) -> ModelSpec:
         raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     if getattr(cfg, "hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}; supported: 'silu'")
-    if getattr(cfg, "attention_bias", False) and arch not in QKV_BIAS:
+    if getattr(cfg, "attention_bias", False) and arch not in QKV_BIAS + ATTENTION_BIAS_ON_QKV:
         raise ValueError(f"{arch} with attention_bias=True (bias on o_proj) is not supported; supported: False")
     if getattr(cfg, "mlp_bias", False):
         raise ValueError("mlp_bias=True is not supported; supported: False")
@@ -147,6 +172,11 @@ def model_spec(cfg: Any) -> ModelSpec:
     if rope["rope_type"] not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"unsupported rope_type {rope['rope_type']!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    partial = float(rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) or 1.0)
+    if partial != 1.0 and (rope["rope_type"] != "default" or arch not in PARTIAL_ROTARY):
+        raise ValueError(f"{arch} with partial_rotary_factor={partial} and rope_type {rope['rope_type']!r} is not "
+                         "supported; supported: partial rotary with rope_type 'default' on "
+                         f"{', '.join(PARTIAL_ROTARY)}, full rotary (1.0) otherwise")
     sliding = getattr(cfg, "sliding_window", None)
     if arch == "Qwen2ForCausalLM" and not getattr(cfg, "use_sliding_window", False):
         sliding = None
@@ -159,6 +189,9 @@ def model_spec(cfg: Any) -> ModelSpec:
         if getattr(cfg, "use_sliding_window", False):
             raise ValueError(f"{arch} with use_sliding_window=True is not supported; supported: False")
         sliding = None
+    qk_norm = QK_NORM.get(arch)
+    if arch == "Glm4MoeForCausalLM":
+        qk_norm = "head" if getattr(cfg, "use_qk_norm", False) else None
     if arch == "OlmoeForCausalLM" and getattr(cfg, "clip_qkv", None) is not None:
         raise ValueError(f"OlmoeForCausalLM with clip_qkv={cfg.clip_qkv} is not supported; supported: None")
     return ModelSpec(
@@ -178,8 +211,9 @@ def model_spec(cfg: Any) -> ModelSpec:
         max_position_embeddings=cfg.max_position_embeddings,
         sliding_window=sliding,
         hf_config=cfg,
-        qk_norm=QK_NORM.get(arch),
+        qk_norm=qk_norm,
         moe=_moe_spec(arch, cfg) if arch in MOE_ARCHITECTURES else None,
+        rotary_percent=partial,
     )
 
 
@@ -205,8 +239,39 @@ def _moe_spec(arch: str, cfg: Any) -> MoESpec:
             raise ValueError(f"{arch}: shared_expert_intermediate_size={shared}; valid: > 0")
         return MoESpec(experts, top_k, cfg.moe_intermediate_size, bool(cfg.norm_topk_prob), sparse, "mlp",
                        ("gate_proj", "up_proj", "down_proj"), shared)
+    if arch == "Glm4MoeForCausalLM":
+        return _sigmoid_moe_spec(arch, cfg, experts, top_k)
     return MoESpec(experts, top_k, cfg.intermediate_size, bool(getattr(cfg, "norm_topk_prob", False)), tuple(layers),
                    "mlp", ("gate_proj", "up_proj", "down_proj"))
+
+
+def _sigmoid_moe_spec(arch: str, cfg: Any, experts: int, top_k: int) -> MoESpec:
+    """GLM-4.5's (and DeepSeek-V3's) MoE: the first ``first_k_dense_replace`` layers dense, then sigmoid routing
+    with the correction bias, group-limited top-k, renormalised weights times ``routed_scaling_factor``, and
+    ``n_shared_experts`` ungated shared experts as one MLP of ``n_shared_experts × moe_intermediate_size``."""
+    if not cfg.norm_topk_prob:
+        # megatron's sigmoid router always renormalises the k weights (top_k > 1)
+        raise ValueError(f"{arch} with norm_topk_prob=False is not supported (megatron-core's sigmoid router "
+                         "renormalises the top-k weights); supported: True")
+    groups = None
+    n_group, topk_group = int(cfg.n_group or 1), int(cfg.topk_group or 1)
+    if n_group > 1:
+        if experts % n_group or not 1 <= topk_group <= n_group:
+            raise ValueError(f"{arch}: n_group={n_group}, topk_group={topk_group} with {experts} experts; valid: "
+                             "n_group dividing the experts and 1 <= topk_group <= n_group")
+        if top_k // topk_group != 2:
+            # transformers ranks a group by its two best scores; megatron-core by its top_k // topk_group best
+            raise ValueError(f"{arch} with num_experts_per_tok={top_k} and topk_group={topk_group}: megatron-core "
+                             f"ranks a group by its {top_k // topk_group} best scores, transformers by its 2 best; "
+                             "supported: num_experts_per_tok // topk_group == 2, or n_group=1")
+        groups = (n_group, topk_group)
+    dense = int(getattr(cfg, "first_k_dense_replace", 0) or 0)
+    shared = int(getattr(cfg, "n_shared_experts", 0) or 0) * cfg.moe_intermediate_size
+    scaling = float(cfg.routed_scaling_factor)
+    return MoESpec(experts, top_k, cfg.moe_intermediate_size, True, tuple(range(dense, cfg.num_hidden_layers)), "mlp",
+                   ("gate_proj", "up_proj", "down_proj"), shared or None, shared_name="shared_experts",
+                   shared_gate=False, score="sigmoid", expert_bias=True,
+                   scaling=None if scaling == 1.0 else scaling, groups=groups)
 
 
 def check_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> None:
@@ -246,7 +311,7 @@ def hf_inv_freq(spec: ModelSpec) -> torch.Tensor:
 
     rope = _rope_parameters(spec.hf_config)
     if rope["rope_type"] == "default":
-        dim = spec.head_dim
+        dim = spec.rotary_dim
         return 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](spec.hf_config, "cpu")
     if scaling != 1.0:

@@ -1,9 +1,11 @@
 """Every mixture-of-experts architecture of transformers 5.19 that mlora does not build, with what it would need.
 
-mlora builds (``hf_config.MOE_ARCHITECTURES``: Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE) a pre-norm RMSNorm decoder
-with grouped-query attention and full RoPE (q/k/v bias and q/k RMSNorm where those families have them), SwiGLU
-experts without biases, a linear router with softmax then top-k (the k weights optionally renormalised), Qwen2-MoE's
-sigmoid-gated shared expert and dense layers where ``mlp_only_layers`` / ``decoder_sparse_step`` put them. Each
+mlora builds (``hf_config.MOE_ARCHITECTURES``: Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, GLM-4.5) a pre-norm RMSNorm
+decoder with grouped-query attention and RoPE (GLM-4.5's partial; q/k/v bias and q/k RMSNorm where those families have
+them), SwiGLU experts without biases, a linear router with softmax then top-k (the k weights optionally
+renormalised) or GLM-4.5's sigmoid routing (e_score_correction_bias, group-limited top-k, routed_scaling_factor),
+Qwen2-MoE's sigmoid-gated shared expert or GLM-4.5's ungated shared experts, and dense layers where
+``mlp_only_layers`` / ``decoder_sparse_step`` / ``first_k_dense_replace`` put them. Each
 entry says what the family has beyond that; ``load_hf_config`` refuses a checkpoint whose first architecture is
 listed here with ``needs <entry>``. ``tests/test_moe_refusals.py`` finds transformers' MoE architectures from their
 configs and fails when one is neither built nor listed here, so a transformers upgrade that adds a family must add
@@ -15,8 +17,7 @@ from __future__ import annotations
 _DEEPSEEK_V3 = ("multi-head latent attention (q/kv low-rank projections, decoupled RoPE head), sigmoid routing with "
                 "e_score_correction_bias and group-limited top-k scaled by routed_scaling_factor, a shared expert "
                 "and first_k_dense_replace dense layers")
-_GLM45 = ("sigmoid routing with e_score_correction_bias (group-limited top-k, routed_scaling_factor), partial "
-          "rotary (partial_rotary_factor), a shared expert and first_k_dense_replace dense layers")
+_GLM45 = "GLM-4.5's MoE decoder (which mlora builds: Glm4MoeForCausalLM)"
 _QWEN3_NEXT = ("linear-attention (gated delta net) layers, which megatron-core 0.16 has no local layer for, beside "
                "output-gated full attention with partial rotary and a sigmoid-gated shared expert")
 _DSA = ("multi-head latent attention with DeepSeek sparse attention (a lightning indexer choosing the top "
@@ -53,10 +54,9 @@ MOE_REFUSALS: dict[str, str] = {
                              "layer for, between multi-head latent attention layers without RoPE, sigmoid routing "
                              "with a correction bias, a shared expert and dense first layers",
     # GLM
-    "Glm4MoeForCausalLM": _GLM45 + " (GLM-4.5/4.6)",
-    "Glm4MoeLiteForCausalLM": "multi-head latent attention and " + _GLM45,
-    "Glm4vMoeForConditionalGeneration": "a vision tower and 3D (multimodal) RoPE in front of a GLM-4.5 decoder: "
-                                        + _GLM45,
+    "Glm4MoeLiteForCausalLM": "multi-head latent attention (q/kv low-rank projections, decoupled RoPE head) in "
+                              + _GLM45,
+    "Glm4vMoeForConditionalGeneration": "a vision tower and 3D (multimodal) RoPE in front of " + _GLM45,
     "Glm5NextForConditionalGeneration": "linear-attention layers, which megatron-core 0.16 has no local layer for, "
                                         "between indexed multi-head latent attention layers, sigmoid routing with a "
                                         "correction bias, a shared expert and a clamped SwiGLU",

@@ -26,6 +26,7 @@ REPLICATED, ROWS, COLUMNS, QKV, FC1, VOCAB = "replicated", "rows", "columns", "q
 
 _SPLIT_DIM = {ROWS: 0, COLUMNS: 1}
 _SHARED = "mlp.shared_experts."  # megatron's SharedExpertMLP in a MoE layer
+EXPERT_BIAS = "mlp.router.expert_bias"  # a sigmoid router's correction bias: float32 whatever the base's dtype
 
 
 def read_shard(reader: CheckpointReader, name: str, kind: str, tp: int, tp_rank: int) -> torch.Tensor:
@@ -87,6 +88,8 @@ class ParamMap:
             return {self.hf_names[0]: (out, inp)}
         if self.megatron_name.endswith("router.weight"):
             return {self.hf_names[0]: (spec.moe.num_experts, h)}
+        if self.megatron_name.endswith(EXPERT_BIAS):
+            return {self.hf_names[0]: (spec.moe.num_experts,)}
         if self.megatron_name.endswith(_SHARED + "gate_weight"):  # the shared expert's sigmoid gate, [1, hidden]
             return {self.hf_names[0]: (1, h)}
         if "layernorm" in self.megatron_name and "self_attention" in self.megatron_name:  # q/k norm
@@ -199,20 +202,24 @@ def stage_param_maps(spec: ModelSpec, pp: int, pp_rank: int, ep: int = 1, ep_ran
 
 
 def _expert_maps(spec: ModelSpec, m: str, h: str, ep: int, ep_rank: int) -> list[ParamMap]:
-    """The router, this EP rank's experts and the shared expert (TP-split, on every EP rank) with its gate of one
-    sparse layer (megatron prefix ``m``, HF prefix ``h``)."""
+    """The router (with its correction bias where it has one), this EP rank's experts and the shared expert
+    (TP-split, on every EP rank) with its gate where it has one, of one sparse layer (megatron prefix ``m``, HF
+    prefix ``h``)."""
     block = f"{h}{spec.moe.block}."
     gate, up, down = spec.moe.projections
     maps = [ParamMap(m + "mlp.router.weight", (block + "gate.weight",), REPLICATED)]
+    if spec.moe.expert_bias:
+        maps.append(ParamMap(m + EXPERT_BIAS, (block + "gate.e_score_correction_bias",), REPLICATED))
     for j, e in enumerate(local_experts(spec, ep, ep_rank)):
         x, hx = f"{m}mlp.experts.local_experts.{j}.", f"{block}experts.{e}."
         maps.append(ParamMap(x + "linear_fc1.weight", (f"{hx}{gate}.weight", f"{hx}{up}.weight"), FC1, expert=True))
         maps.append(ParamMap(x + "linear_fc2.weight", (f"{hx}{down}.weight",), COLUMNS, expert=True))
     if spec.moe.shared_ffn_size is not None:
-        x, hx = f"{m}{_SHARED}", f"{block}shared_expert."
+        x, hx = f"{m}{_SHARED}", f"{block}{spec.moe.shared_name}."
         maps.append(ParamMap(x + "linear_fc1.weight", (f"{hx}gate_proj.weight", f"{hx}up_proj.weight"), FC1))
         maps.append(ParamMap(x + "linear_fc2.weight", (f"{hx}down_proj.weight",), COLUMNS))
-        maps.append(ParamMap(x + "gate_weight", (f"{block}shared_expert_gate.weight",), REPLICATED))
+        if spec.moe.shared_gate:
+            maps.append(ParamMap(x + "gate_weight", (f"{block}shared_expert_gate.weight",), REPLICATED))
     return maps
 
 

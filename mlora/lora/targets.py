@@ -36,8 +36,9 @@ MEGATRON_MODULES = {
 PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-# Megatron path components -> HF ones, for layer-indexed Megatron patterns.
-_PATH_ALIASES = {"decoder": "model", "self_attention": "self_attn", "shared_experts": "shared_expert"}
+# Megatron path components -> HF ones, for layer-indexed Megatron patterns (megatron's shared_experts: the
+# model's own name for its shared expert, see _hf_path)
+_PATH_ALIASES = {"decoder": "model", "self_attention": "self_attn"}
 LM_HEAD = "lm_head"  # the output layer's key and HF name
 LM_HEAD_NAMES = (LM_HEAD, "output_layer")  # its HF and megatron names
 VALID_NAMES = ("all-linear", *HF_PROJECTIONS, *MEGATRON_MODULES, LM_HEAD)
@@ -59,8 +60,8 @@ def is_router(proj: str) -> bool:
 
 def shared_expert_projection(moe, k: int) -> str:
     """The key of projection ``k`` (0 gate, 1 up, 2 down) of a MoE layer's shared expert: its HF path below the
-    layer, ``mlp.shared_expert.gate_proj``."""
-    return f"{moe.block}.shared_expert.{MLP_PROJECTIONS[k]}"
+    layer, ``mlp.shared_expert.gate_proj`` (GLM-4.5: ``mlp.shared_experts.gate_proj``)."""
+    return f"{moe.block}.{moe.shared_name}.{MLP_PROJECTIONS[k]}"
 
 
 def expert_projection(moe, expert: int, k: int) -> str:
@@ -129,6 +130,13 @@ def _patterns(spec: str | Iterable[str] | None) -> list[str]:
     return list(spec)
 
 
+def _hf_path(prefix: str, moe) -> str:
+    """A megatron module path's HF spelling (``decoder.layers.3.mlp.shared_experts`` -> ``model.layers.3.mlp.`` and
+    the model's shared expert name)."""
+    aliases = {**_PATH_ALIASES, "shared_experts": moe.shared_name if moe is not None else "shared_experts"}
+    return ".".join(aliases.get(part, part) for part in prefix.split(".")) if prefix else ""
+
+
 def _expand(pattern: str, universe: dict[tuple[int, str], str], moe) -> set[tuple[int, str]]:
     """The (layer, projection) pairs one pattern names; raises on unknown names."""
     pattern = pattern.strip()
@@ -140,15 +148,16 @@ def _expand(pattern: str, universe: dict[tuple[int, str], str], moe) -> set[tupl
     leaves = MLP_PROJECTIONS if moe is None else tuple(dict.fromkeys((*MLP_PROJECTIONS, *moe.projections)))
     if last in MEGATRON_MODULES:
         projs = set(MEGATRON_MODULES[last])
-        prefix = ".".join(_PATH_ALIASES.get(part, part) for part in prefix.split(".")) if prefix else ""
+        prefix = _hf_path(prefix, moe)
         if "mlp" in prefix.split(".") and last in ("linear_qkv", "linear_proj"):
             projs = set()
     elif last in HF_PROJECTIONS or last in leaves:
         projs = {last}
     elif last in ROUTER_NAMES and moe is not None:
         projs = {"gate"}  # a router's leaf, whatever its name: matched below against the HF path
-        prefix = ".".join(_PATH_ALIASES.get(part, part) for part in prefix.split(".")) if prefix else ""
-    elif last in ("shared_expert_gate", "gate_weight") and moe is not None and moe.shared_ffn_size is not None:
+        prefix = _hf_path(prefix, moe)
+    elif (last in ("shared_expert_gate", "gate_weight") and moe is not None and moe.shared_ffn_size is not None
+          and moe.shared_gate):
         raise ValueError(f"target module {pattern!r}: the shared expert's sigmoid gate (output width 1) is not a LoRA "
                          "target; the shared expert's projections are (shared_expert.gate_proj, .up_proj, "
                          ".down_proj, or gate_proj/up_proj/down_proj for every MLP)")

@@ -106,8 +106,8 @@ def load_shard(hf_dir: str | os.PathLike, mesh: Mesh, dtype: torch.dtype = torch
             with torch.no_grad():
                 if param.dtype == torch.float8_e4m3fn:
                     _load_fp8(param, modules[pm.megatron_name.rsplit(".", 1)[0]], shard, mesh)
-                else:
-                    param.copy_(shard.to(dtype))
+                else:  # into the parameter's dtype: ``dtype``, or float32 where kept so (a router's expert bias)
+                    param.copy_(shard)
             del shard
         if params:
             raise RuntimeError(f"parameters without an HF mapping: {sorted(params)}")

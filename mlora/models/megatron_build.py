@@ -68,22 +68,28 @@ def moe_config_kwargs(spec: ModelSpec, mesh: Mesh) -> dict:
     in float32 with HF's routing (softmax over all experts then top-k, or top-k then softmax when the k
     weights are renormalised, Mixtral's and ``norm_topk_prob``), no load-balancing loss and no token drop,
     experts as megatron's SequentialMLP split over EP ranks (expert TP 1), the all-to-all dispatcher; a shared
-    expert (Qwen2-MoE) as megatron's SharedExpertMLP, TP-split like a dense MLP, its output scaled by
-    ``sigmoid(x · gate_weight)`` (HF's ``shared_expert_gate``) and computed before the dispatch, not
-    overlapped with it (``moe_shared_expert_overlap`` needs CUDA streams)."""
+    expert (Qwen2-MoE, GLM-4.5) as megatron's SharedExpertMLP, TP-split like a dense MLP, its output scaled by
+    ``sigmoid(x · gate_weight)`` where HF has a ``shared_expert_gate``, computed before the dispatch, not
+    overlapped with it (``moe_shared_expert_overlap`` needs CUDA streams). Sigmoid routing (GLM-4.5) is
+    megatron's, with its group-limited top-k and scaling factor; its correction bias is a frozen float32
+    parameter of the router (:func:`add_expert_biases`), not megatron's
+    ``moe_router_enable_expert_bias``, which allocates on CUDA and updates the bias as it trains."""
     moe = spec.moe
     if moe is None:
         return {}
     shared = {} if moe.shared_ffn_size is None else dict(moe_shared_expert_intermediate_size=moe.shared_ffn_size,
-                                                          moe_shared_expert_gate=True,
+                                                          moe_shared_expert_gate=moe.shared_gate,
                                                           moe_shared_expert_overlap=False)
+    groups = {} if moe.groups is None else dict(moe_router_num_groups=moe.groups[0], moe_router_group_topk=moe.groups[1])
     return dict(
         **shared,
+        **groups,
         num_moe_experts=moe.num_experts,
         moe_ffn_hidden_size=moe.ffn_size,
         moe_router_topk=moe.top_k,
         moe_router_pre_softmax=not moe.normalize_topk,
-        moe_router_score_function="softmax",
+        moe_router_score_function=moe.score,
+        moe_router_topk_scaling_factor=moe.scaling,
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_router_dtype="fp32",
@@ -168,6 +174,7 @@ def gpt_model(spec: ModelSpec, mesh, config, layer_spec, vocab_size: int):
         share_embeddings_and_output_weights=spec.tied_embeddings,
         position_embedding_type="rope",
         rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
+        rotary_percent=spec.rotary_percent,
         parallel_output=True,
     )
     model.rotary_pos_emb.inv_freq = hf_inv_freq(spec).to(mesh.device)
@@ -223,6 +230,21 @@ def block_spec(config):
     sparse, offset = layer_spec(num_experts), get_transformer_layer_offset(config)
     layers = [sparse if config.moe_layer_freq[offset + j] else dense for j in range(count)]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm)
+
+
+def add_expert_biases(model: torch.nn.Module) -> None:
+    """Every MoE router of ``model`` gets a frozen float32 ``expert_bias`` parameter (the checkpoint's
+    ``e_score_correction_bias``, zeros until loaded), which megatron's routing adds to the scores that choose the
+    top-k, as transformers and vLLM do: a parameter, not megatron's buffer, so that loading, export and checkpoints
+    reach it as they reach the router's weight (its dist-checkpoint key is megatron's,
+    ``decoder.layers.<i>.mlp.router.expert_bias``); float32 whatever the base's dtype, since a bf16 bias would move
+    the choice."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    for module in model.modules():
+        if isinstance(module, TopKRouter):
+            module.expert_bias = torch.nn.Parameter(torch.zeros(module.config.num_moe_experts, dtype=torch.float32,
+                                                                device=module.weight.device), requires_grad=False)
 
 
 def route_through_experts(model: torch.nn.Module) -> None:
@@ -286,6 +308,8 @@ def build_gpt_model(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, fp8: str | 
     for p in model.parameters():
         p.requires_grad_(False)
     route_through_experts(model)
+    if spec.moe is not None and spec.moe.expert_bias:
+        add_expert_biases(model)
     lora_output_layer(model)
     attach_lora_sites(model, spec, mesh.tp)
     prepare_for_recompute(model, recompute)

@@ -74,6 +74,8 @@ class Experts:
     topk_softmax: bool  # softmax over the k chosen logits (top-k weights renormalised), else over all E first
     load: float = 1.0  # token copies received, relative to balanced routing
     shared_ffn: int = 0  # a shared expert's intermediate size on this rank (TP-split like a dense MLP's; 0: none)
+    shared_gate: bool = True  # the shared expert's output scaled by sigmoid(x·gate) (Qwen2-MoE; GLM-4.5: none)
+    sigmoid: bool = False  # sigmoid scores (GLM-4.5, DeepSeek-V3), else softmax
 
     @property
     def local(self) -> int:
@@ -106,6 +108,7 @@ class Geometry:
     lora_item: int = 0  # bytes per element of the LoRA branches' compute dtype (0: the compute dtype's)
     experts: Experts | None = None  # a mixture-of-experts layer's experts (None: a dense MLP)
     qk_norm: str | None = None  # RMSNorm on q and k before RoPE: per head ("head", Qwen3) or over all ("full")
+    rotary_dim: int = 0  # the head dims RoPE rotates (0: all of head_dim; GLM-4.5 rotates half)
 
     @property
     def branch_item(self) -> int:
@@ -194,7 +197,7 @@ def _experts_saved(g: Geometry, lora: LayerLora, grad: bool) -> tuple[int, bool]
     if kr:  # the router's LoRA (lora_delta: two GEMMs): its input, x·Aᵀ [t, r] and s·B [E, r], in the branch dtype
         total += _branch_input(g, g.hidden, kept=grad, tokens=t) + (t + x.num_experts) * lora.rank * g.branch_item
     if route_grad:
-        total += t * x.top_k * I64 + t * (x.top_k if x.topk_softmax else x.num_experts) * F32  # top-k, softmax
+        total += _routing_saved(x, t)
         total += t * x.num_experts * (1 + F32)  # the permutation's routing map and probabilities
     if route_grad or k1 or k2:
         total += t * x.top_k * I64  # the sorted indices the experts' outputs are scattered back with
@@ -211,10 +214,20 @@ def _experts_saved(g: Geometry, lora: LayerLora, grad: bool) -> tuple[int, bool]
     return total + shared, mlp_grad or route_grad or k2 > 0 or shared_grad
 
 
+def _routing_saved(x: Experts, t: int) -> int:
+    """What megatron's top-k routing of ``t`` tokens keeps: the top-k indices and the softmax output (over the k or
+    all E logits); or, sigmoid routing, its [t, E] scores, the k it picked (indices and scores) and their sum (the
+    renormalisation). The choice itself (the correction bias, the group-limited top-k) is a branch of the graph that
+    ends in indices: what it saves is freed as soon as the router returns."""
+    if not x.sigmoid:
+        return t * x.top_k * I64 + t * (x.top_k if x.topk_softmax else x.num_experts) * F32
+    return t * x.num_experts * F32 + t * x.top_k * (I64 + F32) + t * F32
+
+
 def _shared_expert_saved(g: Geometry, lora: LayerLora, grad: bool) -> tuple[int, bool]:
-    """A shared expert (megatron's SharedExpertMLP, Qwen2-MoE): a dense MLP of its own width (its LoRA at the
-    ``shared_fc1``/``shared_fc2`` sites, in the adapter's rank), then ``sigmoid(x·gate)`` times its output: the
-    sigmoid's result (which the product keeps too) and, for the gate's gradient, the MLP output."""
+    """A shared expert (megatron's SharedExpertMLP, Qwen2-MoE, GLM-4.5): a dense MLP of its own width (its LoRA at the
+    ``shared_fc1``/``shared_fc2`` sites, in the adapter's rank), then, where it is gated, ``sigmoid(x·gate)`` times
+    its output: the sigmoid's result (which the product keeps too) and, for the gate's gradient, the MLP output."""
     ffn, e, t = g.experts.shared_ffn, g.item, g.stream_tokens
     if not ffn:
         return 0, False
@@ -228,6 +241,8 @@ def _shared_expert_saved(g: Geometry, lora: LayerLora, grad: bool) -> tuple[int,
     if k2:
         total += _branch_input(g, ffn) + _lora_saved(g, k2, lora.rank, g.hidden)
     out_grad = mlp_grad or k2 > 0
+    if not g.experts.shared_gate:
+        return total, out_grad
     if grad or out_grad:
         total += t * e  # the sigmoid's output
     if grad:
@@ -249,7 +264,7 @@ def _qk_norm_saved(g: Geometry) -> int:
 
 def _attention_saved(g: Geometry, attention: str, selective: bool) -> tuple[int, bool]:
     """Bytes core attention keeps (RoPE's cos/sin included) and whether its output is among them."""
-    rope = 4 * g.seq * g.head_dim * g.item  # cos and sin, for q and for k, [s, 1, 1, head_dim] each
+    rope = 4 * g.seq * (g.rotary_dim or g.head_dim) * g.item  # cos and sin, for q and for k, [s, 1, 1, rotary dims]
     q, k, qkv = g.tokens * g.q_width, g.tokens * g.kv_width, g.tokens * g.qkv_width
     if selective:  # megatron's checkpoint keeps the core attention's inputs: q, k, v (a view of QKV) and
         return rope + (q + k + qkv) * g.item + 4, False  # the mask type as an int32 tensor

@@ -136,7 +136,8 @@ def geometry(spec: ModelSpec, layout: Layout, workload: Workload, batch: int) ->
                     heads=spec.num_heads // layout.tp, kv_heads=spec.num_kv_heads // layout.tp,
                     head_dim=spec.head_dim, ffn=spec.intermediate_size // layout.tp, tp=layout.tp, sp=layout.sp,
                     item=_item(workload.dtype), fp8=workload.fp8 is not None,
-                    lora_item=_item(workload.lora_compute_dtype or master_dtype(workload.dtype)), qk_norm=spec.qk_norm)
+                    lora_item=_item(workload.lora_compute_dtype or master_dtype(workload.dtype)), qk_norm=spec.qk_norm,
+                    rotary_dim=spec.rotary_dim)
 
 
 def layer_geometries(spec: ModelSpec, layout: Layout, workload: Workload, batch: int, layers: range
@@ -147,7 +148,8 @@ def layer_geometries(spec: ModelSpec, layout: Layout, workload: Workload, batch:
         return [g] * len(layers)
     moe = spec.moe
     sparse = replace(g, experts=Experts(moe.num_experts, moe.top_k, moe.ffn_size, layout.ep, moe.normalize_topk,
-                                        workload.expert_load, (moe.shared_ffn_size or 0) // layout.tp))
+                                        workload.expert_load, (moe.shared_ffn_size or 0) // layout.tp,
+                                        shared_gate=moe.shared_gate, sigmoid=moe.score == "sigmoid"))
     return [sparse if spec.is_sparse(i) else g for i in layers]
 
 

@@ -24,7 +24,7 @@ import torch
 
 from mlora.export.plan import plan_adapter
 from mlora.formats.hf_config import ModelSpec, check_layout
-from mlora.formats.weight_map import ParamMap, shard, stage_param_maps
+from mlora.formats.weight_map import EXPERT_BIAS, ParamMap, shard, stage_param_maps
 from mlora.fp8.quant import FP8_DTYPE, FP8_LINEARS
 from mlora.lora.config import LoraConfig
 from mlora.lora.sites import factor_kinds, factor_shapes, model_sites
@@ -68,8 +68,8 @@ def _is_fp8_weight(pm: ParamMap) -> bool:
 def base_bytes(spec: ModelSpec, tp: int, pp: int, stage: int, tp_rank: int, dtype: torch.dtype,
                fp8: str | None = None, ep: int = 1, ep_rank: int = 0) -> int:
     """Bytes of the frozen parameters of one rank, counted as ``MLoraModel.parameter_bytes()["base"]``:
-    every parameter of the stage's shard in ``dtype`` (in sparse layers the router and EP rank
-    ``ep_rank``'s ``E / ep`` experts); with ``fp8="torch"`` the weights of the four frozen linears in
+    every parameter of the stage's shard in ``dtype`` (in sparse layers the router, its float32 correction bias
+    where it has one, and EP rank ``ep_rank``'s ``E / ep`` experts); with ``fp8="torch"`` the weights of the four frozen linears in
     e4m3 (1 byte) plus one float32 scale per local output row."""
     item = torch.empty((), dtype=dtype).element_size()
     fp8_item = torch.empty((), dtype=FP8_DTYPE).element_size()
@@ -84,6 +84,8 @@ def base_bytes(spec: ModelSpec, tp: int, pp: int, stage: int, tp_rank: int, dtyp
         numel = torch.Size(shape).numel()
         if fp8 == "torch" and _is_fp8_weight(pm):
             total += numel * fp8_item + shape[0] * 4  # e4m3 weight + float32 weight_scale per output row
+        elif pm.megatron_name.endswith(EXPERT_BIAS):
+            total += numel * 4
         else:
             total += numel * item
     return total

@@ -1,8 +1,9 @@
-"""Tiny random Llama / Qwen2 / Mistral / Qwen3 and MoE (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) checkpoints with a
-locally trained tokenizer.
+"""Tiny random Llama / Qwen2 / Mistral / Qwen3 and MoE (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5) checkpoints
+with a locally trained tokenizer.
 
-They exercise what real checkpoints have: GQA, head_dim independent of hidden size, RoPE scaling, q/k/v
-bias, q/k norms, experts, a gated shared expert, tied embeddings, sliding windows, sharded safetensors, and a
+They exercise what real checkpoints have: GQA, head_dim independent of hidden size, RoPE scaling, partial RoPE,
+q/k/v bias, q/k norms, experts, softmax and sigmoid routers (with a correction bias, group-limited), gated and
+ungated shared experts, tied embeddings, sliding windows, sharded safetensors, and a
 vocabulary (1001) that no TP size > 1 divides and that is not a multiple of 64.
 """
 
@@ -64,6 +65,16 @@ TINY_ARCHS: dict[str, dict] = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
         num_local_experts=8, num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None,
+    ),
+    # GLM-4.5: sigmoid routing with a correction bias, group-limited (2 groups of 4, the best one's experts) and
+    # scaled; two shared experts as one ungated MLP; a dense first layer; q/k/v bias; RoPE on half of each head
+    "glm4_moe": dict(
+        architecture="Glm4MoeForCausalLM", hidden_size=128, intermediate_size=192, moe_intermediate_size=64,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, first_k_dense_replace=1, n_group=2,
+        topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
     ),
     # q/k RMSNorm over all heads at once; top-k weights not renormalised
     "olmoe": dict(
@@ -134,6 +145,9 @@ def build_tiny_model(arch: str, out_dir: str | os.PathLike, seed: int = 0, **ove
                 p.copy_(0.5 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a bias that moves some top-k choices (sigmoid scores ~0.5)
+                b.copy_(0.05 * torch.randn_like(b))
     kwargs = {"max_shard_size": shard_size} if shard_size else {}
     model.save_pretrained(str(out), **kwargs)
     return out
