@@ -7,8 +7,9 @@ too; PEFT drops its routed experts' LoRA, so their B is zeroed for the PEFT and 
 normalises q/k over all heads at once; Mixtral routes top-k then softmax; Mixtral's experts take a LoRA rank
 of their own, ``expert_rank``; GLM-4.5 routes by sigmoid scores plus a correction bias, group-limited and scaled,
 beside two ungated shared experts (out of the PEFT adapter: PEFT maps their LoRA onto the routed experts), after a
-dense first layer, with RoPE on half of each head). Two grouped launches (2 and 4 CPU ranks) cover (TP, PP, EP) = (1,1,1), (1,1,2), (2,1,2)+SP on 2
-ranks (the experts split over the TP ranks), (1,2,1), and (2,1,2)+SP, (1,2,2) on 4 (DP 2): float32 logits
+dense first layer, with RoPE on half of each head). Two grouped launches (2 and 4 CPU ranks) cover (TP, PP, EP) =
+(1,1,1), (1,1,2), (2,1,2)+SP on 2 ranks (the experts split over the TP ranks), (1,2,1), and (2,1,2)+SP, (1,2,2) on 4
+(DP 2): float32 logits
 equal transformers' (relative ≤ 1e-5); at TP 1 the router picks HF's experts for every token with HF's
 weights; the gradients of an all-linear LoRA (one adapter per expert and projection, and the attention's) plus
 the router (Qwen2-MoE's in the mixed check only: PEFT refuses its router's LoRA),

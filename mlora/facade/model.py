@@ -421,8 +421,9 @@ class MLoraModel(AdapterHost, torch.nn.Module):
     def adapted_weight_names(self, adapters: Iterable[str]) -> set[str]:
         """The HF weight names of the attention projections of every layer where one of ``adapters`` adapts one,
         and of the MLP's linears (every expert's) where it adapts one of those, and of a shared expert's where it
-        adapts one of its, and a MoE router's (its correction bias too) where it adapts that: whole blocks, because an engine fuses q/k/v, gate/up, a layer's experts and the shared
-        expert's gate/up into one weight each and reloads such a weight whole (:mod:`mlora.rollout.vllm_weights`)."""
+        adapts one of its, and a MoE router's (its correction bias too) where it adapts that: whole blocks, because
+        an engine fuses q/k/v, gate/up, a layer's experts and the shared expert's gate/up into one weight each and
+        reloads such a weight whole (:mod:`mlora.rollout.vllm_weights`)."""
         from mlora.lora.targets import LM_HEAD, PARENT, expert_of, hf_module_name, is_router, model_projections
 
         def block(proj: str) -> str:  # the shared expert (mlp.shared_expert(s).*) is an MLP apart from the experts

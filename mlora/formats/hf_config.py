@@ -45,7 +45,10 @@ class MoESpec:
     the top-k chosen on the scores plus a fixed per-expert ``e_score_correction_bias`` when ``expert_bias``, the
     k weights the unbiased scores renormalised, then times ``scaling``, HF's ``routed_scaling_factor``).
     ``groups``: ``(n_group, topk_group)`` when the top-k is group-limited (the experts split into n_group
-    groups, each ranked by the sum of its two best scores, the top-k taken within the topk_group best)."""
+    groups, each ranked by the sum of its two best scores, the top-k taken within the topk_group best).
+    ``router_fp32``: the router's GEMM runs in float32 (GLM-4.5, as transformers and vLLM run it), else in the
+    model's dtype, as transformers and vLLM run Qwen-MoE's, Mixtral's and OLMoE's: in bf16 the trainer then
+    picks the engine's experts for the same router input (``bench/moe_bf16_routing.py``)."""
 
     num_experts: int
     top_k: int
@@ -61,6 +64,7 @@ class MoESpec:
     expert_bias: bool = False
     scaling: float | None = None
     groups: tuple[int, int] | None = None
+    router_fp32: bool = False
 # rope types whose inverse frequencies are static and whose cos/sin are not rescaled.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -271,7 +275,7 @@ def _sigmoid_moe_spec(arch: str, cfg: Any, experts: int, top_k: int) -> MoESpec:
     return MoESpec(experts, top_k, cfg.moe_intermediate_size, True, tuple(range(dense, cfg.num_hidden_layers)), "mlp",
                    ("gate_proj", "up_proj", "down_proj"), shared or None, shared_name="shared_experts",
                    shared_gate=False, score="sigmoid", expert_bias=True,
-                   scaling=None if scaling == 1.0 else scaling, groups=groups)
+                   scaling=None if scaling == 1.0 else scaling, groups=groups, router_fp32=True)
 
 
 def check_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> None:

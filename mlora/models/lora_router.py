@@ -1,12 +1,12 @@
 """megatron's MoE router with LoRA on its gating linear (a MoE layer's router as a LoRA target).
 
-The router is a ``[E, hidden]`` linear held whole by every rank and computed in float32 (megatron's
-``moe_router_dtype``); under sequence parallelism each TP rank routes its own slice of the sequence. Its
-adapter follows suit: A and B whole on every rank, their gradients partial per TP rank (summed over TP × DP,
-:mod:`mlora.lora.grads`), the delta ``s·(x Aᵀ) Bᵀ`` added to the logits before the score function and top-k,
-as PEFT adds it to transformers' router (and vLLM's LoRA to its ``GateLinear``). So the routing itself, which
-experts a token reaches and with what weight, moves with the adapter; the top-k choice is not differentiable,
-the weights are.
+The router is a ``[E, hidden]`` linear held whole by every rank and computed in the dtype transformers and vLLM compute
+it in (megatron's ``moe_router_dtype``: the model's, float32 for GLM-4.5); under sequence parallelism each TP rank
+routes its own slice of the sequence. Its adapter follows suit: A and B whole on every rank, their gradients partial per
+TP rank (summed over TP × DP, :mod:`mlora.lora.grads`), the delta ``s·(x Aᵀ) Bᵀ`` added to the logits before the score
+function and top-k, as PEFT adds it to transformers' router (and vLLM's LoRA to its ``GateLinear``). So the routing
+itself, which experts a token reaches and with what weight, moves with the adapter; the top-k choice is not
+differentiable, the weights are.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class LoraTopKRouter(TopKRouter, LoraHost):
         if not branches:
             return logits
         # the branches compute in their dtype (the input's unless set) like every LoRA site; the delta joins the
-        # float32 logits
+        # logits in their dtype
         return add_deltas(logits, branch_deltas(branches, input, self.lora_site, routes))
 
     def _router_branches(self, x: torch.Tensor) -> tuple[list[LoraBranch], list | None]:

@@ -64,23 +64,24 @@ def transformer_config(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, recomput
 
 
 def moe_config_kwargs(spec: ModelSpec, mesh: Mesh) -> dict:
-    """megatron's MoE settings that reproduce ``spec.moe`` (none for a dense model): a frozen linear router
-    in float32 with HF's routing (softmax over all experts then top-k, or top-k then softmax when the k
-    weights are renormalised, Mixtral's and ``norm_topk_prob``), no load-balancing loss and no token drop,
-    experts as megatron's SequentialMLP split over EP ranks (expert TP 1), the all-to-all dispatcher; a shared
-    expert (Qwen2-MoE, GLM-4.5) as megatron's SharedExpertMLP, TP-split like a dense MLP, its output scaled by
-    ``sigmoid(x · gate_weight)`` where HF has a ``shared_expert_gate``, computed before the dispatch, not
-    overlapped with it (``moe_shared_expert_overlap`` needs CUDA streams). Sigmoid routing (GLM-4.5) is
-    megatron's, with its group-limited top-k and scaling factor; its correction bias is a frozen float32
-    parameter of the router (:func:`add_expert_biases`), not megatron's
-    ``moe_router_enable_expert_bias``, which allocates on CUDA and updates the bias as it trains."""
+    """megatron's MoE settings that reproduce ``spec.moe`` (none for a dense model): a frozen linear router in the dtype
+    transformers computes it in (the model's, or float32: ``MoESpec.router_fp32``) with HF's routing (softmax over all
+    experts then top-k, or top-k then softmax when the k weights are renormalised, Mixtral's and ``norm_topk_prob``), no
+    load-balancing loss and no token drop, experts as megatron's SequentialMLP split over EP ranks (expert TP 1), the
+    all-to-all dispatcher; a shared expert (Qwen2-MoE, GLM-4.5) as megatron's SharedExpertMLP, TP-split like a dense
+    MLP, its output scaled by ``sigmoid(x · gate_weight)`` where HF has a ``shared_expert_gate``, computed before the
+    dispatch, not overlapped with it (``moe_shared_expert_overlap`` needs CUDA streams). Sigmoid routing (GLM-4.5) is
+    megatron's, with its group-limited top-k and scaling factor; its correction bias is a frozen float32 parameter of
+    the router (:func:`add_expert_biases`), not megatron's ``moe_router_enable_expert_bias``, which allocates on CUDA
+    and updates the bias as it trains."""
     moe = spec.moe
     if moe is None:
         return {}
     shared = {} if moe.shared_ffn_size is None else dict(moe_shared_expert_intermediate_size=moe.shared_ffn_size,
                                                           moe_shared_expert_gate=moe.shared_gate,
                                                           moe_shared_expert_overlap=False)
-    groups = {} if moe.groups is None else dict(moe_router_num_groups=moe.groups[0], moe_router_group_topk=moe.groups[1])
+    groups = ({} if moe.groups is None
+              else dict(moe_router_num_groups=moe.groups[0], moe_router_group_topk=moe.groups[1]))
     return dict(
         **shared,
         **groups,
@@ -92,7 +93,7 @@ def moe_config_kwargs(spec: ModelSpec, mesh: Mesh) -> dict:
         moe_router_topk_scaling_factor=moe.scaling,
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
-        moe_router_dtype="fp32",
+        moe_router_dtype="fp32" if moe.router_fp32 else None,
         moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=False,
         moe_permute_fusion=False,

@@ -76,6 +76,7 @@ class Experts:
     shared_ffn: int = 0  # a shared expert's intermediate size on this rank (TP-split like a dense MLP's; 0: none)
     shared_gate: bool = True  # the shared expert's output scaled by sigmoid(x·gate) (Qwen2-MoE; GLM-4.5: none)
     sigmoid: bool = False  # sigmoid scores (GLM-4.5, DeepSeek-V3), else softmax
+    router_fp32: bool = False  # the router's logits and routing weights in float32, else in the model's dtype
 
     @property
     def local(self) -> int:
@@ -188,7 +189,7 @@ def _experts_saved(g: Geometry, lora: LayerLora, grad: bool) -> tuple[int, bool]
     """What a mixture-of-experts layer keeps (the module docstring's list), and whether its output requires
     grad; ``grad``: its input (the pre-MLP norm's output) does."""
     x, e, t = g.experts, g.item, g.stream_tokens
-    n = x.received(t)
+    n, ri = x.received(t), _router_item(g)
     total = 0
     k1, k2, r, kr = lora.k("fc1"), lora.k("fc2"), lora.expert_rank or lora.rank, lora.k("router")
     route_grad = grad or kr > 0  # the routing weights require grad through the router's input or its LoRA
@@ -197,15 +198,15 @@ def _experts_saved(g: Geometry, lora: LayerLora, grad: bool) -> tuple[int, bool]
     if kr:  # the router's LoRA (lora_delta: two GEMMs): its input, x·Aᵀ [t, r] and s·B [E, r], in the branch dtype
         total += _branch_input(g, g.hidden, kept=grad, tokens=t) + (t + x.num_experts) * lora.rank * g.branch_item
     if route_grad:
-        total += _routing_saved(x, t)
-        total += t * x.num_experts * (1 + F32)  # the permutation's routing map and probabilities
+        total += _routing_saved(x, t, ri)
+        total += t * x.num_experts * (1 + ri)  # the permutation's routing map and probabilities
     if route_grad or k1 or k2:
         total += t * x.top_k * I64  # the sorted indices the experts' outputs are scattered back with
     if k1:  # the received tokens (one storage, split per expert) and x·Aᵀ; one s·B block per local expert
         total += _branch_input(g, g.hidden, tokens=n) + _lora_saved(g, k1, r, 2 * x.ffn, n, x.local)
     mlp_grad = grad or k1 > 0
-    if mlp_grad:  # [gate; up], silu(gate), up + 0, and the float32 routing weight the GLU output is scaled by
-        total += n * 4 * x.ffn * e + n * F32
+    if mlp_grad:  # [gate; up], silu(gate), up + 0, and the routing weight the GLU output is scaled by
+        total += n * 4 * x.ffn * e + n * ri
     if route_grad:
         total += n * x.ffn * e  # the GLU output itself, for the routing weight's gradient
     if k2:
@@ -214,14 +215,20 @@ def _experts_saved(g: Geometry, lora: LayerLora, grad: bool) -> tuple[int, bool]
     return total + shared, mlp_grad or route_grad or k2 > 0 or shared_grad
 
 
-def _routing_saved(x: Experts, t: int) -> int:
-    """What megatron's top-k routing of ``t`` tokens keeps: the top-k indices and the softmax output (over the k or
-    all E logits); or, sigmoid routing, its [t, E] scores, the k it picked (indices and scores) and their sum (the
-    renormalisation). The choice itself (the correction bias, the group-limited top-k) is a branch of the graph that
-    ends in indices: what it saves is freed as soon as the router returns."""
-    if not x.sigmoid:
+def _router_item(g: Geometry) -> int:
+    """Bytes per element of the router's logits and routing weights: float32, or the model's dtype."""
+    return F32 if g.experts.router_fp32 else g.item
+
+
+def _routing_saved(x: Experts, t: int, ri: int) -> int:
+    """What megatron's top-k routing of ``t`` tokens keeps (``ri``: bytes per element of the router's logits): the
+    top-k indices and the float32 softmax output (over the k or all E logits); or, sigmoid routing, its float32 [t, E]
+    scores, the k it picked (indices and scores) and their sum (the renormalisation). The choice itself (the
+    correction bias, the group-limited top-k) is a branch of the graph that ends in indices: what it saves is freed
+    as soon as the router returns."""
+    if not x.sigmoid:  # megatron's softmax runs in float32 whatever the logits' dtype
         return t * x.top_k * I64 + t * (x.top_k if x.topk_softmax else x.num_experts) * F32
-    return t * x.num_experts * F32 + t * x.top_k * (I64 + F32) + t * F32
+    return t * x.num_experts * F32 + t * x.top_k * (I64 + ri) + t * ri
 
 
 def _shared_expert_saved(g: Geometry, lora: LayerLora, grad: bool) -> tuple[int, bool]:
@@ -340,7 +347,7 @@ def forward_workspace(g: Geometry, attention: str) -> int:
     mlp = g.tokens * 5 * g.ffn * e
     if g.experts is not None:
         x, t = g.experts, g.stream_tokens
-        mlp = (t * x.num_experts * (2 * F32 + 1)  # float32 router logits and probabilities, the routing map
+        mlp = (t * x.num_experts * (2 * _router_item(g) + 1)  # router logits and probabilities, the routing map
                + t * x.top_k * g.hidden * e  # the permuted copies sent, alive until the layer returns
                + 3 * x.received(t) * g.hidden * e  # received (sorted by expert), the outputs, their concatenation
                + x.per_expert(t) * x.ffn * (5 * e + F32))  # one expert's MLP, its float32 product with the weight
@@ -362,7 +369,7 @@ def backward_workspace(g: Geometry, attention: str) -> int:
         mlp += 2 * g.ffn * g.hidden * e + g.tokens * 2 * g.ffn * e
     if g.experts is not None:
         x, t = g.experts, g.stream_tokens
-        mlp = (t * x.num_experts * 2 * F32  # gradients of the float32 probabilities and logits
+        mlp = (t * x.num_experts * 2 * _router_item(g)  # gradients of the router's probabilities and logits
                + t * x.top_k * g.hidden * e  # the gradient of the copies sent, on this side of the all-to-all
                + 3 * x.received(t) * g.hidden * e  # of the received copies: outputs', inputs', their concatenation
                + x.per_expert(t) * x.ffn * (2 * e + F32))  # one expert's: silu(gate), up, the float32 product

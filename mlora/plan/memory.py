@@ -149,7 +149,8 @@ def layer_geometries(spec: ModelSpec, layout: Layout, workload: Workload, batch:
     moe = spec.moe
     sparse = replace(g, experts=Experts(moe.num_experts, moe.top_k, moe.ffn_size, layout.ep, moe.normalize_topk,
                                         workload.expert_load, (moe.shared_ffn_size or 0) // layout.tp,
-                                        shared_gate=moe.shared_gate, sigmoid=moe.score == "sigmoid"))
+                                        shared_gate=moe.shared_gate, sigmoid=moe.score == "sigmoid",
+                                        router_fp32=moe.router_fp32))
     return [sparse if spec.is_sparse(i) else g for i in layers]
 
 

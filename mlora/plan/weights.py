@@ -69,8 +69,8 @@ def base_bytes(spec: ModelSpec, tp: int, pp: int, stage: int, tp_rank: int, dtyp
                fp8: str | None = None, ep: int = 1, ep_rank: int = 0) -> int:
     """Bytes of the frozen parameters of one rank, counted as ``MLoraModel.parameter_bytes()["base"]``:
     every parameter of the stage's shard in ``dtype`` (in sparse layers the router, its float32 correction bias
-    where it has one, and EP rank ``ep_rank``'s ``E / ep`` experts); with ``fp8="torch"`` the weights of the four frozen linears in
-    e4m3 (1 byte) plus one float32 scale per local output row."""
+    where it has one, and EP rank ``ep_rank``'s ``E / ep`` experts); with ``fp8="torch"`` the weights of the four
+    frozen linears in e4m3 (1 byte) plus one float32 scale per local output row."""
     item = torch.empty((), dtype=dtype).element_size()
     fp8_item = torch.empty((), dtype=FP8_DTYPE).element_size()
     total = 0
