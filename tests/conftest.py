@@ -33,8 +33,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # The slowest scopes, slowest first (the per-file totals .ci/run prints at its end; the RLHF smoke test when opted
 # in): started first, so that the two workers end together
 SLOWEST_FIRST = ("ray", "test_tinker_cookbook.py", "test_rlhf_smollm2.py", "test_skyrl_lora_examples.py",
-                 "test_tinker_service.py", "test_experiments.py", "test_resume.py", "test_multi_turn.py",
-                 "test_moe_rl.py", "test_memory_plan.py")
+                 "test_tinker_service.py", "test_experiments.py", "test_moe_rl.py", "test_resume.py", "test_export.py",
+                 "test_multi_turn.py", "test_memory_plan.py", "test_moe_equivalence.py")
 
 
 def _slow_rank(scope: str) -> int | None:
