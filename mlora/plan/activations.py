@@ -32,14 +32,14 @@ Transients (working memory beyond what is kept) are bounded per layer: the large
 set of a forward (no-grad passes) and of a backward (the gradients of one sublayer in flight).
 
 Mixture-of-experts layers (:class:`Experts` on the layer's geometry) replace the MLP terms with
-megatron's MoE layer as mlora builds it (float32 router, all-to-all dispatcher, experts run one after
-another, expert TP 1):
+megatron's MoE layer as mlora builds it (the router in the model's dtype or float32, all-to-all dispatcher,
+experts run one after another, expert TP 1):
 
 - kept: the router's input (its gating GEMM saves it), the routing's top-k indices and softmax
-  (float32: over the k chosen logits when the k weights are renormalised, else over all E), the
-  permutation's ``[E, tokens]`` routing map (bool) and probabilities (float32) and its int64 sorted
-  indices; per received token copy, an expert's MLP terms (``[gate; up]``, silu(gate), up, and the
-  GLU output the routing weight multiplies) and that float32 weight. A trainable LoRA on the experts
+  (float32: over the k chosen logits when the k weights are renormalised, else over all E; a sigmoid
+  router's float32 scores and the k picked), the permutation's ``[E, tokens]`` routing map (bool) and
+  probabilities (in the router's dtype) and its int64 sorted indices; per received token copy, an expert's MLP
+  terms (``[gate; up]``, silu(gate), up, and the GLU output the routing weight multiplies) and that weight. A trainable LoRA on the experts
   keeps its input (the received tokens, or the GLU product for ``down``) as on a dense MLP.
 - the tokens this rank's experts receive: every token of the rank (the residual stream's, split over
   TP under SP) goes to ``top_k`` experts; the planner assumes balanced routing, so an EP rank receives
