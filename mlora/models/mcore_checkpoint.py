@@ -278,7 +278,7 @@ def build_plain_gpt(spec: ModelSpec, mesh: Any, dtype: torch.dtype, vocab_size: 
     with its MoE layer where ``moe_layer_freq`` says, SequentialMLP experts, and mlora's norms in the norm
     slots, OLMoE's full-width q/k norm included, which megatron has no module for); its parameter names
     and dist-checkpoint keys are megatron's."""
-    from mlora.models.megatron_build import add_expert_biases, gpt_model, transformer_config
+    from mlora.models.megatron_build import gpt_model, transformer_config
 
     config = transformer_config(spec, mesh, dtype)
     if spec.moe is None and spec.qk_norm is None:
@@ -291,10 +291,7 @@ def build_plain_gpt(spec: ModelSpec, mesh: Any, dtype: torch.dtype, vocab_size: 
 
         setattr(config, QK_NORM_CONFIG_ATTR, spec.qk_norm)
         layer_spec = block_spec(config)
-    model = gpt_model(spec, mesh, config, layer_spec, vocab_size)
-    if spec.moe is not None and spec.moe.expert_bias:  # GLM-4.5's correction bias, as the trainer's model has it
-        add_expert_biases(model)
-    return model
+    return gpt_model(spec, mesh, config, layer_spec, vocab_size)
 
 
 def _hf_dtype(reader: CheckpointReader, hf_dir: Path) -> torch.dtype:

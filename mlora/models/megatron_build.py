@@ -162,7 +162,8 @@ def check_fp8_shapes(spec: ModelSpec, tp: int, device: torch.device | str) -> No
 def gpt_model(spec: ModelSpec, mesh, config, layer_spec, vocab_size: int):
     """This rank's megatron ``GPTModel`` (its pipeline stage, vocab-parallel output) for ``spec`` with
     ``layer_spec``, on the mesh's device, RoPE with transformers' own inverse frequencies (they cover
-    linear and llama3 scaling exactly; RoPE is not a parameter, so no checkpoint carries it)."""
+    linear and llama3 scaling exactly; RoPE is not a parameter, so no checkpoint carries it), and the routers'
+    correction biases where ``spec`` has them (:func:`add_expert_biases`)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     model = GPTModel(
@@ -179,6 +180,8 @@ def gpt_model(spec: ModelSpec, mesh, config, layer_spec, vocab_size: int):
         parallel_output=True,
     )
     model.rotary_pos_emb.inv_freq = hf_inv_freq(spec).to(mesh.device)
+    if spec.moe is not None and spec.moe.expert_bias:  # GLM-4.5's correction bias: no megatron option builds it here
+        add_expert_biases(model)
     return model.to(mesh.device)
 
 def block_spec(config):
@@ -309,8 +312,6 @@ def build_gpt_model(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, fp8: str | 
     for p in model.parameters():
         p.requires_grad_(False)
     route_through_experts(model)
-    if spec.moe is not None and spec.moe.expert_bias:
-        add_expert_biases(model)
     lora_output_layer(model)
     attach_lora_sites(model, spec, mesh.tp)
     prepare_for_recompute(model, recompute)

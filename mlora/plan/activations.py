@@ -39,8 +39,8 @@ experts run one after another, expert TP 1):
   (float32: over the k chosen logits when the k weights are renormalised, else over all E; a sigmoid
   router's float32 scores and the k picked), the permutation's ``[E, tokens]`` routing map (bool) and
   probabilities (in the router's dtype) and its int64 sorted indices; per received token copy, an expert's MLP
-  terms (``[gate; up]``, silu(gate), up, and the GLU output the routing weight multiplies) and that weight. A trainable LoRA on the experts
-  keeps its input (the received tokens, or the GLU product for ``down``) as on a dense MLP.
+  terms (``[gate; up]``, silu(gate), up, and the GLU output the routing weight multiplies) and that weight. A
+  trainable LoRA on the experts keeps its input (the received tokens, or the GLU product for ``down``) as on a dense MLP.
 - the tokens this rank's experts receive: every token of the rank (the residual stream's, split over
   TP under SP) goes to ``top_k`` experts; the planner assumes balanced routing, so an EP rank receives
   ``tokens · top_k`` copies per sparse layer (exact at EP 1; ``expert_load`` scales it). The worst
