@@ -103,6 +103,42 @@ def test_every_future_resolves():
         scheduler.stop()
 
 
+def test_clients_out_of_phase_are_batched():
+    """Two clients whose forward_backward and optim_step alternate out of phase (one starts with a step, as a client
+    does after loading a state) still share forward_backward batches: a ready forward_backward waits one turn behind
+    the other model's optim_step, whose next request is then its forward_backward. Before, each ran alone for ever."""
+    from types import SimpleNamespace
+
+    from mlora.service.scheduler import Job, Scheduler
+
+    class Store:
+        def finish_future(self, request_id, state, content_type, payload):
+            pass
+
+    batches, singles = [], []
+
+    def run_fb_batch(jobs):
+        batches.append([j.request_id for j in jobs])
+        return [("application/json", b"{}")] * len(jobs)
+
+    scheduler = Scheduler(Store(), run_fb_batch, batch_window=0.01)
+    fb = SimpleNamespace(forward_only=False)
+    kinds = {"a": ["fb", "opt", "fb", "opt"], "b": ["opt", "fb", "opt", "fb"]}
+    try:
+        with scheduler._cond:  # every request queued before the worker looks: the order is the test's alone
+            for model, seq in kinds.items():
+                for i, kind in enumerate(seq, 1):
+                    rid = f"{model}{i}"
+                    scheduler.submit(Job(rid, lambda rid=rid: singles.append(rid) or ("application/json", b"{}"),
+                                         model, i, fb=fb if kind == "fb" else None))
+                scheduler.start_model(model)
+        assert all(scheduler.wait(f"{m}{i}", 10) for m in kinds for i in range(1, 5))
+    finally:
+        scheduler.stop()
+    assert [sorted(b) for b in batches] == [["a1", "b2"], ["a3", "b4"]], batches
+    assert singles == ["b1", "a2", "b3", "a4"], singles
+
+
 def test_dimuon_is_refused_naming_it():
     """Tinker's Dimuon (optimizer_config at create, DimuonParams at optim_step) is a user error that names it: its
     definition is not public (issue 49: it failed with an unrelated message, and optimizer_config was ignored)."""

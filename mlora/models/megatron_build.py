@@ -67,7 +67,7 @@ def moe_config_kwargs(spec: ModelSpec, mesh: Mesh) -> dict:
     """megatron's MoE settings that reproduce ``spec.moe`` (none for a dense model): a frozen linear router in the dtype
     transformers computes it in (the model's, or float32: ``MoESpec.router_fp32``) with HF's routing (softmax over all
     experts then top-k, or top-k then softmax when the k weights are renormalised, Mixtral's and ``norm_topk_prob``), no
-    load-balancing loss and no token drop, experts as megatron's SequentialMLP split over EP ranks (expert TP 1), the
+    load-balancing loss and no token drop, experts as megatron's SequentialMLP (computed grouped) split over EP ranks (expert TP 1), the
     all-to-all dispatcher; a shared expert (Qwen2-MoE, GLM-4.5) as megatron's SharedExpertMLP, TP-split like a dense
     MLP, its output scaled by ``sigmoid(x · gate_weight)`` where HF has a ``shared_expert_gate``, computed before the
     dispatch, not overlapped with it (``moe_shared_expert_overlap`` needs CUDA streams). Sigmoid routing (GLM-4.5) is
@@ -186,9 +186,10 @@ def gpt_model(spec: ModelSpec, mesh, config, layer_spec, vocab_size: int):
 
 def block_spec(config):
     """megatron's local GPT layer spec (its MoE layer where the config's ``moe_layer_freq`` says so) with
-    three swaps: mlora's RMSNorm (SP-capable; the full-width q/k norms of OLMoE) in every norm slot,
+    four swaps: mlora's RMSNorm (SP-capable; the full-width q/k norms of OLMoE) in every norm slot,
     LoRA-capable parallel linears in every linear slot, experts' and the shared expert's included (the
-    latter only where the config has one), and, unless the config's
+    latter only where the config has one), the experts as :class:`~mlora.models.grouped_experts.GroupedLoraExperts`
+    (megatron's SequentialMLP computed as grouped GEMMs), and, unless the config's
     ``mlora_attention`` (set by :func:`build_gpt_model`) says ``"unfused"``, :class:`SDPAttention`
     (torch's fused scaled_dot_product_attention) in the core-attention slot."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -196,6 +197,7 @@ def block_spec(config):
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from mlora.lora.layers import LoraColumnParallelLinear, LoraRowParallelLinear
+    from mlora.models.grouped_experts import GroupedLoraExperts
     from mlora.models.norm import FullWidthKNorm, FullWidthQNorm
 
     qk_norm = bool(getattr(config, "qk_layernorm", False))
@@ -215,8 +217,9 @@ def block_spec(config):
         sub.self_attention.submodules = dataclasses.replace(sub.self_attention.submodules, **attention)
         mlp = sub.mlp.submodules.experts.submodules if num_experts else sub.mlp.submodules
         lora = dict(linear_fc1=LoraColumnParallelLinear, linear_fc2=LoraRowParallelLinear)
-        if num_experts:  # an expert is megatron's MLP with the same LoRA-capable linears (expert TP 1)
-            sub.mlp.submodules.experts.submodules = dataclasses.replace(mlp, **lora)
+        if num_experts:  # an expert is megatron's MLP with the same LoRA-capable linears (expert TP 1), run grouped
+            sub.mlp.submodules.experts = dataclasses.replace(sub.mlp.submodules.experts, module=GroupedLoraExperts,
+                                                             submodules=dataclasses.replace(mlp, **lora))
             shared = sub.mlp.submodules.shared_experts  # megatron's SharedExpertMLP: a TP-split MLP
             if getattr(config, "moe_shared_expert_intermediate_size", None) is None:
                 shared = None
@@ -255,9 +258,11 @@ def route_through_experts(model: torch.nn.Module) -> None:
     """Every megatron MoE layer of ``model`` becomes an :class:`~mlora.models.moe_routes.AdapterRoutedMoELayer`
     (mixed-adapter routes reach the experts) and its router a :class:`~mlora.models.lora_router.LoraTopKRouter`
     (a LoRA target). Swapped after the build, not in the layer spec: megatron's TransformerLayer hands its process
-    groups only to the MoE classes it knows by identity."""
+    groups only to the MoE classes it knows by identity. The grouped experts' weights are stacked here, before
+    anything is loaded into them (:meth:`~mlora.models.grouped_experts.GroupedLoraExperts.stack_weights`)."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
+    from mlora.models.grouped_experts import GroupedLoraExperts
     from mlora.models.lora_router import lora_router
     from mlora.models.moe_routes import AdapterRoutedMoELayer
 
@@ -265,6 +270,8 @@ def route_through_experts(model: torch.nn.Module) -> None:
         if type(module) is MoELayer:
             module.__class__ = AdapterRoutedMoELayer
             lora_router(module.router)
+        if isinstance(module, GroupedLoraExperts) and module.num_local_experts > 1:
+            module.stack_weights()
 
 
 def lora_output_layer(model: torch.nn.Module) -> None:

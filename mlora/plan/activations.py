@@ -33,14 +33,17 @@ set of a forward (no-grad passes) and of a backward (the gradients of one sublay
 
 Mixture-of-experts layers (:class:`Experts` on the layer's geometry) replace the MLP terms with
 megatron's MoE layer as mlora builds it (the router in the model's dtype or float32, all-to-all dispatcher,
-experts run one after another, expert TP 1):
+the local experts' GEMMs grouped (:mod:`mlora.models.grouped_experts`; one after another with FP8 weights), expert
+TP 1):
 
 - kept: the router's input (its gating GEMM saves it), the routing's top-k indices and softmax
   (float32: over the k chosen logits when the k weights are renormalised, else over all E; a sigmoid
   router's float32 scores and the k picked), the permutation's ``[E, tokens]`` routing map (bool) and
   probabilities (in the router's dtype) and its int64 sorted indices; per received token copy, an expert's MLP
-  terms (``[gate; up]``, silu(gate), up, and the GLU output the routing weight multiplies) and that weight. A
-  trainable LoRA on the experts keeps its input (the received tokens, or the GLU product for ``down``) as on a dense MLP.
+  terms (``[gate; up]``, silu(gate), megatron's ``up + 0`` on the sequential path, and the GLU output the routing
+  weight multiplies) and that weight. A trainable LoRA on the experts keeps its input (the received tokens, or the
+  GLU product for ``down``) and ``x·Aᵀ``; grouped, also the stacked A and the block-diagonal ``s·B`` of every local
+  expert, their ranks padded to grouped_mm's 16-byte strides (:func:`mlora.models.grouped_experts.padded_rank`).
 - the tokens this rank's experts receive: every token of the rank (the residual stream's, split over
   TP under SP) goes to ``top_k`` experts; the planner assumes balanced routing, so an EP rank receives
   ``tokens · top_k`` copies per sparse layer (exact at EP 1; ``expert_load`` scales it). The worst
@@ -48,8 +51,9 @@ experts run one after another, expert TP 1):
   ``EP · min(top_k, E / EP) / top_k`` times that (:func:`mlora.plan.workload.worst_expert_load`).
 - transients: the router's float32 logits and probabilities ``[tokens, E]``; the dispatcher's buffers
   (the permuted copies sent, ``tokens · top_k × hidden``; the received ones sorted by expert, the
-  experts' outputs and their concatenation, each ``received × hidden``) and one expert's MLP at a time;
-  the same shapes again as gradients in the backward.
+  experts' outputs and their concatenation, each ``received × hidden``) and the experts' MLP terms: every
+  received copy's at once when grouped, one expert's at a time on the sequential path; the same shapes again as
+  gradients in the backward.
 """
 
 from __future__ import annotations
@@ -58,8 +62,11 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
+from mlora.models.grouped_experts import padded_rank
+
 F32 = 4  # bytes of a float32
 I64 = 8  # bytes of an int64 index
+I32 = 4  # bytes of an int32 offset
 
 
 @dataclass(frozen=True)
@@ -203,16 +210,31 @@ def _experts_saved(g: Geometry, lora: LayerLora, grad: bool) -> tuple[int, bool]
     if route_grad or k1 or k2:
         total += t * x.top_k * I64  # the sorted indices the experts' outputs are scattered back with
     if k1:  # the received tokens (one storage, split per expert) and x·Aᵀ; one s·B block per local expert
-        total += _branch_input(g, g.hidden, tokens=n) + _lora_saved(g, k1, r, 2 * x.ffn, n, x.local)
+        total += _branch_input(g, g.hidden, tokens=n) + _expert_lora_saved(g, k1, r, g.hidden, 2 * x.ffn, n, grad)
     mlp_grad = grad or k1 > 0
-    if mlp_grad:  # [gate; up], silu(gate), up + 0, and the routing weight the GLU output is scaled by
-        total += n * 4 * x.ffn * e + n * ri
+    if mlp_grad:  # [gate; up], silu(gate), (sequential) up + 0, and the routing weight the GLU output is scaled by
+        total += n * (4 if g.fp8 else 3) * x.ffn * e + n * ri
     if route_grad:
         total += n * x.ffn * e  # the GLU output itself, for the routing weight's gradient
     if k2:
-        total += _branch_input(g, x.ffn, tokens=n) + _lora_saved(g, k2, r, g.hidden, n, x.local)
+        total += _branch_input(g, x.ffn, tokens=n) + _expert_lora_saved(g, k2, r, x.ffn, g.hidden, n,
+                                                                         mlp_grad or route_grad)
+    if (mlp_grad or route_grad or k2) and not g.fp8:
+        total += x.local * I32  # the grouped GEMMs' offsets
     shared, shared_grad = _shared_expert_saved(g, lora, grad)
     return total + shared, mlp_grad or route_grad or k2 > 0 or shared_grad
+
+
+def _expert_lora_saved(g: Geometry, k: int, rank: int, in_width: int, out_width: int, tokens: int,
+                       input_grad: bool) -> int:
+    """An expert LoRA branch's ``x·Aᵀ`` and, computed grouped (not FP8), the block-diagonal ``s·B``
+    ``[E, out, k·r]`` of the local experts and, when the input requires grad, their stacked A ``[E, k·r, in]``,
+    ranks padded; sequential, one ``s·B`` block per expert where the branch runs as two autograd GEMMs
+    (:func:`_lora_saved`)."""
+    if g.fp8:
+        return _lora_saved(g, k, rank, out_width, tokens, g.experts.local)
+    rows = tokens + g.experts.local * ((in_width if input_grad else 0) + out_width)
+    return rows * k * padded_rank(rank, g.branch_item) * g.branch_item
 
 
 def _router_item(g: Geometry) -> int:
@@ -350,8 +372,14 @@ def forward_workspace(g: Geometry, attention: str) -> int:
         mlp = (t * x.num_experts * (2 * _router_item(g) + 1)  # router logits and probabilities, the routing map
                + t * x.top_k * g.hidden * e  # the permuted copies sent, alive until the layer returns
                + 3 * x.received(t) * g.hidden * e  # received (sorted by expert), the outputs, their concatenation
-               + x.per_expert(t) * x.ffn * (5 * e + F32))  # one expert's MLP, its float32 product with the weight
+               + _mlp_copies(g, t) * x.ffn * (5 * e + F32))  # the experts' MLP, its float32 product with the weight
     return stream + max(attn, mlp)
+
+
+def _mlp_copies(g: Geometry, tokens: int) -> int:
+    """The token copies whose expert MLP terms are alive at once: every received one when the experts run grouped,
+    one expert's share on the sequential path (FP8 weights)."""
+    return g.experts.per_expert(tokens) if g.fp8 else g.experts.received(tokens)
 
 
 def backward_workspace(g: Geometry, attention: str) -> int:
@@ -372,7 +400,7 @@ def backward_workspace(g: Geometry, attention: str) -> int:
         mlp = (t * x.num_experts * 2 * _router_item(g)  # gradients of the router's probabilities and logits
                + t * x.top_k * g.hidden * e  # the gradient of the copies sent, on this side of the all-to-all
                + 3 * x.received(t) * g.hidden * e  # of the received copies: outputs', inputs', their concatenation
-               + x.per_expert(t) * x.ffn * (2 * e + F32))  # one expert's: silu(gate), up, the float32 product
+               + _mlp_copies(g, t) * x.ffn * (2 * e + F32))  # the experts': silu(gate), up, the float32 product
     attn = g.tokens * (g.q_width + g.qkv_width) * e
     if attention == "unfused":
         attn += g.scores * (e + F32 + (F32 if e != F32 else 0))

@@ -4,8 +4,9 @@ at once.
 Each client model's requests carry a ``seq_id`` (1, 2, ...): the SDK sends them pipelined, and a large batch's
 chunks concurrently with the first one last, so a model's requests run strictly in ``seq_id`` order, whatever
 their arrival. Requests that create or free models run in arrival order. When several models' next requests
-are ``forward_backward`` calls (a ready one waits ``batch_window`` seconds for others), they run together as one
-mixed-adapter batch
+are ``forward_backward`` calls (ready ones wait up to ``batch_window`` seconds for the others, and for one turn
+behind other models' optim_step and the like, which brings those models' next forward_backward), they run together
+as one mixed-adapter batch
 (:meth:`mlora.service.tenants.Tenants.forward_backward`); a batch that fails is retried request by request, so
 one client's bad request fails that client's future only.
 """
@@ -35,6 +36,7 @@ class Job:
     model_id: str | None = None
     seq_id: int | None = None
     fb: object = None  # a ForwardBackward request: batched with other models' instead of run alone
+    deferred: bool = False  # a forward_backward already passed over once for other models' requests
     arrived: float = field(default_factory=time.time)
 
 
@@ -137,9 +139,15 @@ class Scheduler:
                     glob, ready = self._ready()
                 if self._stop:
                     return
-                if self.batch_window > 0 and any(j.fb is not None for j in ready):
-                    self._cond.wait(self.batch_window)  # requests of other clients arriving meanwhile join the batch
-                    more, ready = self._ready()
+                fbs = [j for j in ready if j.fb is not None]
+                if len(fbs) < len(ready) and not any(j.deferred for j in fbs):
+                    # the other requests first, once: a model whose optim_step runs now has its next forward_backward
+                    # ready for the batch, where running the two kinds side by side would keep clients out of phase
+                    for job in fbs:
+                        job.deferred = True
+                    ready = [j for j in ready if j.fb is None]
+                elif fbs and self.batch_window > 0:
+                    more, ready = self._wait_for_batch()
                     glob += more
                 for job in ready:
                     del self._pending[job.model_id][job.seq_id]
@@ -158,6 +166,20 @@ class Scheduler:
                     self._run_batch(batch)
             for job in singles:
                 self._finish(job, self._call(job.run))
+
+    def _wait_for_batch(self) -> tuple[list[Job], list[Job]]:
+        """Up to ``batch_window`` seconds for other models' forward_backward to join the ready ones (the whole window:
+        a request of a model already in the batch wakes the wait without ending it); then :meth:`_ready`'s jobs, the
+        requests that are not forward_backward left for the next turn. Called with the lock held."""
+        deadline, glob = time.time() + self.batch_window, []
+        while (left := deadline - time.time()) > 0:
+            self._cond.wait(left)
+            more, ready = self._ready()
+            glob += more
+            if len(ready) == len(self._next):  # every model has its forward_backward here: nobody else to wait for
+                break
+        more, ready = self._ready()
+        return glob + more, [j for j in ready if j.fb is not None]
 
     def _run_batch(self, batch: list[Job]) -> None:
         if len(batch) == 1:  # its failure is its own: reported, not run again
