@@ -18,6 +18,10 @@ from mlora.lora.targets import HF_PROJECTIONS, LM_HEAD, expert_of, hf_module_nam
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# LoRA of a MoE layer's stacked experts (PEFT target_parameters on transformers 5): each targeted parameter wraps the
+# experts module once more, so the first one targeted sits under ``base_layer``
+FUSED_EXPERTS_FACTOR = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.mlp\.experts((?:\.base_layer)*)"
+                                  r"\.lora_([AB])\.weight$")
 
 
 def peft_tensor_name(layer: int, proj: str, factor: str) -> str:
@@ -97,6 +101,23 @@ def _ranks(config: LoraConfig, modules: set[tuple[int, str]]) -> dict:
         if is_router(p):  # PEFT adapts transformers 5's router as the parameter model.layers.{i}.mlp.gate.weight
             pattern[re.escape(f"model.layers.{i}.mlp.gate.weight")] = config.rank
     return {"r": config.expert_rank, "rank_pattern": pattern}
+
+
+def pattern_value(pattern: dict | None, path: str, default):
+    """The value PEFT's ``rank_pattern`` / ``alpha_pattern`` gives the module or parameter ``path``: that of the first
+    key (a regex) matching the end of ``path`` on a dot boundary, as ``peft.utils.other.get_pattern_key`` matches it;
+    ``default`` when none does."""
+    for key, value in (pattern or {}).items():
+        if re.match(rf"(.*\.)?({key})$", path):
+            return value
+    return default
+
+
+def _without_keys_of(pattern: dict | None, parameters: Iterable[str]) -> dict:
+    """``pattern`` less the keys that name any of ``parameters`` (resolved per parameter by their reader)."""
+    parameters = tuple(parameters)
+    return {k: v for k, v in (pattern or {}).items()
+            if not any(pattern_value({k: True}, p, False) for p in parameters)}
 
 
 def _ranks_of(raw: dict, file: Path) -> tuple[int, int | None]:
@@ -184,11 +205,23 @@ _UNSUPPORTED_PEFT = {
 }
 
 
-def read_peft_config(path: Path, modules_to_save: tuple[str, ...] = ()) -> LoraConfig:
+def check_peft_dir(path: Path) -> None:
+    """FileNotFoundError when ``path`` has no ``adapter_model.safetensors``; first, as loaders said before they read
+    the weights, what :func:`read_peft_config` says of the directory and its config (missing, or refused)."""
+    if not (path / ADAPTER_WEIGHTS).is_file():
+        read_peft_config(path)
+        raise FileNotFoundError(f"{path} has no {ADAPTER_WEIGHTS} (a PEFT adapter directory holds {ADAPTER_CONFIG} "
+                                f"and {ADAPTER_WEIGHTS})")
+
+
+def read_peft_config(path: Path, modules_to_save: tuple[str, ...] = (), parameters: Iterable[str] = ()) -> LoraConfig:
     """LoraConfig from a PEFT ``adapter_config.json``, rejecting features mlora cannot reproduce.
 
     ``modules_to_save``: the whole modules the caller loads itself (the reward adapter's
-    ``score`` head, :mod:`mlora.export.reward_adapter`); any other is rejected."""
+    ``score`` head, :mod:`mlora.export.reward_adapter`); any other is rejected. ``parameters``: the paths of
+    transformers 5's stacked expert parameters the file adapts (``model.layers.0.mlp.experts.gate_up_proj``, from
+    :mod:`mlora.export.peft_fused`): ``rank_pattern`` and ``alpha_pattern`` keys naming them are left to that
+    module, which resolves them per parameter."""
     file = path / ADAPTER_CONFIG
     if not path.is_dir():
         raise FileNotFoundError(f"adapter directory {str(path)!r} does not exist")
@@ -200,14 +233,21 @@ def read_peft_config(path: Path, modules_to_save: tuple[str, ...] = ()) -> LoraC
     for key, bad in _UNSUPPORTED_PEFT.items():
         if raw.get(key) in bad:
             raise ValueError(f"{file}: {key}={raw[key]!r} is not supported (mlora loads plain LoRA)")
-    if raw.get("alpha_pattern"):
+    if _without_keys_of(raw.get("alpha_pattern"), parameters):
         raise ValueError(f"{file}: a non-empty alpha_pattern is not supported (one alpha per adapter)")
-    rank, expert_rank = _ranks_of(raw, file)
+    dropout = float(raw.get("lora_dropout", 0.0) or 0.0)
+    if dropout > 0 and raw.get("target_parameters"):
+        # PEFT's ParamWrapper cannot apply dropout to the input of a parameter, and refuses it
+        raise ValueError(f"{file}: lora_dropout={dropout} with target_parameters={raw['target_parameters']}: PEFT "
+                         "refuses dropout on target_parameters (its ParamWrapper), so such an adapter cannot have "
+                         "been trained; set lora_dropout to 0.0")
+    rank, expert_rank = _ranks_of({**raw, "rank_pattern": _without_keys_of(raw.get("rank_pattern"), parameters)},
+                                  file)
     if raw.get("modules_to_save") and set(raw["modules_to_save"]) - set(modules_to_save):
         raise ValueError(f"{file}: modules_to_save={raw['modules_to_save']} is not supported"
                          + (f" (this loader takes {list(modules_to_save)})" if modules_to_save else ""))
     return LoraConfig(rank=rank, expert_rank=expert_rank, alpha=float(raw.get("lora_alpha", raw["r"])),
-                      dropout=float(raw.get("lora_dropout", 0.0) or 0.0),
+                      dropout=dropout,
                       target_modules=raw.get("target_modules") or "all-linear",
                       exclude_modules=raw.get("exclude_modules"),
                       use_rslora=bool(raw.get("use_rslora", False)), extra=raw)
@@ -225,6 +265,11 @@ def peft_modules(names, num_layers: int, path: Path, moe=None) -> set[tuple[int,
         if m is not None:  # the output layer, keyed by the last layer (mlora.lora.targets)
             found.setdefault((num_layers - 1, LM_HEAD), set()).add(m.group(1))
             continue
+        if FUSED_EXPERTS_FACTOR.match(name):
+            raise CheckpointError(f"{path / ADAPTER_WEIGHTS}: {name!r} is LoRA of transformers 5's stacked experts "
+                                  "(PEFT target_parameters), which this command does not read: load the adapter with "
+                                  "MLoraModel.load_adapter, which converts it into per-expert factors, and write "
+                                  "those with save_adapter")
         m = pattern.match(name)
         if m is None and name.endswith(".base_layer.weight"):
             raise CheckpointError(f"{path / ADAPTER_WEIGHTS}: {name!r} is a base weight, not a LoRA factor (PEFT saves "

@@ -13,14 +13,14 @@ import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from mlora.export.peft_files import (
-    ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
+    check_peft_dir,
     check_peft_shapes,
     peft_adapter_config,
     peft_modules,
@@ -28,8 +28,9 @@ from mlora.export.peft_files import (
     read_peft_config,
     write_peft_adapter_sharded,
 )
+from mlora.export.peft_fused import FusedExperts
 from mlora.export.sharded_write import select_shards
-from mlora.formats.checkpoint_reader import CheckpointReader
+from mlora.formats.checkpoint_reader import CheckpointError, CheckpointReader
 from mlora.formats.safetensors_writer import TensorShard
 from mlora.formats.weight_map import REPLICATED, read_shard, shard, unshard
 from mlora.lora.config import INIT_METHODS, LoraConfig, derive_seed, master_dtype
@@ -43,7 +44,14 @@ from mlora.lora.layers import (
     stacked_b,
 )
 from mlora.lora.sites import check_lm_head, factor_kinds, factor_shapes, model_sites
-from mlora.lora.targets import MLP_PROJECTIONS, expert_of, is_router, projection_order, resolve_targets
+from mlora.lora.targets import (
+    MLP_PROJECTIONS,
+    expert_of,
+    hf_module_name,
+    is_router,
+    projection_order,
+    resolve_targets,
+)
 
 
 @dataclass
@@ -274,27 +282,47 @@ class AdapterHost:
         """Load a PEFT LoRA adapter (``adapter_config.json`` + ``adapter_model.safetensors``).
 
         Each rank reads only its slices. Adapters that target a subset of projections load as
-        that subset. Shapes are checked against the base before anything is created.
+        that subset. Shapes are checked against the base before anything is created. LoRA that PEFT
+        trained on transformers 5's stacked experts (``target_parameters``) loads as the exactly equal
+        per-expert LoRA (:mod:`mlora.export.peft_fused`).
         """
         self._check_new_name(name)
         path = Path(peft_dir)
-        cfg = read_peft_config(path)
-        weights = path / ADAPTER_WEIGHTS
-        if not weights.is_file():
-            raise FileNotFoundError(f"{path} has no {ADAPTER_WEIGHTS} (a PEFT adapter directory holds "
-                                    f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
-        tp, tp_rank = self.mesh.tp, self.mesh.tp_rank
+        check_peft_dir(path)
         with CheckpointReader(path) as reader:
-            modules = peft_modules(reader.entries, self.spec.num_layers, path, self.spec.moe)
-            check_lm_head(self.spec, tp, modules)
-            check_peft_shapes(reader, modules, model_sites(self.spec, self.mesh.tp), cfg, path)
+            cfg, modules, per_module, read = self._open_peft(reader, path)
+            check_lm_head(self.spec, self.mesh.tp, modules)
+            check_peft_shapes(reader, per_module, model_sites(self.spec, self.mesh.tp), cfg, path)
 
             def factors(site: LoraSite, sub: str):
                 a_kind, b_kind = factor_kinds(site)
-                return (read_shard(reader, peft_tensor_name(site.layer, sub, "A"), a_kind, tp, tp_rank),
-                        read_shard(reader, peft_tensor_name(site.layer, sub, "B"), b_kind, tp, tp_rank))
+                return (read(peft_tensor_name(site.layer, sub, "A"), a_kind),
+                        read(peft_tensor_name(site.layer, sub, "B"), b_kind))
 
             self._install(name, cfg, modules, trainable, factors)
+
+    def _open_peft(self, reader: CheckpointReader, path: Path
+                   ) -> tuple[LoraConfig, set, set, Callable[[str, str], torch.Tensor]]:
+        """The PEFT adapter in ``path`` (its weights open in ``reader``) as an mlora adapter: its config, every (layer,
+        projection) it adapts, those of them stored per module (the others: LoRA of transformers 5's stacked experts,
+        PEFT's ``target_parameters``, converted exactly into per-expert factors by :mod:`mlora.export.peft_fused`),
+        and ``read(PEFT name, TP kind)``: this rank's slice of a factor by its canonical PEFT name."""
+        fused = FusedExperts.find(reader, self.spec, path)
+        cfg = fused.config(read_peft_config(path, parameters=fused.parameter_paths))
+        names = [n for n in reader.entries if n not in fused.tensor_names]
+        per_module = peft_modules(names, self.spec.num_layers, path, self.spec.moe) if names or not fused else set()
+        stacked = fused.modules()
+        if per_module & stacked:
+            twice = hf_module_name(*min(per_module & stacked))
+            raise CheckpointError(f"{path / ADAPTER_WEIGHTS} holds LoRA of {twice} twice: per expert and in the "
+                                  "stacked experts' factors; an adapter holds one or the other for a layer")
+        tp, tp_rank = self.mesh.tp, self.mesh.tp_rank
+
+        def read(peft_name: str, kind: str) -> torch.Tensor:
+            whole = fused.read(peft_name)  # an expert's factors are whole on the ranks holding it
+            return read_shard(reader, peft_name, kind, tp, tp_rank) if whole is None else whole
+
+        return cfg, per_module | stacked, per_module, read
 
     def load_adapter_weights(self, name: str, peft_dir: str | os.PathLike) -> None:
         """Overwrite the factors of existing adapter ``name`` with a PEFT adapter's (e.g. resuming a run:
@@ -304,16 +332,17 @@ class AdapterHost:
         """
         self._require(name)
         path = Path(peft_dir)
-        cfg, info = read_peft_config(path), self.adapters[name]
-        if (cfg.alpha, cfg.use_rslora) != (info.config.alpha, info.config.use_rslora):
-            # the factors were trained under their scaling: under another one they compute another function
-            raise ValueError(f"{path}: lora_alpha={cfg.alpha:g}, use_rslora={cfg.use_rslora} (scaling "
-                             f"{cfg.scaling:.6g}), adapter {name!r} has lora_alpha={info.config.alpha:g}, use_rslora="
-                             f"{info.config.use_rslora} (scaling {info.config.scaling:.6g}); load it into an adapter with the "
-                             "same alpha and use_rslora (in a run: trainer.policy|critic.model.lora.alpha)")
-        tp, tp_rank = self.mesh.tp, self.mesh.tp_rank
+        info = self.adapters[name]
+        check_peft_dir(path)
         with CheckpointReader(path) as reader:
-            modules = peft_modules(reader.entries, self.spec.num_layers, path, self.spec.moe)
+            cfg, modules, per_module, read = self._open_peft(reader, path)
+            if (cfg.alpha, cfg.use_rslora) != (info.config.alpha, info.config.use_rslora):
+                # the factors were trained under their scaling: under another one they compute another function
+                raise ValueError(f"{path}: lora_alpha={cfg.alpha:g}, use_rslora={cfg.use_rslora} (scaling "
+                                 f"{cfg.scaling:.6g}), adapter {name!r} has lora_alpha={info.config.alpha:g}, "
+                                 f"use_rslora={info.config.use_rslora} (scaling {info.config.scaling:.6g}); load it "
+                                 "into an adapter with the same alpha and use_rslora (in a run: "
+                                 "trainer.policy|critic.model.lora.alpha)")
             if modules != set(info.modules):
                 raise ValueError(f"{path} adapts {len(modules)} modules, adapter {name!r} {len(info.modules)}: "
                                  "not the same target modules")
@@ -322,10 +351,10 @@ class AdapterHost:
                     what = "its experts have" if expert else "it has"
                     raise ValueError(f"{path}: {what} rank {cfg.rank_of(expert)}, adapter {name!r} "
                                      f"{info.config.rank_of(expert)}")
-            check_peft_shapes(reader, modules, model_sites(self.spec, tp), cfg, path)
+            check_peft_shapes(reader, per_module, model_sites(self.spec, self.mesh.tp), cfg, path)
             with torch.no_grad():
                 for peft_name, kind, branch, k, is_a in self._factors(name):
-                    (branch.a_of(k) if is_a else branch.lora_B[k]).copy_(read_shard(reader, peft_name, kind, tp, tp_rank))
+                    (branch.a_of(k) if is_a else branch.lora_B[k]).copy_(read(peft_name, kind))
 
     def delete_adapter(self, name: str) -> None:
         self._require(name)

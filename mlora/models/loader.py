@@ -12,6 +12,7 @@ import torch
 
 from mlora.formats.checkpoint_reader import CheckpointError, CheckpointReader
 from mlora.formats.fp8_checkpoint import DequantizingReader, fp8_quantization_config
+from mlora.formats.fused_experts import expose_unfused_experts
 from mlora.formats.hf_config import ModelSpec, check_layout, load_hf_config, model_spec
 from mlora.formats.weight_map import stage_layers, stage_param_maps
 from mlora.lora.config import master_dtype
@@ -78,6 +79,8 @@ def load_shard(hf_dir: str | os.PathLike, mesh: Mesh, dtype: torch.dtype = torch
     # a Hub FP8 checkpoint (block-scaled e4m3): read dequantized, slice by slice (mlora.formats.fp8_checkpoint)
     quantized = fp8_quantization_config(json.loads((Path(hf_dir) / "config.json").read_text()))
     with CheckpointReader(hf_dir) as reader:  # validate the files before allocating anything
+        # transformers 5's fused experts (save_original_format=False): each expert's slices, read in place
+        expose_unfused_experts(reader, spec)
         source = reader if quantized is None else DequantizingReader(reader, quantized["weight_block_size"])
         maps = stage_param_maps(spec, mesh.pp, mesh.pp_rank, mesh.ep, mesh.ep_rank)
         missing = [n for pm in maps for n in pm.hf_names if n not in reader]
