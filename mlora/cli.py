@@ -106,6 +106,7 @@ def _export_adapter(args: argparse.Namespace) -> int:
         write_peft_adapter,
     )
     from mlora.formats.checkpoint_reader import CheckpointReader
+    from mlora.lora.targets import attention_projections
 
     src = Path(args.checkpoint) / ADAPTERS / args.adapter
     if not src.is_dir():
@@ -120,7 +121,7 @@ def _export_adapter(args: argparse.Namespace) -> int:
             from mlora.lora.sites import model_sites
 
             spec = model_spec(load_hf_config(args.base))
-            modules = peft_modules(reader.entries, spec.num_layers, src, spec.moe)
+            modules = peft_modules(reader.entries, spec.num_layers, src, spec.moe, attention_projections(spec))
             check_peft_shapes(reader, modules, model_sites(spec, 1), cfg, src)
             config["base_model_name_or_path"] = str(args.base)
     if args.dtype:

@@ -28,7 +28,7 @@ from mlora.models.mcore_checkpoint import CONVERT_INFO, HF_SIDE_DIR, RELEASE_DIR
 from mlora.testing import load_checkpoint_tensors
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "convert_checkpoint.py"
-MODELS = ("qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe")
+MODELS = ("qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3")
 MOE = ("qwen3_moe", "mixtral", "olmoe")
 
 
@@ -128,6 +128,10 @@ def test_tp1_checkpoint_loads_into_mlora_model_and_converts_back_bit_for_bit(tp1
                 assert fc1 is None and stored[f"decoder.layers.{i}.mlp.linear_fc1.weight"] == (
                     2 * spec.intermediate_size, h)
         q_norm = {None: None, "head": (spec.head_dim,), "full": (spec.num_heads * spec.head_dim,)}[spec.qk_norm]
+        if spec.mla is not None:  # DeepSeek-V3: multi-latent attention's norm of the query's low rank
+            q_norm = (spec.mla.q_lora_rank,)
+            assert stored["decoder.layers.0.self_attention.linear_kv_down_proj.weight"] == (
+                spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim, h)
         assert stored.get("decoder.layers.0.self_attention.q_layernorm.weight") == q_norm
     if name == "qwen3_moe":
         assert spec.moe.sparse_layers == (0, 2, 3)  # layer 1 is dense: both kinds are covered
@@ -249,13 +253,13 @@ def test_expert_layouts_that_do_not_fit_are_refused(tiny_models, tmp_path, capsy
 
 @pytest.mark.quick
 def test_moe_families_not_built_and_mismatched_checkpoints_are_refused(tp1, tiny_models, tmp_path, capsys):
-    # a family mlora does not build (latent attention): named with what it needs, before any rank starts
-    deepseek = shutil.copytree(tiny_models / "qwen3_moe", tmp_path / "deepseek")
-    cfg = json.loads((deepseek / "config.json").read_text())
-    (deepseek / "config.json").write_text(json.dumps({**cfg, "architectures": ["DeepseekV3ForCausalLM"]}))
-    assert _tool().main(["hf-to-mcore", "--hf", str(deepseek), "--out", str(tmp_path / "o")]) == 2
+    # a family mlora does not build (attention sinks): named with what it needs, before any rank starts
+    oss = shutil.copytree(tiny_models / "qwen3_moe", tmp_path / "gpt_oss")
+    cfg = json.loads((oss / "config.json").read_text())
+    (oss / "config.json").write_text(json.dumps({**cfg, "architectures": ["GptOssForCausalLM"]}))
+    assert _tool().main(["hf-to-mcore", "--hf", str(oss), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
-    assert "'DeepseekV3ForCausalLM'" in err and "needs multi-head latent attention" in err
+    assert "'GptOssForCausalLM'" in err and "needs attention sinks" in err
     # an OLMoE checkpoint from elsewhere read with Qwen3-MoE's config: the tensors give it away
     foreign = shutil.copytree(tp1 / "olmoe" / RELEASE_DIR, tmp_path / "foreign")
     shutil.rmtree(foreign / HF_SIDE_DIR)

@@ -5,8 +5,8 @@ hand into transformers 5's layout: the stacked experts' ``gate_up_proj`` ``[E, 2
 ``[E, hidden, ffn]``, the router ``mlp.gate``, attention, shared and dense MLPs), the same loss, and autograd's
 G = dL/dW there; then dL/dA = s·Bᵀ·G and dL/dB = s·G·Aᵀ for each module, which is what mlora's factors must get
 (float32, one process; the layouts are ``tests/test_moe_equivalence.py``'s, which checks the gradients the same at
-every mesh). Every expert's gate, up and down, the routers (through the routing weights) and the attention are
-compared.
+every mesh). Every expert's gate, up and down, the routers (through the routing weights) and the attention (DeepSeek-V3's
+multi-latent attention's five projections) are compared.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import mlora
 
 GRAD_TOL = 1e-5  # max |mlora − chain rule| over every factor / the largest gradient (float32, other summation orders)
-FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3"]
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)$")
 _FACTOR = re.compile(r"^base_model\.model\.(.+)\.lora_([AB])\.weight$")
 

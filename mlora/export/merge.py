@@ -41,7 +41,7 @@ from mlora.formats.fp8_checkpoint import SCALE_SUFFIX, fp8_quantization_config, 
 from mlora.formats.hf_config import load_hf_config, model_spec
 from mlora.formats.safetensors_writer import Layout, SafetensorsWriter
 from mlora.lora.sites import model_sites
-from mlora.lora.targets import expert_of, hf_module_name
+from mlora.lora.targets import attention_projections, expert_of, hf_module_name
 
 _DECLARED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -63,7 +63,7 @@ def merge_adapter(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike, o
     if not (adapter / ADAPTER_WEIGHTS).is_file():
         raise FileNotFoundError(f"{adapter} has no {ADAPTER_WEIGHTS}")
     with CheckpointReader(base) as reader, CheckpointReader(adapter) as lora:
-        modules = peft_modules(lora.entries, spec.num_layers, adapter, spec.moe)
+        modules = peft_modules(lora.entries, spec.num_layers, adapter, spec.moe, attention_projections(spec))
         check_peft_shapes(lora, modules, model_sites(spec, 1), cfg, adapter)
         targets = {f"{hf_module_name(layer, proj)}.weight": (layer, proj) for layer, proj in modules}
         missing = sorted(set(targets) - set(reader.entries))

@@ -14,7 +14,15 @@ from mlora.formats.checkpoint_reader import CheckpointError, CheckpointReader
 from mlora.formats.safetensors_writer import Layout, SafetensorsWriter, TensorShard
 from mlora.lora.config import LoraConfig
 from mlora.lora.sites import factor_shapes
-from mlora.lora.targets import HF_PROJECTIONS, LM_HEAD, expert_of, hf_module_name, is_router, model_projections
+from mlora.lora.targets import (
+    GQA_PROJECTIONS,
+    HF_PROJECTIONS,
+    LM_HEAD,
+    expert_of,
+    hf_module_name,
+    is_router,
+    model_projections,
+)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -29,7 +37,8 @@ def peft_tensor_name(layer: int, proj: str, factor: str) -> str:
     return f"base_model.model.{hf_module_name(layer, proj)}.lora_{factor}.weight"
 
 
-def peft_target_modules(modules: set[tuple[int, str]], num_layers: int, moe=None) -> list[str]:
+def peft_target_modules(modules: set[tuple[int, str]], num_layers: int, moe=None,
+                        attention: tuple[str, ...] = GQA_PROJECTIONS) -> list[str]:
     """PEFT ``target_modules`` naming exactly the adapted modules.
 
     Module names (``q_proj``; an expert's ``gate_proj`` or ``w1``) when every module of the model with each
@@ -41,7 +50,7 @@ def peft_target_modules(modules: set[tuple[int, str]], num_layers: int, moe=None
         return proj.rsplit(".", 1)[-1]
 
     leaves = {leaf(p) for _, p in modules}
-    if all(key in modules for key in model_projections(num_layers, moe) if leaf(key[1]) in leaves):
+    if all(key in modules for key in model_projections(num_layers, moe, attention) if leaf(key[1]) in leaves):
         # attention and MLP names, then a MoE layer's router (its leaf: gate) and its experts' names
         return sorted(leaves, key=lambda n: HF_PROJECTIONS.index(n) if n in HF_PROJECTIONS
                       else 2 * len(HF_PROJECTIONS) if n == LM_HEAD
@@ -50,9 +59,11 @@ def peft_target_modules(modules: set[tuple[int, str]], num_layers: int, moe=None
 
 
 def peft_adapter_config(config: LoraConfig, modules: set[tuple[int, str]], num_layers: int,
-                        base_model_name_or_path: str, architecture: str, moe=None) -> dict:
+                        base_model_name_or_path: str, architecture: str, moe=None,
+                        attention: tuple[str, ...] = GQA_PROJECTIONS) -> dict:
     """The ``adapter_config.json`` PEFT 0.2x writes for a plain LoRA adapter on a causal LM (``moe``: the
-    model's MoESpec, whose expert names ``target_modules`` may use)."""
+    model's MoESpec, whose expert names ``target_modules`` may use; ``attention``: its attention projections,
+    :func:`mlora.lora.targets.attention_projections`)."""
     import transformers
 
     return {
@@ -79,7 +90,7 @@ def peft_adapter_config(config: LoraConfig, modules: set[tuple[int, str]], num_l
         "peft_type": "LORA",
         **_ranks(config, modules),
         "revision": None,
-        "target_modules": peft_target_modules(modules, num_layers, moe),
+        "target_modules": peft_target_modules(modules, num_layers, moe, attention),
         "task_type": "CAUSAL_LM",
         "use_dora": False,
         "use_rslora": config.use_rslora,
@@ -253,12 +264,14 @@ def read_peft_config(path: Path, modules_to_save: tuple[str, ...] = (), paramete
                       use_rslora=bool(raw.get("use_rslora", False)), extra=raw)
 
 
-def peft_modules(names, num_layers: int, path: Path, moe=None) -> set[tuple[int, str]]:
+def peft_modules(names, num_layers: int, path: Path, moe=None, attention: tuple[str, ...] = GQA_PROJECTIONS
+                 ) -> set[tuple[int, str]]:
     """(layer, projection) pairs present in a PEFT weights file (``moe``: the base's MoESpec, whose
-    per-expert modules ``mlp.experts.{e}.gate_proj`` ... an adapter may hold)."""
+    per-expert modules ``mlp.experts.{e}.gate_proj`` ... an adapter may hold; ``attention``: the base's attention
+    projections)."""
     pattern = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.([\w.]+)\.lora_([AB])\.weight$")
     head = re.compile(r"^base_model\.model\.lm_head\.lora_([AB])\.weight$")
-    valid = model_projections(num_layers, moe)
+    valid = model_projections(num_layers, moe, attention)
     found: dict[tuple[int, str], set[str]] = {}
     for name in names:
         m = head.match(name)

@@ -41,7 +41,14 @@ from mlora.export.peft_files import (
 from mlora.formats.checkpoint_reader import CheckpointError, CheckpointReader
 from mlora.formats.fused_experts import DOWN, FUSED_BLOCK, GATE_UP, fused_expert_name
 from mlora.lora.config import LoraConfig
-from mlora.lora.targets import expert_of, expert_projection, hf_module_name, is_router, model_projections
+from mlora.lora.targets import (
+    attention_projections,
+    expert_of,
+    expert_projection,
+    hf_module_name,
+    is_router,
+    model_projections,
+)
 
 _PROJECTIONS = {GATE_UP: (0, 1), DOWN: (2,)}  # which of an expert's gate (0), up (1), down (2) each one carries
 
@@ -114,7 +121,7 @@ def _check_target_parameters(raw: dict, spec, factors: list[FusedFactor], direct
         return path == target or path.endswith("." + target)
 
     known = [fused_expert_name(i, p) for i in spec.sparse_layers for p in (GATE_UP, DOWN)]
-    for (i, proj) in model_projections(spec.num_layers, spec.moe):
+    for (i, proj) in model_projections(spec.num_layers, spec.moe, attention_projections(spec)):
         if is_router(proj):  # transformers 5's router module, whatever the checkpoint calls its block
             known.append(f"model.layers.{i}.{FUSED_BLOCK}.gate.weight")
         elif expert_of(proj) is None:

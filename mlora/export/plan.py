@@ -15,7 +15,7 @@ from mlora.formats.hf_config import ModelSpec, check_layout
 from mlora.formats.weight_map import shard
 from mlora.lora.config import LoraConfig
 from mlora.lora.sites import factor_kinds, factor_shapes, model_sites
-from mlora.lora.targets import projection_order, resolve_targets
+from mlora.lora.targets import attention_projections, projection_order, resolve_targets
 
 
 @dataclass
@@ -58,7 +58,8 @@ def plan_adapter(spec: ModelSpec, tp: int, pp: int, lora: LoraConfig, dtype: tor
                  ) -> AdapterPlan:
     """The export plan of ``lora`` on the model ``spec`` split ``tp`` × ``pp`` ways."""
     check_layout(spec, tp, pp)
-    modules = resolve_targets(lora.target_modules, lora.exclude_modules, spec.num_layers, spec.moe)
+    modules = resolve_targets(lora.target_modules, lora.exclude_modules, spec.num_layers, spec.moe,
+                              attention_projections(spec))
     sites = model_sites(spec, tp)
     plan = AdapterPlan(spec, tp, pp, lora, dtype)
     per_stage = spec.num_layers // pp

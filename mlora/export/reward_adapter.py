@@ -43,6 +43,7 @@ from mlora.export.peft_files import (
 from mlora.formats.checkpoint_reader import CheckpointError, CheckpointReader
 from mlora.formats.weight_map import read_shard
 from mlora.lora.sites import factor_kinds, model_sites
+from mlora.lora.targets import attention_projections
 
 SCORE_MODULE = "score"
 PEFT_SEQ_CLS_HEADS = ("classifier", "score")  # what PEFT adds to modules_to_save for SEQ_CLS
@@ -222,7 +223,8 @@ def load_reward_adapter(model, path: str | os.PathLike, adapter_name: str = "rew
                                   f"this base has hidden size {hidden} and needs (1, {hidden}): a reward adapter "
                                   "for another base, or a head with num_labels != 1?")
         lora_names = [n for n in reader.entries if n != SCORE_TENSOR]
-        modules = peft_modules(lora_names, model.spec.num_layers, path, model.spec.moe)
+        modules = peft_modules(lora_names, model.spec.num_layers, path, model.spec.moe,
+                               attention_projections(model.spec))
         check_peft_shapes(reader, modules, model_sites(model.spec, tp), cfg, path)
         score = reader.read(SCORE_TENSOR)
 

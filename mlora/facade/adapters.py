@@ -45,7 +45,9 @@ from mlora.lora.layers import (
 )
 from mlora.lora.sites import check_lm_head, factor_kinds, factor_shapes, model_sites
 from mlora.lora.targets import (
+    MLA_DOWN_PROJECTIONS,
     MLP_PROJECTIONS,
+    attention_projections,
     expert_of,
     hf_module_name,
     is_router,
@@ -101,6 +103,16 @@ def _check_expert_dropout(config: LoraConfig, modules) -> None:
         raise ValueError(f"LoRA dropout={config.dropout} on a mixture-of-experts router is not supported (PEFT "
                          "adapts the router as a parameter and refuses dropout there too): use dropout 0, or leave "
                          "the router (gate) out of target_modules")
+
+
+def _check_duplicated_dropout(config: LoraConfig, modules, tp: int) -> None:
+    """Multi-latent attention's down projections read each TP rank's slice of the sequence under SP
+    (:class:`mlora.models.mla.LoraDuplicatedLinear`), so at TP > 1 their dropout masks would change with the mesh."""
+    down = sorted({proj for _, proj in modules if proj in MLA_DOWN_PROJECTIONS})
+    if config.dropout > 0 and tp > 1 and down:
+        raise ValueError(f"LoRA dropout={config.dropout} on multi-latent attention's down projections {down} at tp={tp} "
+                         "is not supported (each TP rank projects its slice of the sequence, so the masks would "
+                         "change with the mesh): use dropout 0, tp=1, or exclude them (exclude_modules)")
 
 
 def _check_expert_rank(config: LoraConfig, modules) -> None:
@@ -265,8 +277,9 @@ class AdapterHost:
         ``policy``, so that each starts exactly where a run of its own with the same seed would."""
         self._check_new_name(name)
         modules = resolve_targets(config.target_modules, config.exclude_modules, self.spec.num_layers,
-                                  self.spec.moe)
+                                  self.spec.moe, attention_projections(self.spec))
         _check_expert_dropout(config, modules)
+        _check_duplicated_dropout(config, modules, self.mesh.tp)
         _check_expert_rank(config, modules)
         check_lm_head(self.spec, self.mesh.tp, modules)
         tp, tp_rank = self.mesh.tp, self.mesh.tp_rank
@@ -310,7 +323,8 @@ class AdapterHost:
         fused = FusedExperts.find(reader, self.spec, path)
         cfg = fused.config(read_peft_config(path, parameters=fused.parameter_paths))
         names = [n for n in reader.entries if n not in fused.tensor_names]
-        per_module = peft_modules(names, self.spec.num_layers, path, self.spec.moe) if names or not fused else set()
+        per_module = (peft_modules(names, self.spec.num_layers, path, self.spec.moe, attention_projections(self.spec))
+                      if names or not fused else set())
         stacked = fused.modules()
         if per_module & stacked:
             twice = hf_module_name(*min(per_module & stacked))
@@ -471,7 +485,7 @@ class AdapterHost:
         self._require(name)
         info = self.adapters[name]
         return peft_adapter_config(info.config, set(info.modules), self.spec.num_layers, str(self.hf_dir),
-                                   self.spec.architecture, self.spec.moe)
+                                   self.spec.architecture, self.spec.moe, attention_projections(self.spec))
 
     def _factors(self, name: str) -> Iterator[tuple[str, str, object, int, bool]]:
         """``(PEFT name, TP kind, branch, k, is_A)`` of every factor of ``name`` on this rank, in the order of

@@ -424,7 +424,15 @@ class MLoraModel(AdapterHost, torch.nn.Module):
         adapts one of its, and a MoE router's (its correction bias too) where it adapts that: whole blocks, because
         an engine fuses q/k/v, gate/up, a layer's experts and the shared expert's gate/up into one weight each and
         reloads such a weight whole (:mod:`mlora.rollout.vllm_weights`)."""
-        from mlora.lora.targets import LM_HEAD, PARENT, expert_of, hf_module_name, is_router, model_projections
+        from mlora.lora.targets import (
+            LM_HEAD,
+            PARENT,
+            attention_projections,
+            expert_of,
+            hf_module_name,
+            is_router,
+            model_projections,
+        )
 
         def block(proj: str) -> str:  # the shared expert (mlp.shared_expert(s).*) is an MLP apart from the experts
             if is_router(proj) or proj == LM_HEAD:  # a weight of its own
@@ -432,8 +440,8 @@ class MLoraModel(AdapterHost, torch.nn.Module):
             return PARENT.get(proj, "mlp" if expert_of(proj) is not None else "shared_expert")
 
         blocks = {(layer, block(proj)) for name in adapters for layer, proj in self.adapters[name].modules}
-        names = {f"{hf_module_name(layer, proj)}.weight" for layer, proj in model_projections(self.spec.num_layers,
-                                                                                                 self.spec.moe)
+        names = {f"{hf_module_name(layer, proj)}.weight" for layer, proj in model_projections(
+            self.spec.num_layers, self.spec.moe, attention_projections(self.spec))
                  if (layer, block(proj)) in blocks}
         if self.spec.moe is not None and self.spec.moe.expert_bias:  # the router's other weight: its correction bias
             names |= {f"{hf_module_name(layer, proj)}.e_score_correction_bias" for layer, proj in blocks

@@ -14,7 +14,9 @@ from mlora.formats.moe_refusals import MOE_REFUSALS
 
 # mixture-of-experts architectures: experts, router and their HF names (see MoESpec)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "OlmoeForCausalLM",
-                     "Glm4MoeForCausalLM")
+                     "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
+# multi-head latent attention (MLASpec) in place of grouped-query attention
+MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
                            *MOE_ARCHITECTURES)
 # q/k/v bias on (their config's qkv_bias, Qwen2-MoE's; True when absent), no bias on o_proj
@@ -67,6 +69,27 @@ class MoESpec:
     router_fp32: bool = False
 # rope types whose inverse frequencies are static and whose cos/sin are not rescaled.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# with multi-head latent attention also YaRN, whose cos/sin scale (attention_factor) MLA's rotary embedding applies
+MLA_ROPE_TYPES = (*SUPPORTED_ROPE_TYPES, "yarn")
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V3): queries through a ``q_lora_rank`` bottleneck (``q_a_proj``, its
+    RMSNorm, ``q_b_proj``; None: one ``q_proj``), keys and values through a ``kv_lora_rank`` one
+    (``kv_a_proj_with_mqa``, which also gives the ``qk_rope_head_dim`` RoPE dims shared by every head, its RMSNorm,
+    ``kv_b_proj``); per head ``qk_nope_head_dim`` + ``qk_rope_head_dim`` query/key dims and ``v_head_dim`` value
+    dims; RoPE on the decoupled dims in transformers' interleaved layout (``rope_interleave``), YaRN allowed."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -91,6 +114,7 @@ class ModelSpec:
     qk_norm: str | None = None  # None, "head" (RMSNorm over head_dim) or "full" (over all heads' width)
     moe: MoESpec | None = None
     rotary_percent: float = 1.0  # RoPE on the first rotary_percent of each head's dims (GLM-4.5: 0.5), the rest as is
+    mla: MLASpec | None = None  # multi-head latent attention (DeepSeek-V3) in place of grouped-query attention
 
     @property
     def rotary_dim(self) -> int:
@@ -148,7 +172,9 @@ def load_hf_config(hf_dir: str | os.PathLike) -> Any:
     return AutoConfig.from_pretrained(str(path))
 
 
-def _rope_parameters(cfg: Any) -> dict:
+def rope_parameters(cfg: Any) -> dict:
+    """The config's RoPE parameters (transformers 5's ``rope_parameters``; older configs' ``rope_scaling`` and
+    ``rope_theta``), with ``rope_type`` set."""
     params = getattr(cfg, "rope_parameters", None)
     if params is None:  # transformers < 5 keeps them apart
         params = dict(getattr(cfg, "rope_scaling", None) or {})
@@ -172,10 +198,10 @@ def model_spec(cfg: Any) -> ModelSpec:
         raise ValueError(f"{arch} with attention_bias=True (bias on o_proj) is not supported; supported: False")
     if getattr(cfg, "mlp_bias", False):
         raise ValueError("mlp_bias=True is not supported; supported: False")
-    rope = _rope_parameters(cfg)
-    if rope["rope_type"] not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"unsupported rope_type {rope['rope_type']!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    rope = rope_parameters(cfg)
+    rope_types = MLA_ROPE_TYPES if arch in MLA_ARCHITECTURES else SUPPORTED_ROPE_TYPES
+    if rope["rope_type"] not in rope_types:
+        raise ValueError(f"unsupported rope_type {rope['rope_type']!r} for {arch}; supported: {', '.join(rope_types)}")
     partial = float(rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) or 1.0)
     if partial != 1.0 and (rope["rope_type"] != "default" or arch not in PARTIAL_ROTARY):
         raise ValueError(f"{arch} with partial_rotary_factor={partial} and rope_type {rope['rope_type']!r} is not "
@@ -218,7 +244,21 @@ def model_spec(cfg: Any) -> ModelSpec:
         qk_norm=qk_norm,
         moe=_moe_spec(arch, cfg) if arch in MOE_ARCHITECTURES else None,
         rotary_percent=partial,
+        mla=_mla_spec(arch, cfg) if arch in MLA_ARCHITECTURES else None,
     )
+
+
+def _mla_spec(arch: str, cfg: Any) -> MLASpec:
+    """DeepSeek-V3's attention facts, refusing what megatron-core's MLA computes otherwise."""
+    if not getattr(cfg, "rope_interleave", True):
+        # megatron's MLA reads the decoupled RoPE dims interleaved (pairs 2i, 2i+1), as transformers does with
+        # rope_interleave=True, DeepSeek-V3's checkpoints' setting
+        raise ValueError(f"{arch} with rope_interleave=False is not supported (megatron-core's multi-latent attention "
+                         "rotates interleaved pairs); supported: True")
+    q_lora = getattr(cfg, "q_lora_rank", None)
+    return MLASpec(q_lora_rank=int(q_lora) if q_lora else None, kv_lora_rank=int(cfg.kv_lora_rank),
+                   qk_nope_head_dim=int(cfg.qk_nope_head_dim), qk_rope_head_dim=int(cfg.qk_rope_head_dim),
+                   v_head_dim=int(cfg.v_head_dim))
 
 
 def _moe_spec(arch: str, cfg: Any) -> MoESpec:
@@ -243,7 +283,7 @@ def _moe_spec(arch: str, cfg: Any) -> MoESpec:
             raise ValueError(f"{arch}: shared_expert_intermediate_size={shared}; valid: > 0")
         return MoESpec(experts, top_k, cfg.moe_intermediate_size, bool(cfg.norm_topk_prob), sparse, "mlp",
                        ("gate_proj", "up_proj", "down_proj"), shared)
-    if arch == "Glm4MoeForCausalLM":
+    if arch in ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM"):
         return _sigmoid_moe_spec(arch, cfg, experts, top_k)
     return MoESpec(experts, top_k, cfg.intermediate_size, bool(getattr(cfg, "norm_topk_prob", False)), tuple(layers),
                    "mlp", ("gate_proj", "up_proj", "down_proj"))
@@ -253,6 +293,11 @@ def _sigmoid_moe_spec(arch: str, cfg: Any, experts: int, top_k: int) -> MoESpec:
     """GLM-4.5's (and DeepSeek-V3's) MoE: the first ``first_k_dense_replace`` layers dense, then sigmoid routing
     with the correction bias, group-limited top-k, renormalised weights times ``routed_scaling_factor``, and
     ``n_shared_experts`` ungated shared experts as one MLP of ``n_shared_experts × moe_intermediate_size``."""
+    for key, value in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
+        # DeepSeek-V3 checkpoints say how vLLM routes them; transformers always routes as these values say
+        if getattr(cfg, key, value) != value:
+            raise ValueError(f"{arch} with {key}={getattr(cfg, key)!r} is not supported (transformers routes every "
+                             f"{arch} as {key}={value!r}, vLLM as the config says); supported: {value!r}")
     if not cfg.norm_topk_prob:
         # megatron's sigmoid router always renormalises the k weights (top_k > 1)
         raise ValueError(f"{arch} with norm_topk_prob=False is not supported (megatron-core's sigmoid router "
@@ -311,13 +356,21 @@ def _divisors(*values: int) -> list[int]:
 
 def hf_inv_freq(spec: ModelSpec) -> torch.Tensor:
     """RoPE inverse frequencies exactly as transformers computes them for this config."""
+    inv_freq, scaling = hf_rope(spec)
+    if scaling != 1.0:
+        raise ValueError(f"rope_type {rope_parameters(spec.hf_config)['rope_type']!r} rescales attention ({scaling}); "
+                         "not supported")
+    return inv_freq
+
+
+def hf_rope(spec: ModelSpec) -> tuple[torch.Tensor, float]:
+    """RoPE inverse frequencies and the factor cos and sin are scaled by (YaRN's ``attention_factor``; 1.0 for the
+    others), exactly as transformers computes them for this config (over ``spec.rotary_dim`` dims)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    rope = _rope_parameters(spec.hf_config)
+    rope = rope_parameters(spec.hf_config)
     if rope["rope_type"] == "default":
         dim = spec.rotary_dim
-        return 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](spec.hf_config, "cpu")
-    if scaling != 1.0:
-        raise ValueError(f"rope_type {rope['rope_type']!r} rescales attention ({scaling}); not supported")
-    return inv_freq.float()
+        return 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](spec.hf_config, "cpu")
+    return inv_freq.float(), float(factor)

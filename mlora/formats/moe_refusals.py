@@ -1,8 +1,8 @@
 """Every mixture-of-experts architecture of transformers 5.19 that mlora does not build, with what it would need.
 
-mlora builds (``hf_config.MOE_ARCHITECTURES``: Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, GLM-4.5) a pre-norm RMSNorm
-decoder with grouped-query attention and RoPE (GLM-4.5's partial; q/k/v bias and q/k RMSNorm where those families have
-them), SwiGLU experts without biases, a linear router with softmax then top-k (the k weights optionally
+mlora builds (``hf_config.MOE_ARCHITECTURES``: Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, GLM-4.5, DeepSeek-V3) a pre-norm
+RMSNorm decoder with grouped-query attention and RoPE (GLM-4.5's partial; q/k/v bias and q/k RMSNorm where those families
+have them) or DeepSeek-V3's multi-head latent attention (YaRN RoPE on its decoupled dims), SwiGLU experts without biases, a linear router with softmax then top-k (the k weights optionally
 renormalised) or GLM-4.5's sigmoid routing (e_score_correction_bias, group-limited top-k, routed_scaling_factor),
 Qwen2-MoE's sigmoid-gated shared expert or GLM-4.5's ungated shared experts, and dense layers where
 ``mlp_only_layers`` / ``decoder_sparse_step`` / ``first_k_dense_replace`` put them. Each
@@ -14,9 +14,7 @@ its line.
 
 from __future__ import annotations
 
-_DEEPSEEK_V3 = ("multi-head latent attention (q/kv low-rank projections, decoupled RoPE head), sigmoid routing with "
-                "e_score_correction_bias and group-limited top-k scaled by routed_scaling_factor, a shared expert "
-                "and first_k_dense_replace dense layers")
+_DEEPSEEK_V3 = "the DeepSeek-V3 decoder (which mlora builds: DeepseekV3ForCausalLM)"
 _GLM45 = "GLM-4.5's MoE decoder (which mlora builds: Glm4MoeForCausalLM)"
 _QWEN3_NEXT = ("linear-attention (gated delta net) layers, which megatron-core 0.16 has no local layer for, beside "
                "output-gated full attention with partial rotary and a sigmoid-gated shared expert")
@@ -28,10 +26,8 @@ _GRANITE = ("muP scalings (embedding_multiplier, residual_multiplier, attention_
 
 MOE_REFUSALS: dict[str, str] = {
     # DeepSeek family and its derivatives
-    "DeepseekV3ForCausalLM": _DEEPSEEK_V3 + " (Kimi-K2 uses this architecture)",
-    "Kimi_K25ForConditionalGeneration": "a vision tower and projector in front of a DeepSeek-V3 decoder: "
-                                        + _DEEPSEEK_V3,
-    "AXK1ForCausalLM": "the DeepSeek-V3 architecture: " + _DEEPSEEK_V3,
+    "Kimi_K25ForConditionalGeneration": "a vision tower and projector in front of " + _DEEPSEEK_V3,
+    "AXK1ForCausalLM": "its own architecture name for " + _DEEPSEEK_V3,
     "DeepseekV2ForCausalLM": "multi-head latent attention, softmax top-k routing (greedy or group-limited) scaled by "
                              "routed_scaling_factor, shared experts and first_k_dense_replace dense layers",
     "DeepseekV32ForCausalLM": "DeepSeek-V3.2: " + _DSA,

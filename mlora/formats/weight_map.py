@@ -72,6 +72,8 @@ class ParamMap:
                   ) -> dict[str, tuple[int, ...]]:
         """Shapes of the HF tensors this parameter exports to."""
         h, hd = spec.hidden_size, spec.head_dim
+        if spec.mla is not None and ".self_attention." in self.megatron_name:
+            return {self.hf_names[0]: _mla_shape(spec, self.megatron_name)}
         if self.kind == QKV:
             q, k, v = self.hf_names
             trail = (h,) if self.megatron_name.endswith("weight") else ()
@@ -175,7 +177,10 @@ def stage_param_maps(spec: ModelSpec, pp: int, pp_rank: int, ep: int = 1, ep_ran
         m, h = f"decoder.layers.{local}.", f"model.layers.{i}."
         attn = tuple(f"{h}self_attn.{p}_proj" for p in "qkv")
         maps.append(ParamMap(m + "input_layernorm.weight", (h + "input_layernorm.weight",), REPLICATED))
-        maps.append(ParamMap(m + "self_attention.linear_qkv.weight", tuple(a + ".weight" for a in attn), QKV))
+        if spec.mla is not None:
+            maps += _mla_maps(spec, m, h)
+        else:
+            maps.append(ParamMap(m + "self_attention.linear_qkv.weight", tuple(a + ".weight" for a in attn), QKV))
         if spec.qkv_bias:
             maps.append(ParamMap(m + "self_attention.linear_qkv.bias", tuple(a + ".bias" for a in attn), QKV))
         if spec.qk_norm is not None:  # over all heads: each TP rank holds its heads' share of the weight
@@ -199,6 +204,33 @@ def stage_param_maps(spec: ModelSpec, pp: int, pp_rank: int, ep: int = 1, ep_ran
             # read from embed_tokens and never exported (the first stage exports it).
             maps.append(ParamMap("output_layer.weight", ("model.embed_tokens.weight",), VOCAB))
     return maps
+
+
+# megatron's multi-latent attention linears and norms -> transformers' DeepSeek-V3 names (below self_attention /
+# self_attn): the up projections (and q_proj) column-parallel, their output rows split over TP; the down projections
+# and the norms whole on every TP rank (mlora.models.mla)
+MLA_NAMES = {"linear_q_proj": "q_proj", "linear_q_down_proj": "q_a_proj", "q_layernorm": "q_a_layernorm",
+             "linear_q_up_proj": "q_b_proj", "linear_kv_down_proj": "kv_a_proj_with_mqa",
+             "kv_layernorm": "kv_a_layernorm", "linear_kv_up_proj": "kv_b_proj"}
+
+
+def _mla_maps(spec: ModelSpec, m: str, h: str) -> list[ParamMap]:
+    """A layer's multi-latent attention maps but its output projection (megatron prefix ``m``, HF prefix ``h``)."""
+    q = ("linear_q_proj",) if spec.mla.q_lora_rank is None else ("linear_q_down_proj", "q_layernorm", "linear_q_up_proj")
+    return [ParamMap(f"{m}self_attention.{name}.weight", (f"{h}self_attn.{MLA_NAMES[name]}.weight",),
+                     REPLICATED if name.endswith(("layernorm", "down_proj")) else ROWS)
+            for name in (*q, "linear_kv_down_proj", "kv_layernorm", "linear_kv_up_proj")]
+
+
+def _mla_shape(spec: ModelSpec, megatron_name: str) -> tuple[int, ...]:
+    """The HF shape of multi-latent attention parameter ``megatron_name`` (one of :func:`_mla_maps`' or o_proj)."""
+    mla, h, heads = spec.mla, spec.hidden_size, spec.num_heads
+    shapes = {"linear_q_proj": (heads * mla.qk_head_dim, h), "linear_q_down_proj": (mla.q_lora_rank, h),
+              "q_layernorm": (mla.q_lora_rank,), "linear_q_up_proj": (heads * mla.qk_head_dim, mla.q_lora_rank),
+              "linear_kv_down_proj": (mla.kv_lora_rank + mla.qk_rope_head_dim, h), "kv_layernorm": (mla.kv_lora_rank,),
+              "linear_kv_up_proj": (heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
+              "linear_proj": (h, heads * mla.v_head_dim)}
+    return shapes[megatron_name.split(".")[-2]]
 
 
 def _expert_maps(spec: ModelSpec, m: str, h: str, ep: int, ep_rank: int) -> list[ParamMap]:

@@ -48,7 +48,16 @@ from megatron.core.tensor_parallel.mappings import (
 from torch.autograd.function import once_differentiable
 
 from mlora.lora.config import derive_seed
-from mlora.lora.routing import EXPERT_TOKENS, ROUTES, Route, expert_route, route_index, route_parts
+from mlora.lora.routing import (
+    EXPERT_TOKENS,
+    ROUTES,
+    Route,
+    expert_route,
+    local_route,
+    route_index,
+    route_parts,
+    sequence_slice,
+)
 
 # Elements of a full-width dropout mask drawn per generator (64 MiB of float32 scratch). A function
 # of the full input width only, so every mesh splits the draws into the same chunks.
@@ -65,7 +74,9 @@ class LoraSite:
     """
 
     layer: int
-    parallel: str  # "column", "row", or "router" (a MoE router: replicated, reading its SP slice of the tokens)
+    # "column", "row", "router" (a MoE router: replicated, reading its SP slice of the tokens) or "duplicated" (a
+    # replicated linear reading its SP slice: multi-latent attention's down projections)
+    parallel: str
     subs: tuple[str, ...]
     in_local: int
     in_full: int
@@ -592,6 +603,24 @@ class LoraHost:
         for name in self.active_adapters:
             route = ROUTES.get(name)
             if name in self.lora and route != ():
+                branches.append(self.lora[name])
+                routes.append(route)
+        return branches, routes
+
+    def _slice_routed_branches(self, x: torch.Tensor) -> tuple[list[LoraBranch], list | None]:
+        """The active branches of a replicated linear that reads its TP rank's slice of the sequence under SP (a MoE
+        router, multi-latent attention's down projections), each with the tokens of this rank's input it applies to
+        while routes are set (:mod:`mlora.lora.routing`: routes index the whole sequence)."""
+        if not ROUTES:
+            return list(self._branches()), None
+        local = x.numel() // x.shape[-1]
+        tokens, lo = sequence_slice(local, self.tp_group, self.config.sequence_parallel)
+        branches, routes = [], []
+        for name in self.active_adapters:
+            if name not in self.lora:
+                continue
+            route = local_route(name, tokens, lo, lo + local, x.device)
+            if route != ():
                 branches.append(self.lora[name])
                 routes.append(route)
         return branches, routes

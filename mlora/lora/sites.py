@@ -6,11 +6,23 @@ import torch
 
 from mlora.formats.weight_map import COLUMNS, REPLICATED, ROWS
 from mlora.lora.layers import LoraSite
-from mlora.lora.targets import LM_HEAD, MLP_PROJECTIONS, expert_projection, router_projection, shared_expert_projection
+from mlora.lora.targets import (
+    LM_HEAD,
+    MEGATRON_MODULES,
+    MLP_PROJECTIONS,
+    expert_projection,
+    router_projection,
+    shared_expert_projection,
+)
+
+# multi-latent attention's linears (megatron name -> HF projection)
+MLA_LINEARS = {name: MEGATRON_MODULES[name][0] for name in ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
+                                                             "linear_kv_down_proj", "linear_kv_up_proj")}
 
 # How each factor is split over TP (see mlora.lora.layers): column: A replicated, B like W;
 # row: A split on the input dim, B replicated; a MoE router (replicated, like its weight): both whole.
-FACTOR_KINDS = {"column": (REPLICATED, ROWS), "row": (COLUMNS, REPLICATED), "router": (REPLICATED, REPLICATED)}
+FACTOR_KINDS = {"column": (REPLICATED, ROWS), "row": (COLUMNS, REPLICATED), "router": (REPLICATED, REPLICATED),
+                "duplicated": (REPLICATED, REPLICATED)}
 
 
 def factor_kinds(site: LoraSite) -> tuple[str, str]:
@@ -28,14 +40,16 @@ def model_sites(spec, tp: int) -> dict[tuple[int, str], LoraSite]:
     hd, hpg = spec.head_dim, spec.heads_per_group
     sites: dict[tuple[int, str], LoraSite] = {}
     for i in range(spec.num_layers):
-        for site in (
+        attention = (mla_sites(spec, i, tp) if spec.mla is not None else [
             LoraSite(layer=i, parallel="column", subs=("q_proj", "k_proj", "v_proj"),
                      in_local=spec.hidden_size, in_full=spec.hidden_size,
                      out_full=(spec.num_heads * hd, spec.num_kv_heads * hd, spec.num_kv_heads * hd),
                      groups=spec.num_kv_heads // tp, block=(hpg + 2) * hd,
                      placement=((0, hpg * hd), (hpg * hd, hd), ((hpg + 1) * hd, hd))),
             LoraSite(layer=i, parallel="row", subs=("o_proj",), in_local=spec.num_heads * hd // tp,
-                     in_full=spec.num_heads * hd, out_full=(spec.hidden_size,)),
+                     in_full=spec.num_heads * hd, out_full=(spec.hidden_size,))])
+        for site in (
+            *attention,
             # a MoE layer's MLP is its experts (and shared expert): no site of its own
             *(() if spec.is_sparse(i) else mlp_sites(spec, i, MLP_PROJECTIONS, spec.intermediate_size, tp)),
             *([router_site(spec, i)] + expert_sites(spec, i) + shared_expert_sites(spec, i, tp)
@@ -45,6 +59,26 @@ def model_sites(spec, tp: int) -> dict[tuple[int, str], LoraSite]:
                 sites[(i, sub)] = site
     sites[(spec.num_layers - 1, LM_HEAD)] = lm_head_site(spec, tp)
     return sites
+
+
+def mla_sites(spec, layer: int, tp: int) -> list[LoraSite]:
+    """Multi-head latent attention's sites (DeepSeek-V3): the down projections duplicated (whole on every TP rank,
+    reading its slice of the sequence under SP: :class:`mlora.models.mla.LoraDuplicatedLinear`), the up projections
+    (and q_proj) column-parallel with their output rows split over TP, o_proj row-parallel."""
+    mla, h, heads = spec.mla, spec.hidden_size, spec.num_heads
+
+    def column(sub: str, fan_in: int, fan_out: int, duplicated: bool = False) -> LoraSite:
+        split = 1 if duplicated else tp
+        return LoraSite(layer=layer, parallel="duplicated" if duplicated else "column", subs=(sub,), in_local=fan_in,
+                        in_full=fan_in, out_full=(fan_out,), groups=1, block=fan_out // split,
+                        placement=((0, fan_out // split),))
+
+    q = ([column("q_proj", h, heads * mla.qk_head_dim)] if mla.q_lora_rank is None else
+         [column("q_a_proj", h, mla.q_lora_rank, True), column("q_b_proj", mla.q_lora_rank, heads * mla.qk_head_dim)])
+    return [*q, column("kv_a_proj_with_mqa", h, mla.kv_lora_rank + mla.qk_rope_head_dim, True),
+            column("kv_b_proj", mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim)),
+            LoraSite(layer=layer, parallel="row", subs=("o_proj",), in_local=heads * mla.v_head_dim // tp,
+                     in_full=heads * mla.v_head_dim, out_full=(h,))]
 
 
 def lm_head_site(spec, tp: int) -> LoraSite:
@@ -114,8 +148,14 @@ def attach_lora_sites(gpt: torch.nn.Module, spec, tp: int) -> None:
         gpt.output_layer.lora_site = sites[(spec.num_layers - 1, LM_HEAD)]
     for layer in gpt.decoder.layers:
         i = layer.layer_number - 1
-        layer.self_attention.linear_qkv.lora_site = sites[(i, "q_proj")]
-        layer.self_attention.linear_proj.lora_site = sites[(i, "o_proj")]
+        attention = layer.self_attention
+        if spec.mla is None:
+            attention.linear_qkv.lora_site = sites[(i, "q_proj")]
+        else:
+            for megatron, hf in MLA_LINEARS.items():
+                if hasattr(attention, megatron):
+                    getattr(attention, megatron).lora_site = sites[(i, hf)]
+        attention.linear_proj.lora_site = sites[(i, "o_proj")]
         if not spec.is_sparse(i):
             layer.mlp.linear_fc1.lora_site = sites[(i, "gate_proj")]
             layer.mlp.linear_fc2.lora_site = sites[(i, "down_proj")]

@@ -1,7 +1,10 @@
 """Which (layer, projection) pairs an adapter adapts: PEFT-style target/exclude resolution.
 
 Projections are named the HF way. Megatron's fused layers stand for several:
-``linear_qkv`` = q, k, v; ``linear_proj`` = o; ``linear_fc1`` = gate, up; ``linear_fc2`` = down.
+``linear_qkv`` = q, k, v; ``linear_proj`` = o; ``linear_fc1`` = gate, up; ``linear_fc2`` = down. Multi-head latent
+attention (DeepSeek-V3) has ``q_a_proj``, ``q_b_proj`` (or ``q_proj``), ``kv_a_proj_with_mqa``, ``kv_b_proj`` and
+``o_proj`` instead of q/k/v/o (megatron's ``linear_q_down_proj``, ``linear_q_up_proj``, ``linear_q_proj``,
+``linear_kv_down_proj``, ``linear_kv_up_proj``, ``linear_proj``).
 
 An expert's projection is keyed by its HF path below the layer, ``mlp.experts.{e}.gate_proj`` (Mixtral:
 ``block_sparse_moe.experts.{e}.w1``), the per-expert name HF checkpoints and PEFT adapters use: one
@@ -27,21 +30,33 @@ from __future__ import annotations
 from typing import Iterable
 
 HF_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GQA_PROJECTIONS = HF_PROJECTIONS[:4]  # grouped-query attention's
+# multi-head latent attention's (DeepSeek-V3) besides o_proj, and q_proj where it has no q_lora_rank
+MLA_PROJECTIONS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+MLA_DOWN_PROJECTIONS = ("q_a_proj", "kv_a_proj_with_mqa")  # whole on every TP rank (mlora.models.mla)
 MEGATRON_MODULES = {
     "linear_qkv": ("q_proj", "k_proj", "v_proj"),
     "linear_proj": ("o_proj",),
     "linear_fc1": ("gate_proj", "up_proj"),
     "linear_fc2": ("down_proj",),
+    "linear_q_proj": ("q_proj",),
+    "linear_q_down_proj": ("q_a_proj",),
+    "linear_q_up_proj": ("q_b_proj",),
+    "linear_kv_down_proj": ("kv_a_proj_with_mqa",),
+    "linear_kv_up_proj": ("kv_b_proj",),
 }
-PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+PARENT = {**{p: "self_attn" for p in (*GQA_PROJECTIONS, *MLA_PROJECTIONS)},
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# every dense projection name in a layer's HF order (sorting and the names a target may use)
+_ORDER = ("q_proj", "q_a_proj", "q_b_proj", "k_proj", "v_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+          "gate_proj", "up_proj", "down_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # Megatron path components -> HF ones, for layer-indexed Megatron patterns (megatron's shared_experts: the
 # model's own name for its shared expert, see _hf_path)
 _PATH_ALIASES = {"decoder": "model", "self_attention": "self_attn"}
 LM_HEAD = "lm_head"  # the output layer's key and HF name
 LM_HEAD_NAMES = (LM_HEAD, "output_layer")  # its HF and megatron names
-VALID_NAMES = ("all-linear", *HF_PROJECTIONS, *MEGATRON_MODULES, LM_HEAD)
+VALID_NAMES = ("all-linear", *_ORDER, *MEGATRON_MODULES, LM_HEAD)
 
 
 ROUTER = "router"  # the canonical projection of a MoE layer's router
@@ -81,15 +96,15 @@ def projection_order(proj: str, moe=None) -> tuple[int, int, int]:
     checkpoints hold them)."""
     expert = expert_of(proj)
     if proj == LM_HEAD:  # after the last layer's modules
-        return len(HF_PROJECTIONS) + 2, 0, 0
+        return len(_ORDER) + 2, 0, 0
     if is_router(proj):
-        return len(HF_PROJECTIONS), -1, 0
+        return len(_ORDER), -1, 0
     if expert is None and "." in proj:  # the shared expert's
-        return len(HF_PROJECTIONS) + 1, 0, MLP_PROJECTIONS.index(proj.rsplit(".", 1)[1])
+        return len(_ORDER) + 1, 0, MLP_PROJECTIONS.index(proj.rsplit(".", 1)[1])
     if expert is None:
-        return HF_PROJECTIONS.index(proj), 0, 0
+        return _ORDER.index(proj), 0, 0
     leaf = proj.rsplit(".", 1)[1]
-    return len(HF_PROJECTIONS), expert, (moe.projections.index(leaf) if moe is not None else 0)
+    return len(_ORDER), expert, (moe.projections.index(leaf) if moe is not None else 0)
 
 
 def hf_module_name(layer: int, proj: str) -> str:
@@ -100,13 +115,24 @@ def hf_module_name(layer: int, proj: str) -> str:
     return f"model.layers.{layer}.{proj if '.' in proj else PARENT[proj] + '.' + proj}"
 
 
-def model_projections(num_layers: int, moe=None) -> dict[tuple[int, str], str]:
+def attention_projections(spec) -> tuple[str, ...]:
+    """The attention projections of ``spec``'s layers (a :class:`mlora.formats.hf_config.ModelSpec`): q/k/v/o, or
+    multi-head latent attention's (q_a/q_b, or q without a q_lora_rank; kv_a_proj_with_mqa, kv_b_proj; o)."""
+    if spec.mla is None:
+        return GQA_PROJECTIONS
+    q = ("q_proj",) if spec.mla.q_lora_rank is None else MLA_PROJECTIONS[:2]
+    return (*q, *MLA_PROJECTIONS[2:], "o_proj")
+
+
+def model_projections(num_layers: int, moe=None, attention: tuple[str, ...] = GQA_PROJECTIONS
+                      ) -> dict[tuple[int, str], str]:
     """Every adaptable (layer, projection) of the model -> its canonical HF projection (an expert's gate is
-    ``gate_proj`` whatever its family calls it); the output layer is ``(num_layers - 1, "lm_head")``."""
+    ``gate_proj`` whatever its family calls it); the output layer is ``(num_layers - 1, "lm_head")``. ``attention``:
+    the layers' attention projections (:func:`attention_projections`)."""
     sparse = set(moe.sparse_layers) if moe is not None else set()
     out: dict[tuple[int, str], str] = {(num_layers - 1, LM_HEAD): LM_HEAD}
     for i in range(num_layers):
-        for p in HF_PROJECTIONS[:4]:
+        for p in attention:
             out[(i, p)] = p
         if i not in sparse:
             for p in MLP_PROJECTIONS:
@@ -151,7 +177,7 @@ def _expand(pattern: str, universe: dict[tuple[int, str], str], moe) -> set[tupl
         prefix = _hf_path(prefix, moe)
         if "mlp" in prefix.split(".") and last in ("linear_qkv", "linear_proj"):
             projs = set()
-    elif last in HF_PROJECTIONS or last in leaves:
+    elif last in _ORDER or last in leaves:
         projs = {last}
     elif last in ROUTER_NAMES and moe is not None:
         projs = {"gate"}  # a router's leaf, whatever its name: matched below against the HF path
@@ -182,13 +208,15 @@ def _expand(pattern: str, universe: dict[tuple[int, str], str], moe) -> set[tupl
     return hits
 
 
-def resolve_targets(target_modules, exclude_modules, num_layers: int, moe=None) -> set[tuple[int, str]]:
+def resolve_targets(target_modules, exclude_modules, num_layers: int, moe=None,
+                    attention: tuple[str, ...] = GQA_PROJECTIONS) -> set[tuple[int, str]]:
     """The (layer, projection) pairs adapted by an adapter with these target/exclude specs; ``moe``: the
-    model's :class:`mlora.formats.hf_config.MoESpec` (None: dense), whose experts the MLP names reach."""
+    model's :class:`mlora.formats.hf_config.MoESpec` (None: dense), whose experts the MLP names reach;
+    ``attention``: the layers' attention projections (:func:`attention_projections`)."""
     targets = _patterns(target_modules)
     if not targets:
         raise ValueError(f"target_modules is empty; valid names: {', '.join(VALID_NAMES)}")
-    universe = model_projections(num_layers, moe)
+    universe = model_projections(num_layers, moe, attention)
     chosen: set[tuple[int, str]] = set()
     for pattern in targets:
         chosen |= _expand(pattern, universe, moe)

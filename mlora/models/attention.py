@@ -143,7 +143,9 @@ class SDPAttention(MegatronModule):
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None) -> None:
+                 cp_comm_type: str | None = None, pg_collection=None, k_channels: int | None = None,
+                 v_channels: int | None = None) -> None:
+        # k_channels/v_channels: multi-latent attention's head dims (q/k ≠ v); SDPA reads them off the tensors
         super().__init__(config=config)
         if config.context_parallel_size != 1:
             raise ValueError("SDPAttention does not support context parallelism (context_parallel_size must be 1)")

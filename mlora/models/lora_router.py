@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
-from mlora.lora.layers import LoraBranch, LoraHost, add_deltas, branch_deltas
-from mlora.lora.routing import ROUTES, local_route, sequence_slice
+from mlora.lora.layers import LoraHost, add_deltas, branch_deltas
 
 
 class LoraTopKRouter(TopKRouter, LoraHost):
@@ -25,29 +24,12 @@ class LoraTopKRouter(TopKRouter, LoraHost):
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:
         logits = super().gating(input)
-        branches, routes = self._router_branches(input)
+        branches, routes = self._slice_routed_branches(input)
         if not branches:
             return logits
         # the branches compute in their dtype (the input's unless set) like every LoRA site; the delta joins the
         # logits in their dtype
         return add_deltas(logits, branch_deltas(branches, input, self.lora_site, routes))
-
-    def _router_branches(self, x: torch.Tensor) -> tuple[list[LoraBranch], list | None]:
-        """The active branches, each with the tokens of this rank's input it applies to while routes are set
-        (:mod:`mlora.lora.routing`: routes index the whole sequence; under SP this rank holds a slice of it)."""
-        if not ROUTES:
-            return list(self._branches()), None
-        local = x.numel() // x.shape[-1]
-        tokens, lo = sequence_slice(local, self.tp_group, self.config.sequence_parallel)
-        branches, routes = [], []
-        for name in self.active_adapters:
-            if name not in self.lora:
-                continue
-            route = local_route(name, tokens, lo, lo + local, x.device)
-            if route != ():
-                branches.append(self.lora[name])
-                routes.append(route)
-        return branches, routes
 
 
 def lora_router(router: TopKRouter) -> LoraTopKRouter:

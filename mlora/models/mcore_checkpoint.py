@@ -102,16 +102,19 @@ class KeyLayout:
     layers stacked on a leading axis of ``decoder.layers.<name>``. Experts are stacked on the next axis.
     ``te_moe_norm``: the pre-MLP norm of MoE layers is stored as ``pre_mlp_layernorm.weight`` (megatron's
     Transformer Engine spec) rather than the local spec's ``mlp.linear_fc1.layer_norm_weight``.
-    ``sparse_layers``: the MoE layers (global indices)."""
+    ``sparse_layers``: the MoE layers (global indices). ``norm_keys``: the two norms under the TE spec's names
+    (megatron's local spec maps them so); its multi-latent attention layer spec keeps their own names."""
 
     per_layer: bool = False
     te_moe_norm: bool = False
     sparse_layers: frozenset[int] = frozenset()
+    norm_keys: bool = True
 
     @classmethod
     def written(cls, spec: ModelSpec) -> "KeyLayout":
         """What :func:`hf_to_mcore` writes for ``spec``: megatron's keys for mlora's model config."""
-        return cls(per_layer=spec.moe is not None, sparse_layers=frozenset(spec.sparse_layers))
+        return cls(per_layer=spec.moe is not None, sparse_layers=frozenset(spec.sparse_layers),
+                   norm_keys=spec.mla is None)
 
     @classmethod
     def stored(cls, spec: ModelSpec, keys: Iterable[str]) -> "KeyLayout":
@@ -120,7 +123,8 @@ class KeyLayout:
         layered = [k.split(".", 3) for k in keys if k.startswith(_LAYERS)]
         per_layer = any(part[2].isdigit() for part in layered if len(part) > 3)
         te_norm = any(k.startswith(_LAYERS) and k.endswith("." + _TE_MOE_NORM) for k in keys)
-        return cls(per_layer, te_norm and spec.moe is not None, frozenset(spec.sparse_layers))
+        own_norms = any(k.startswith(_LAYERS) and k.endswith(".input_layernorm.weight") for k in keys)
+        return cls(per_layer, te_norm and spec.moe is not None, frozenset(spec.sparse_layers), not own_norms)
 
     def key(self, megatron_name: str, layer_offset: int = 0, expert_offset: int = 0) -> tuple[str, tuple[int, ...]]:
         """The dist-checkpoint key of a ``GPTModel`` parameter name and the indices of its slice on the
@@ -136,7 +140,7 @@ class KeyLayout:
             return megatron_name, ()
         local, rest = megatron_name[len(_LAYERS):].split(".", 1)
         layer = int(local) + layer_offset
-        if not (self.te_moe_norm and rest == _TE_MOE_NORM and layer in self.sparse_layers):
+        if self.norm_keys and not (self.te_moe_norm and rest == _TE_MOE_NORM and layer in self.sparse_layers):
             rest = _NORM_KEYS.get(rest, rest)  # else TE's name, which is the module's own
         index: tuple[int, ...] = ()
         if rest.startswith(_LOCAL_EXPERTS):  # SequentialMLP's sharded_state_dict: local j -> global expert

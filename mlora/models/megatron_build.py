@@ -7,7 +7,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from mlora.formats.hf_config import ModelSpec, check_layout, hf_inv_freq
+from mlora.formats.hf_config import ModelSpec, check_layout, hf_inv_freq, hf_rope, rope_parameters
 from mlora.fp8.quant import SCALED_MM_MULTIPLE, FP8ShapeError, fp8_shape_problems
 from mlora.lora.sites import attach_lora_sites
 from mlora.models.attention import ATTENTION_CONFIG_ATTR, WINDOW_CONFIG_ATTR, SDPAttention, check_attention_arg
@@ -19,11 +19,12 @@ from mlora.parallel.mesh import Mesh
 def transformer_config(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, recompute: Recompute | None = None):
     """The megatron TransformerConfig that reproduces ``spec`` on ``mesh`` (no fusions on CPU), with
     megatron's activation recompute as ``recompute`` says (default: none; see :mod:`mlora.models.recompute`)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     on_gpu = mesh.device.type == "cuda"
     recompute = recompute or Recompute()
-    return TransformerConfig(
+    config_class, mla = (TransformerConfig, {}) if spec.mla is None else (MLATransformerConfig, mla_config_kwargs(spec))
+    config = config_class(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_heads,
@@ -57,10 +58,29 @@ def transformer_config(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, recomput
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         calculate_per_token_loss=True,  # loss functions return their micro-batch's share; no rescaling
-        qk_layernorm=spec.qk_norm is not None,
+        qk_layernorm=spec.qk_norm is not None or spec.mla is not None,
         **recompute.config_kwargs(),
         **moe_config_kwargs(spec, mesh),
+        **mla,
     )
+    if spec.mla is not None:
+        from mlora.models.mla import MLA_ROPE_CONFIG_ATTR
+
+        inv_freq, factor = hf_rope(spec)
+        setattr(config, MLA_ROPE_CONFIG_ATTR, (inv_freq.to(mesh.device), factor))
+    return config
+
+
+def mla_config_kwargs(spec: ModelSpec) -> dict:
+    """megatron's multi-latent attention settings for ``spec.mla`` (DeepSeek-V3): the low ranks and head dims, and
+    the YaRN factor and ``mscale_all_dim`` that scale the softmax as transformers scales it (the RoPE itself is
+    transformers', :class:`mlora.models.mla.HFRotaryEmbedding`)."""
+    mla, rope = spec.mla, rope_parameters(spec.hf_config)
+    scaled = rope["rope_type"] != "default"
+    return dict(q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank, qk_head_dim=mla.qk_nope_head_dim,
+                qk_pos_emb_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim, rope_type="yarn",
+                rotary_base=spec.rope_theta, rotary_scaling_factor=float(rope.get("factor", 1.0)) if scaled else 1.0,
+                mscale_all_dim=float(rope.get("mscale_all_dim", 0.0) or 0.0) if scaled else 0.0)
 
 
 def moe_config_kwargs(spec: ModelSpec, mesh: Mesh) -> dict:
@@ -179,7 +199,8 @@ def gpt_model(spec: ModelSpec, mesh, config, layer_spec, vocab_size: int):
         rotary_percent=spec.rotary_percent,
         parallel_output=True,
     )
-    model.rotary_pos_emb.inv_freq = hf_inv_freq(spec).to(mesh.device)
+    if spec.mla is None:  # multi-latent attention has its own, per layer (mlora.models.mla)
+        model.rotary_pos_emb.inv_freq = hf_inv_freq(spec).to(mesh.device)
     if spec.moe is not None and spec.moe.expert_bias:  # GLM-4.5's correction bias: no megatron option builds it here
         add_expert_biases(model)
     return model.to(mesh.device)
@@ -202,18 +223,28 @@ def block_spec(config):
 
     qk_norm = bool(getattr(config, "qk_layernorm", False))
     num_experts = getattr(config, "num_moe_experts", None)
+    mla = bool(getattr(config, "multi_latent_attention", False))
 
     def layer_spec(num_experts: int | None):
         layer = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_norm,
-                                         normalization="RMSNorm")
+                                         normalization="RMSNorm", multi_latent_attention=mla)
         sub = layer.submodules
-        attention = {"linear_qkv": LoraColumnParallelLinear, "linear_proj": LoraRowParallelLinear}
-        if qk_norm:
-            full = getattr(config, QK_NORM_CONFIG_ATTR, "head") == "full"
-            attention.update(q_layernorm=FullWidthQNorm if full else RMSNorm,
-                             k_layernorm=FullWidthKNorm if full else RMSNorm)
-        if getattr(config, ATTENTION_CONFIG_ATTR, "sdpa") == "sdpa":  # "unfused" keeps megatron's DotProductAttention
-            attention["core_attention"] = SDPAttention
+        if mla:  # DeepSeek-V3: every projection LoRA-capable, the q/kv norms mlora's (mlora.models.mla)
+            from mlora.models.mla import LoraDuplicatedLinear, LoraMLASelfAttention
+
+            attention = dict(linear_q_proj=LoraColumnParallelLinear, linear_q_down_proj=LoraDuplicatedLinear,
+                             linear_q_up_proj=LoraColumnParallelLinear, linear_kv_down_proj=LoraDuplicatedLinear,
+                             linear_kv_up_proj=LoraColumnParallelLinear, linear_proj=LoraRowParallelLinear,
+                             q_layernorm=RMSNorm, kv_layernorm=RMSNorm, core_attention=SDPAttention)
+            sub.self_attention = dataclasses.replace(sub.self_attention, module=LoraMLASelfAttention)
+        else:
+            attention = {"linear_qkv": LoraColumnParallelLinear, "linear_proj": LoraRowParallelLinear}
+            if qk_norm:
+                full = getattr(config, QK_NORM_CONFIG_ATTR, "head") == "full"
+                attention.update(q_layernorm=FullWidthQNorm if full else RMSNorm,
+                                 k_layernorm=FullWidthKNorm if full else RMSNorm)
+            if getattr(config, ATTENTION_CONFIG_ATTR, "sdpa") == "sdpa":  # "unfused": megatron's DotProductAttention
+                attention["core_attention"] = SDPAttention
         sub.self_attention.submodules = dataclasses.replace(sub.self_attention.submodules, **attention)
         mlp = sub.mlp.submodules.experts.submodules if num_experts else sub.mlp.submodules
         lora = dict(linear_fc1=LoraColumnParallelLinear, linear_fc2=LoraRowParallelLinear)
@@ -303,6 +334,10 @@ def build_gpt_model(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, fp8: str | 
     from mlora.lora.layers import FP8_CONFIG_ATTR
 
     recompute = recompute or Recompute()
+    if spec.mla is not None and (fp8 is not None or attention != "sdpa"):
+        raise ValueError(f"{spec.architecture} (multi-latent attention) runs with fp8=None and attention='sdpa' only "
+                         f"(got fp8={fp8!r}, attention={attention!r}): mlora's FP8 linears and megatron's unfused "
+                         "attention are not wired into megatron-core's MLA")
     config = transformer_config(spec, mesh, dtype, recompute)
     setattr(config, FP8_CONFIG_ATTR, fp8)
     setattr(config, ATTENTION_CONFIG_ATTR, check_attention_arg(attention))

@@ -29,7 +29,7 @@ import torch
 
 from mlora.formats.hf_config import ModelSpec
 from mlora.lora.config import LoraConfig
-from mlora.plan.memory import engine_bytes, microbatch_tokens, packed_step_bytes
+from mlora.plan.memory import engine_bytes, kv_token_bytes, microbatch_tokens, packed_step_bytes
 from mlora.plan.workload import Engine
 
 GIB = 1 << 30
@@ -123,13 +123,6 @@ def vllm_torch_dtype(name: str) -> torch.dtype:
     """A vLLM dtype name as a torch dtype (``auto`` counts as bfloat16: vLLM's 16-bit choice for a float32
     checkpoint on GPUs, and the larger KV cache of a 16-bit one)."""
     return getattr(torch, {"half": "float16", "float": "float32", "auto": "bfloat16"}.get(name, name))
-
-
-def kv_token_bytes(spec: ModelSpec, tp: int, dtype: torch.dtype) -> int:
-    """KV-cache bytes of one token on one GPU of a TP ``tp`` engine: K and V of every layer for its KV heads (KV
-    heads are replicated when TP exceeds them, as vLLM does)."""
-    item = torch.empty((), dtype=dtype).element_size()
-    return spec.num_layers * 2 * max(1, spec.num_kv_heads // tp) * spec.head_dim * item
 
 
 def engine_weight_bytes(spec: ModelSpec, tp: int, dtype: torch.dtype, lora_rank: int, max_loras: int = 1) -> int:

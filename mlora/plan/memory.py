@@ -56,7 +56,7 @@ import torch
 from mlora.formats.hf_config import ModelSpec
 from mlora.formats.weight_map import stage_layers
 from mlora.lora.config import LoraConfig, master_dtype
-from mlora.lora.targets import MLP_PROJECTIONS, is_router
+from mlora.lora.targets import GQA_PROJECTIONS, MLP_PROJECTIONS, attention_projections, is_router
 from mlora.plan.activations import (
     Experts,
     Geometry,
@@ -76,7 +76,7 @@ from mlora.plan.weights import (
     resolved_split,
     split_targets,
 )
-from mlora.plan.workload import Engine, Layout, Workload
+from mlora.plan.workload import Engine, Layout, Workload, require_planned_attention
 
 SITE_OF = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "proj",
            "gate_proj": "fc1", "up_proj": "fc1", "down_proj": "fc2"}
@@ -167,7 +167,7 @@ def layer_loras(spec: ModelSpec, workload: Workload, layers: range) -> list[Laye
     """The trainable LoRA of each of ``layers``; in a sparse layer ``fc1`` and ``fc2`` count the experts'
     projections (gate and up, down) that any of its experts adapts."""
     adapted = _adapted(spec.num_layers, spec.moe, hashable_targets(workload.target_modules),
-                       hashable_targets(workload.exclude_modules))
+                       hashable_targets(workload.exclude_modules), attention_projections(spec))
     out = []
     for i in layers:
         sites: dict[str, int] = {}
@@ -179,10 +179,11 @@ def layer_loras(spec: ModelSpec, workload: Workload, layers: range) -> list[Laye
 
 
 @functools.lru_cache(maxsize=16)
-def _adapted(num_layers: int, moe, target_modules, exclude_modules) -> tuple[frozenset[str], ...]:
+def _adapted(num_layers: int, moe, target_modules, exclude_modules, attention: tuple[str, ...] = GQA_PROJECTIONS
+             ) -> tuple[frozenset[str], ...]:
     """Per layer, the HF projections an adapter adapts, an expert's by its canonical name (Mixtral's w1 is
     gate_proj) once however many experts it reaches; computed once per target spec."""
-    dense, experts = resolved_split(num_layers, moe, target_modules, exclude_modules)
+    dense, experts = resolved_split(num_layers, moe, target_modules, exclude_modules, attention)
     layers: list[set[str]] = [set() for _ in range(num_layers)]
     for i, proj in dense:
         layers[i].add(proj)
@@ -304,14 +305,22 @@ def engine_bytes(spec: ModelSpec, engine: Engine, lora: LoraConfig, slots: int =
     (one per experiment), and the KV cache of ``kv_tokens`` tokens (K and V of every layer for this GPU's KV heads).
     vLLM's own activation workspace and CUDA graphs are not counted. A mixture of experts' experts count as
     ``E / tp`` whole experts per GPU: the bytes of vLLM's TP-sharded experts and of its expert parallelism alike."""
-    item = _item(engine.dtype)
     ep = engine.tp if spec.moe is not None and spec.moe.num_experts % engine.tp == 0 else 1
     weights = base_bytes(spec, engine.tp, 1, 0, 0, engine.dtype, engine.fp8, ep)
     # vLLM's slots hold its max_lora_rank on every module
     slot = adapter_bytes(spec, engine.tp, 1, replace(lora, rank=lora.max_rank, expert_rank=None),
                          engine.dtype, ep)[(0, 0)]
-    kv = engine.kv_tokens * spec.num_layers * 2 * engine.kv_heads_per_gpu(spec) * spec.head_dim * item
-    return weights + slots * slot + kv
+    return weights + slots * slot + engine.kv_tokens * kv_token_bytes(spec, engine.tp, engine.dtype)
+
+
+def kv_token_bytes(spec: ModelSpec, tp: int, dtype: torch.dtype) -> int:
+    """KV-cache bytes of one token on one GPU of a TP ``tp`` engine: K and V of every layer for its KV heads (KV
+    heads are replicated when TP exceeds them, as vLLM does); with multi-head latent attention, vLLM's latent cache:
+    the ``kv_lora_rank`` latent and the ``qk_rope_head_dim`` RoPE key of every layer, on every TP rank."""
+    item = _item(dtype)
+    if spec.mla is not None:
+        return spec.num_layers * (spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim) * item
+    return spec.num_layers * 2 * max(1, spec.num_kv_heads // tp) * spec.head_dim * item
 
 
 def _reduce_bucket(layout: Layout, grads: int, experts: int) -> int:
@@ -325,6 +334,7 @@ def _reduce_bucket(layout: Layout, grads: int, experts: int) -> int:
 
 def plan_memory(spec: ModelSpec, layout: Layout, workload: Workload, engine: Engine | None = None) -> MemoryPlan:
     """Per-rank bytes of one PPO step of ``workload`` on ``layout`` (see the module docstring)."""
+    require_planned_attention(spec)
     layout.check(spec)
     workload.check(spec, layout)
     if engine is not None:

@@ -28,7 +28,7 @@ from mlora.formats.weight_map import EXPERT_BIAS, ParamMap, shard, stage_param_m
 from mlora.fp8.quant import FP8_DTYPE, FP8_LINEARS
 from mlora.lora.config import LoraConfig
 from mlora.lora.sites import factor_kinds, factor_shapes, model_sites
-from mlora.lora.targets import expert_of, resolve_targets
+from mlora.lora.targets import GQA_PROJECTIONS, attention_projections, expert_of, resolve_targets
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def split_targets(spec: ModelSpec, target_modules, exclude_modules) -> tuple[fro
     """The (layer, projection) pairs an adapter adapts, as ``(dense, experts)``: ``experts`` are the experts'
     projections (``mlp.experts.{e}.gate_proj`` and the like, :mod:`mlora.lora.targets`)."""
     return resolved_split(spec.num_layers, spec.moe, hashable_targets(target_modules),
-                          hashable_targets(exclude_modules))
+                          hashable_targets(exclude_modules), attention_projections(spec))
 
 
 def hashable_targets(modules):
@@ -105,10 +105,11 @@ def hashable_targets(modules):
 
 
 @functools.lru_cache(maxsize=16)
-def resolved_split(num_layers: int, moe, target_modules, exclude_modules) -> tuple[frozenset, frozenset]:
+def resolved_split(num_layers: int, moe, target_modules, exclude_modules,
+                   attention: tuple[str, ...] = GQA_PROJECTIONS) -> tuple[frozenset, frozenset]:
     """:func:`split_targets` by the spec's hashable parts, resolved once per target spec: a large mixture of
     experts has tens of thousands of expert projections."""
-    chosen = resolve_targets(target_modules, exclude_modules, num_layers, moe)
+    chosen = resolve_targets(target_modules, exclude_modules, num_layers, moe, attention)
     experts = frozenset((i, p) for i, p in chosen if expert_of(p) is not None)
     return frozenset(chosen) - experts, experts
 

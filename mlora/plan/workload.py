@@ -16,6 +16,15 @@ from mlora.models.recompute import RECOMPUTE, RECOMPUTE_METHODS, RECOMPUTE_MODUL
 FP8 = (None, "torch")
 
 
+def require_planned_attention(spec: ModelSpec) -> None:
+    """ValueError for a model whose attention the planner has no formulas for yet: DeepSeek-V3's multi-head latent
+    attention (its weights, saved tensors and engine KV cache differ from grouped-query attention's)."""
+    if spec.mla is not None:
+        raise ValueError(f"mlora plan does not model {spec.architecture}'s multi-head latent attention yet (its "
+                         "weights, the activations autograd keeps and vLLM's latent KV cache); the trainer runs it, "
+                         "but no memory plan or fit is given for it")
+
+
 def _positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer")

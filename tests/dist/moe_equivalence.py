@@ -26,21 +26,23 @@ from mlora.lora.grads import finalize_grads
 from mlora.parallel import reset_parallel
 from mlora.testing import right_padded_batch
 
-MOE_MODELS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe")
+MOE_MODELS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe", "deepseek_v3")
 DENSE_MODELS = ("qwen3",)  # q/k norm per head, no experts: layouts without EP only
 LORA = dict(rank=4, alpha=8, seed=3, target_modules="all-linear", init_method="gaussian")
 # The router as a target too (named: all-linear leaves it out), where PEFT loads it; PEFT 0.21 refuses a Qwen2-MoE
 # adapter with router LoRA outright (mlora warns when saving), so there its router is adapted in the mixed check only.
-ROUTER_IN_PEFT = {"mixtral", "qwen3_moe", "olmoe", "glm4_moe"}
+ROUTER_IN_PEFT = {"mixtral", "qwen3_moe", "olmoe", "glm4_moe", "deepseek_v3"}
 # Mixtral's experts at a rank of their own: PEFT files with r = 2 and the attention's 4 in rank_pattern
 EXPERT_RANK = {"mixtral": 2}
 # PEFT 0.21 on transformers 5 maps every gate/up/down target of a Qwen3-MoE adapter onto the stacked experts, so
 # an adapter on its dense layer's MLP does not load there: that layer's MLP stays out of the PEFT comparison.
 # GLM-4.5 likewise (its dense layer 0), and PEFT maps its shared experts' LoRA onto the routed experts too (mlora
-# refuses to save such an adapter): the shared experts' LoRA is checked by the mixed-adapter check only.
+# refuses to save such an adapter): the shared experts' LoRA is checked by the mixed-adapter check only. DeepSeek-V3
+# likewise.
+_GLM_LIKE = ["layers.0.mlp.gate_proj", "layers.0.mlp.up_proj", "layers.0.mlp.down_proj",
+             "shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj"]
 EXCLUDE = {"qwen3_moe": ["layers.1.mlp.gate_proj", "layers.1.mlp.up_proj", "layers.1.mlp.down_proj"],
-           "glm4_moe": ["layers.0.mlp.gate_proj", "layers.0.mlp.up_proj", "layers.0.mlp.down_proj",
-                        "shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj"]}
+           "glm4_moe": _GLM_LIKE, "deepseek_v3": _GLM_LIKE}
 # PEFT 0.21 on transformers 5 does not convert a Qwen2-MoE adapter onto the stacked experts: it loads the attention's,
 # the shared expert's and the dense MLP's LoRA and drops the routed experts' (mlora warns when saving). Their B is
 # zeroed after the gradient check, so that the PEFT and merge comparisons hold what PEFT loads.
