@@ -36,11 +36,17 @@ def _hf_slot(module: str, spec) -> tuple[str, tuple]:
     return f"model.layers.{layer}.mlp.experts.gate_up_proj", (expert, slice(k * f, (k + 1) * f))
 
 
-@pytest.mark.parametrize("arch", FAMILIES)
-def test_lora_gradients_equal_transformers_chain_rule(tiny_models, arch):
+@pytest.mark.parametrize("arch", [*FAMILIES, "deepseek_v3-no-q-rank"])
+def test_lora_gradients_equal_transformers_chain_rule(tiny_models, tmp_path, arch):
+    """``deepseek_v3-no-q-rank``: DeepSeek-V3 without ``q_lora_rank`` (one ``q_proj``, DeepSeek-V2-Lite's shape)."""
     import transformers
 
-    model = mlora.from_pretrained(tiny_models / arch, mlora.init_parallel(), dtype=torch.float32)
+    from mlora.testing import build_tiny_model
+
+    model_dir = tiny_models / arch
+    if arch.endswith("-no-q-rank"):
+        model_dir = build_tiny_model("deepseek_v3", tmp_path / "lite", q_lora_rank=None)
+    model = mlora.from_pretrained(model_dir, mlora.init_parallel(), dtype=torch.float32)
     model.add_adapter("g", mlora.LoraConfig(rank=4, alpha=8, target_modules=["all-linear", "gate"]))
     scaling = model.adapters["g"].config.scaling
     g = torch.Generator().manual_seed(7)
@@ -61,7 +67,7 @@ def test_lora_gradients_equal_transformers_chain_rule(tiny_models, arch):
     grads = model.adapter_tensors("g", grads=True)
     factors = model.adapter_tensors("g")
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_models / arch, dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     params = dict(hf.named_parameters())
     modules: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in factors.items():

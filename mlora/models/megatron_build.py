@@ -87,8 +87,8 @@ def moe_config_kwargs(spec: ModelSpec, mesh: Mesh) -> dict:
     """megatron's MoE settings that reproduce ``spec.moe`` (none for a dense model): a frozen linear router in the dtype
     transformers computes it in (the model's, or float32: ``MoESpec.router_fp32``) with HF's routing (softmax over all
     experts then top-k, or top-k then softmax when the k weights are renormalised, Mixtral's and ``norm_topk_prob``), no
-    load-balancing loss and no token drop, experts as megatron's SequentialMLP (computed grouped) split over EP ranks (expert TP 1), the
-    all-to-all dispatcher; a shared expert (Qwen2-MoE, GLM-4.5) as megatron's SharedExpertMLP, TP-split like a dense
+    load-balancing loss and no token drop, experts as megatron's SequentialMLP (computed grouped) split over EP ranks
+    (expert TP 1), the all-to-all dispatcher; a shared expert (Qwen2-MoE, GLM-4.5) as megatron's SharedExpertMLP, TP-split like a dense
     MLP, its output scaled by ``sigmoid(x · gate_weight)`` where HF has a ``shared_expert_gate``, computed before the
     dispatch, not overlapped with it (``moe_shared_expert_overlap`` needs CUDA streams). Sigmoid routing (GLM-4.5) is
     megatron's, with its group-limited top-k and scaling factor; its correction bias is a frozen float32 parameter of
@@ -212,7 +212,9 @@ def block_spec(config):
     latter only where the config has one), the experts as :class:`~mlora.models.grouped_experts.GroupedLoraExperts`
     (megatron's SequentialMLP computed as grouped GEMMs), and, unless the config's
     ``mlora_attention`` (set by :func:`build_gpt_model`) says ``"unfused"``, :class:`SDPAttention`
-    (torch's fused scaled_dot_product_attention) in the core-attention slot."""
+    (torch's fused scaled_dot_product_attention) in the core-attention slot. With multi-latent attention (the
+    config's ``multi_latent_attention``, DeepSeek-V3) the attention is megatron's MLA layer spec with
+    :class:`~mlora.models.mla.LoraMLASelfAttention`, duplicated down projections and SDPA."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
