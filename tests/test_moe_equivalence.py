@@ -9,7 +9,7 @@ of their own, ``expert_rank``; GLM-4.5 routes by sigmoid scores plus a correctio
 beside two ungated shared experts (out of the PEFT adapter: PEFT maps their LoRA onto the routed experts), after a
 dense first layer, with RoPE on half of each head). Two grouped launches (2 and 4 CPU ranks) cover (TP, PP, EP) =
 (1,1,1), (1,1,2), (2,1,2)+SP on 2 ranks (the experts split over the TP ranks), (1,2,1), and (2,1,2)+SP, (1,2,2) on 4
-(DP 2): float32 logits
+(DP 2) and (2,2,2)+SP (TP2 x PP2 x EP2): float32 logits
 equal transformers' (relative ≤ 1e-5); at TP 1 the router picks HF's experts for every token with HF's
 weights; the gradients of an all-linear LoRA (one adapter per expert and projection, and the attention's) plus
 the router (Qwen2-MoE's in the mixed check only: PEFT refuses its router's LoRA),
@@ -41,7 +41,7 @@ MERGE_TOL = 1e-6  # save_merged vs PEFT's merge_and_unload, max |Δ| / max |W| p
 ROUTE_WEIGHT_TOL = 1e-5  # router weights vs HF's (measured: ≤ 2.4e-6)
 LAUNCHES = {
     2: ("1,1,1;1,1,2;2,1,2,sp;1,2,1", {(1, 1, 1, False), (1, 1, 2, False), (2, 1, 2, True), (1, 2, 1, False)}),
-    4: ("2,1,2,sp;1,2,2", {(2, 1, 2, True), (1, 2, 2, False)}),
+    4: ("2,1,2,sp;1,2,2;2,2,2,sp", {(2, 1, 2, True), (1, 2, 2, False), (2, 2, 2, True)}),
 }
 MOE = {"mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe", "deepseek_v3"}
 SPARSE = {"qwen3_moe": {0, 2, 3}, "qwen2_moe": {0, 1, 3}, "glm4_moe": {1, 2, 3},  # the others: every layer
@@ -89,7 +89,7 @@ def test_lora_gradients_of_every_expert_are_layout_independent(records):
         scale = max(abs(x) for v in ref.values() for x in v)
         assert scale > 0
         layouts = [k for k in grads if k[0] == model]
-        assert len(layouts) == (6 if model in MOE else 2)
+        assert len(layouts) == (7 if model in MOE else 2)
         experts = [k for k in ref if ".experts." in k]
         # every expert's gate, up and down, A and B, in each of its sparse layers (Qwen3-MoE, Qwen2-MoE: 3 of 4)
         assert len(experts) == (0 if model not in MOE else 2 * 3 * 8 * len(SPARSE.get(model, range(4))))
@@ -135,17 +135,17 @@ def test_expert_adapter_loads_in_peft(records):
     layout (per-expert names, which PEFT 0.21 maps onto transformers 5's stacked experts) from every layout:
     transformers + PEFT on the MoE model give mlora's logits."""
     peft = [r for r in records if r["check"] == "peft"]
-    assert {r["model"] for r in peft} == MOE | {"qwen3"} and len(peft) == len(MOE) * 6 + 2
+    assert {r["model"] for r in peft} == MOE | {"qwen3"} and len(peft) == len(MOE) * 7 + 2
     for r in peft:
         assert r["rel"] < REL_TOL and r["adapter_effect"] > 0.5, r
 
 
 def test_checkpoint_back_with_every_expert(records):
     """save_merged at EP 2 gathers each stage's experts from their EP ranks: the HF checkpoint comes back bit
-    for bit (EP over DP ranks, over TP ranks, TP2 x EP2 with SP and DP 2, PP2 x EP2)."""
+    for bit (EP over DP ranks, over TP ranks, TP2 x EP2 with SP and DP 2, PP2 x EP2, TP2 x PP2 x EP2 with SP)."""
     back = [r for r in records if r["check"] == "roundtrip"]
     assert {(r["model"], r["tp"], r["pp"], r["ep"], r["dp"]) for r in back} == {
-        (m, tp, pp, 2, dp) for m in MOE for tp, pp, dp in ((1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 2, 2))}
+        (m, tp, pp, 2, dp) for m in MOE for tp, pp, dp in ((1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 2, 2), (2, 2, 1))}
     for r in back:
         assert r["same_names"] and r["bit_identical"], r
 
@@ -154,7 +154,7 @@ def test_merged_experts_equal_peft_merge(records):
     """save_merged with the adapter at EP 2: every expert's W + s·B·A, gathered over EP, equals transformers + PEFT's
     merge_and_unload saved with per-expert names."""
     merged = [r for r in records if r["check"] == "merged"]
-    assert len(merged) == len(MOE) * 4
+    assert len(merged) == len(MOE) * 5
     for r in merged:
         # attention q/k/v/o + the router + 8 experts x 3 in each layer (Qwen3-MoE's dense MLP: not in the adapter);
         # Qwen2-MoE: attention, the shared expert's gate/up/down in 3 sparse layers and the dense MLP of layer 2
