@@ -123,6 +123,16 @@ def _repeat_kv_needed(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return int(picked) == int(SDPBackend.MATH)
 
 
+def _value_as_wide_as_query(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``v`` zero-padded to the query's head dim, and its own dim (multi-latent attention: q/k 192 dims, v 128). SDPA's
+    fused kernels (flash, memory-efficient, CPU's flash) take one head dim for q, k and v; without them it runs its
+    math kernel, which keeps the ``[b, h, s, s]`` probabilities. The zero columns give zero outputs, cut off after."""
+    v_dim = v.shape[-1]
+    if v_dim == q.shape[-1]:
+        return v, v_dim
+    return torch.nn.functional.pad(v, (0, q.shape[-1] - v_dim)), v_dim
+
+
 class SDPAttention(MegatronModule):
     """Drop-in for megatron's ``DotProductAttention`` (same constructor and forward signature)
     computed by ``torch.nn.functional.scaled_dot_product_attention``.
@@ -176,6 +186,7 @@ class SDPAttention(MegatronModule):
             mask = ~mask if mask.dtype == torch.bool else mask.to(query.dtype)
         # [s, b, h, d] -> [b, h, s, d]: views; the kernels read strided inputs
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        v, v_dim = _value_as_wide_as_query(q, v)
         gqa = k.shape[1] != heads
         if gqa and _repeat_kv_needed(q, k, v, mask, is_causal):
             k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
@@ -191,7 +202,7 @@ class SDPAttention(MegatronModule):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
                                                  scale=self.softmax_scale, enable_gqa=gqa)
         # [b, h, s, d] -> [s, b, h * d]
-        return out.permute(2, 0, 1, 3).reshape(sq, batch, -1)
+        return out[..., :v_dim].permute(2, 0, 1, 3).reshape(sq, batch, -1)
 
     def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed_seq_params,
                 mask_type: AttnMaskType) -> torch.Tensor:
@@ -222,6 +233,7 @@ class SDPAttention(MegatronModule):
             for a, b in zip(cu[:-1], cu[1:]):
                 # [len, h, d] -> [1, h, len, d]: views
                 q, k, v = (t[a:b].permute(1, 0, 2)[None] for t in (query, key, value))
+                v, v_dim = _value_as_wide_as_query(q, v)
                 mask = sdpa_mask(b - a, None, window, query.dtype, query.device)
                 gqa = k.shape[1] != heads
                 if gqa and _repeat_kv_needed(q, k, v, mask, mask is None):
@@ -230,5 +242,5 @@ class SDPAttention(MegatronModule):
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
                                                      is_causal=mask is None, scale=self.softmax_scale,
                                                      enable_gqa=gqa)
-                outs.append(out[0].permute(1, 0, 2).reshape(b - a, -1))
+                outs.append(out[0, ..., :v_dim].permute(1, 0, 2).reshape(b - a, -1))
         return torch.cat(outs)
