@@ -76,12 +76,15 @@ def _targets(arch: str) -> list:
     dense = {"qwen3_moe": ["layers.1.mlp.gate_proj"],
              "qwen2_moe": ["layers.2.mlp.gate_proj", "layers.0.mlp.shared_expert.down_proj"],
              "glm4_moe": ["layers.0.mlp.gate_proj", "layers.1.mlp.shared_experts.down_proj"]}.get(arch, [])
+    if arch == "deepseek_v3":  # multi-latent attention's projections, the duplicated down ones included
+        return ["all-linear", ["q_a_proj", "kv_a_proj_with_mqa", "kv_b_proj", "layers.0.mlp.gate_proj"],
+                ["layers.2.mlp.experts.3.down_proj", "q_b_proj", "o_proj"], ["gate", "q_a_proj"]]
     sparse = 3 if arch == "qwen2_moe" else 2  # a sparse layer
     return ["all-linear", ["q_proj", "v_proj", "o_proj", *dense], [f"layers.{sparse}.{block}", "k_proj"],
             ["gate", "q_proj"]]  # the router
 
 
-@pytest.mark.parametrize("arch", MOE)
+@pytest.mark.parametrize("arch", [*MOE, "deepseek_v3"])
 def test_weight_terms_equal_parameter_bytes_at_ep1(tiny_models, arch):
     mesh = mlora.init_parallel()
     spec = model_spec(load_hf_config(tiny_models / arch))
@@ -280,3 +283,26 @@ def _worker(model_dir: str, out: str, layouts: str) -> None:
 
 if __name__ == "__main__":  # torchrun worker of test_weight_terms_equal_parameter_bytes_at_ep2
     _worker(*sys.argv[1:4])
+
+
+def test_mla_layer_formula_equals_saved_tensors(tiny_models):
+    """DeepSeek-V3's multi-latent attention layers: every byte autograd keeps per layer is in the formula, for LoRA on
+    each MLA projection alone, the down projections together, all linears, experts only and a router with kv_b."""
+    mesh = mlora.init_parallel()
+    spec = model_spec(load_hf_config(tiny_models / "deepseek_v3"))
+    batch, seq = 2, 48
+    ids = torch.randint(0, spec.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    cases = [(torch.float32, ("q_b_proj",)), (torch.float32, ("kv_b_proj",)), (torch.float32, ("o_proj",)),
+             (torch.float32, ("q_a_proj", "kv_a_proj_with_mqa")), (torch.bfloat16, "all-linear"),
+             (torch.bfloat16, ("gate_proj",)), (torch.float32, ("gate", "kv_b_proj")), (torch.bfloat16, ("q_a_proj",))]
+    for dtype, targets in cases:
+        model = mlora.from_pretrained(tiny_models / "deepseek_v3", mesh, dtype=dtype)
+        model.add_adapter("policy", mlora.LoraConfig(rank=8, alpha=16, target_modules=targets))
+        got = saved_bytes_by_module(model, ids, ("policy",))
+        w = Workload(micro_batch=batch, seq=seq, rank=8, target_modules=targets, dtype=dtype)
+        layers = range(spec.num_layers)
+        grad = False
+        for i, (g, lora) in enumerate(zip(layer_geometries(spec, Layout(), w, batch, layers),
+                                          layer_loras(spec, w, layers))):
+            want, grad = layer_saved(g, lora, "sdpa", grad)
+            assert got.get(f"layers.{i}", 0) == want, (dtype, targets, i, got.get(f"layers.{i}", 0), want)

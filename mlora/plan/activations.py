@@ -117,6 +117,7 @@ class Geometry:
     experts: Experts | None = None  # a mixture-of-experts layer's experts (None: a dense MLP)
     qk_norm: str | None = None  # RMSNorm on q and k before RoPE: per head ("head", Qwen3) or over all ("full")
     rotary_dim: int = 0  # the head dims RoPE rotates (0: all of head_dim; GLM-4.5 rotates half)
+    mla: object = None  # multi-latent attention's dims (mlora.formats.hf_config.MLASpec; DeepSeek-V3), else None
 
     @property
     def branch_item(self) -> int:
@@ -318,18 +319,22 @@ def layer_saved(g: Geometry, lora: LayerLora, attention: str, input_requires_gra
     grad = input_requires_grad
     if grad:
         total += _norm_saved(g)
-    kq = lora.k("qkv")
-    if kq:
-        total += _branch_input(g, h) + _lora_saved(g, kq, lora.rank, g.qkv_width)
-    attn_grad = grad or kq > 0
-    out_kept = False
-    if attn_grad:
-        saved, out_kept = _attention_saved(g, attention, "core_attn" in selective)
-        total += saved + _qk_norm_saved(g)
-    ko = lora.k("proj")
-    if ko:
-        total += _branch_input(g, g.q_width, out_kept) + _lora_saved(g, ko, lora.rank, h)
-    mid_grad = attn_grad or ko > 0
+    if g.mla is not None:
+        saved, mid_grad = _mla_saved(g, lora, grad)
+        total += saved
+    else:
+        kq = lora.k("qkv")
+        if kq:
+            total += _branch_input(g, h) + _lora_saved(g, kq, lora.rank, g.qkv_width)
+        attn_grad = grad or kq > 0
+        out_kept = False
+        if attn_grad:
+            saved, out_kept = _attention_saved(g, attention, "core_attn" in selective)
+            total += saved + _qk_norm_saved(g)
+        ko = lora.k("proj")
+        if ko:
+            total += _branch_input(g, g.q_width, out_kept) + _lora_saved(g, ko, lora.rank, h)
+        mid_grad = attn_grad or ko > 0
     if mid_grad:
         total += _norm_saved(g)
     if g.experts is not None:  # megatron's "mlp" recompute checkpoints dense MLPs only
@@ -351,6 +356,46 @@ def layer_saved(g: Geometry, lora: LayerLora, attention: str, input_requires_gra
     return total, mlp_grad or k2 > 0
 
 
+def _mla_saved(g: Geometry, lora: LayerLora, grad: bool) -> tuple[int, bool]:
+    """What multi-latent attention keeps (:mod:`mlora.models.mla`, SDPA's fused kernel), and whether its output
+    requires grad; ``grad``: its input (the input norm's output) does. The q and kv down projections read this rank's
+    stream tokens; their RMSNorms keep float32 inputs and ``rsqrt``; the up projections read the whole sequence;
+    RoPE keeps cos and sin for the side (query, key) that requires grad; SDPA keeps q, k, the values padded to the
+    query's head dim, its output (as wide) and the log-sum-exp; o_proj's LoRA reads a copy of the output."""
+    m, t, s = g.mla, g.stream_tokens, g.seq
+    qk, total = m.qk_nope_head_dim + m.qk_rope_head_dim, 0
+    kqa, kqb, kq, kkva, kkvb, ko = (lora.k(site) for site in ("q_a", "q_b", "qkv", "kv_a", "kv_b", "proj"))
+    if kqa or kkva:  # the down projections' LoRA: the norm output they share (or each its own copy in the branch
+        # dtype), and each its x·Aᵀ
+        copies = (kqa > 0) + (kkva > 0) if g.branch_item != g.item else 1
+        total += copies * _branch_input(g, g.hidden, tokens=t)
+        total += sum(_lora_saved(g, k, lora.rank, width, tokens=t)
+                     for k, width in ((kqa, m.q_lora_rank or 0), (kkva, m.kv_lora_rank + m.qk_rope_head_dim)) if k)
+    q_grad, kv_grad = grad or kqa > 0, grad or kkva > 0
+    if m.q_lora_rank is not None:
+        if q_grad:
+            total += t * (m.q_lora_rank + 1) * F32
+        if kqb:
+            total += _branch_input(g, m.q_lora_rank) + _lora_saved(g, kqb, lora.rank, g.heads * qk)
+        q_grad = q_grad or kqb > 0
+    elif kq:
+        total += _branch_input(g, g.hidden, kept=grad) + _lora_saved(g, kq, lora.rank, g.heads * qk)
+        q_grad = q_grad or kq > 0
+    if kv_grad:  # in float32 the norm keeps its input itself: a view of the down projection's whole output
+        total += t * (m.kv_lora_rank + (m.qk_rope_head_dim if g.item == F32 else 0) + 1) * F32
+    if kkvb:
+        total += _branch_input(g, m.kv_lora_rank) + _lora_saved(g, kkvb, lora.rank,
+                                                                 g.heads * (m.qk_nope_head_dim + m.v_head_dim))
+    k_grad = kv_grad or kkvb > 0
+    attn_grad = q_grad or k_grad
+    if attn_grad:
+        total += 2 * s * m.qk_rope_head_dim * g.item * (q_grad + kv_grad)  # cos and sin per side
+        total += 4 * g.tokens * g.heads * qk * g.item + g.batch * g.heads * s * F32
+    if ko:
+        total += _branch_input(g, g.heads * m.v_head_dim) + _lora_saved(g, ko, lora.rank, g.hidden)
+    return total, attn_grad or ko > 0
+
+
 def mask_bytes(g: Geometry, attention: str) -> int:
     """The ``[b, 1, s, s]`` boolean mask of one micro-batch (unfused attention only; SDPA runs causal)."""
     return g.batch * g.seq * g.seq if attention == "unfused" else 0
@@ -364,7 +409,9 @@ def forward_workspace(g: Geometry, attention: str) -> int:
     e = g.item
     stream = 2 * g.stream_tokens * g.hidden * e + g.tokens * g.hidden * e
     attn = g.tokens * (g.qkv_width + 3 * g.q_width + 2 * g.kv_width) * e
-    if attention == "unfused":
+    if g.mla is not None:
+        attn = _mla_workspace(g)
+    elif attention == "unfused":
         attn += g.scores * (e + 2 * F32)
     mlp = g.tokens * 5 * g.ffn * e
     if g.experts is not None:
@@ -374,6 +421,17 @@ def forward_workspace(g: Geometry, attention: str) -> int:
                + 3 * x.received(t) * g.hidden * e  # received (sorted by expert), the outputs, their concatenation
                + _mlp_copies(g, t) * x.ffn * (5 * e + F32))  # the experts' MLP, its float32 product with the weight
     return stream + max(attn, mlp)
+
+
+def _mla_workspace(g: Geometry) -> int:
+    """Multi-latent attention's live temporaries (not measured yet, an account of the forward): the down projections'
+    outputs and their norms (this rank's stream tokens, float32 norms), the whole sequence's latents, q and kv, the
+    query and key with RoPE, the padded values, SDPA's padded output and the output's copy."""
+    m, e = g.mla, g.item
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    down = (m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_rope_head_dim
+    return (g.stream_tokens * down * (e + F32) + g.tokens * down * e
+            + g.tokens * g.heads * (5 * qk + m.qk_nope_head_dim + 2 * m.v_head_dim) * e)
 
 
 def _mlp_copies(g: Geometry, tokens: int) -> int:
@@ -402,6 +460,10 @@ def backward_workspace(g: Geometry, attention: str) -> int:
                + 3 * x.received(t) * g.hidden * e  # of the received copies: outputs', inputs', their concatenation
                + _mlp_copies(g, t) * x.ffn * (2 * e + F32))  # the experts': silu(gate), up, the float32 product
     attn = g.tokens * (g.q_width + g.qkv_width) * e
-    if attention == "unfused":
+    if g.mla is not None:  # the gradients of SDPA's padded output, q, k and padded v, then of q and kv (not measured)
+        m = g.mla
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        attn = g.tokens * g.heads * (5 * qk + m.qk_nope_head_dim + m.v_head_dim) * e
+    elif attention == "unfused":
         attn += g.scores * (e + F32 + (F32 if e != F32 else 0))
     return g.stream_tokens * g.hidden * e + max(mlp, attn)

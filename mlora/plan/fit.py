@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from mlora.formats.hf_config import ModelSpec, check_layout
 from mlora.plan.memory import MemoryPlan, plan_memory
-from mlora.plan.workload import Engine, Layout, Workload, require_planned_attention
+from mlora.plan.workload import Engine, Layout, Workload
 
 GIB = 1 << 30
 NODE_GPUS = 8
@@ -68,7 +68,6 @@ def fit_layouts(spec: ModelSpec, workload: Workload, gpus: int, gpu_bytes: int, 
     """Every valid layout of ``gpus`` GPUs (experts split ``ep`` ways on a mixture of experts) with its plan,
     those that fit first (best first), then those that do not (closest first). ValueError when there is no
     valid layout at all."""
-    require_planned_attention(spec)
     if gpus < 1:
         raise ValueError(f"gpus={gpus} must be >= 1")
     if gpu_bytes <= 0:

@@ -76,10 +76,12 @@ from mlora.plan.weights import (
     resolved_split,
     split_targets,
 )
-from mlora.plan.workload import Engine, Layout, Workload, require_planned_attention
+from mlora.plan.workload import Engine, Layout, Workload
 
 SITE_OF = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "proj",
-           "gate_proj": "fc1", "up_proj": "fc1", "down_proj": "fc2"}
+           "gate_proj": "fc1", "up_proj": "fc1", "down_proj": "fc2",
+           # multi-latent attention's (its q_proj, without q_lora_rank, counts as "qkv")
+           "q_a_proj": "q_a", "q_b_proj": "q_b", "kv_a_proj_with_mqa": "kv_a", "kv_b_proj": "kv_b"}
 FIELDS = ("base", "adapters", "grads", "optimizer", "heads", "activations", "logits", "engine")
 
 
@@ -137,7 +139,7 @@ def geometry(spec: ModelSpec, layout: Layout, workload: Workload, batch: int) ->
                     head_dim=spec.head_dim, ffn=spec.intermediate_size // layout.tp, tp=layout.tp, sp=layout.sp,
                     item=_item(workload.dtype), fp8=workload.fp8 is not None,
                     lora_item=_item(workload.lora_compute_dtype or master_dtype(workload.dtype)), qk_norm=spec.qk_norm,
-                    rotary_dim=spec.rotary_dim)
+                    rotary_dim=spec.rotary_dim, mla=spec.mla)
 
 
 def layer_geometries(spec: ModelSpec, layout: Layout, workload: Workload, batch: int, layers: range
@@ -334,7 +336,6 @@ def _reduce_bucket(layout: Layout, grads: int, experts: int) -> int:
 
 def plan_memory(spec: ModelSpec, layout: Layout, workload: Workload, engine: Engine | None = None) -> MemoryPlan:
     """Per-rank bytes of one PPO step of ``workload`` on ``layout`` (see the module docstring)."""
-    require_planned_attention(spec)
     layout.check(spec)
     workload.check(spec, layout)
     if engine is not None:

@@ -16,17 +16,6 @@ from mlora.models.recompute import RECOMPUTE, RECOMPUTE_METHODS, RECOMPUTE_MODUL
 FP8 = (None, "torch")
 
 
-def require_planned_attention(spec: ModelSpec) -> None:
-    """ValueError for a model whose attention the planner has no activation formula for yet: DeepSeek-V3's multi-head
-    latent attention (its weights and vLLM's latent KV cache are counted; what autograd keeps in it is not)."""
-    if spec.mla is not None:
-        raise ValueError(f"mlora plan does not model {spec.architecture}'s multi-head latent attention yet (no "
-                         "formula for the activations autograd keeps in it): memory plans and fits are refused for it, "
-                         "and so are the GPU runs that size themselves by the plan (vLLM engines colocated with the "
-                         "trainer, data-parallel strategies); CPU runs and megatron runs with their own engine GPUs "
-                         "train it")
-
-
 def _positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer")
