@@ -51,10 +51,18 @@ def peft_target_modules(modules: set[tuple[int, str]], num_layers: int, moe=None
 
     leaves = {leaf(p) for _, p in modules}
     if all(key in modules for key in model_projections(num_layers, moe, attention) if leaf(key[1]) in leaves):
-        # attention and MLP names, then a MoE layer's router (its leaf: gate) and its experts' names
-        return sorted(leaves, key=lambda n: HF_PROJECTIONS.index(n) if n in HF_PROJECTIONS
-                      else 2 * len(HF_PROJECTIONS) if n == LM_HEAD
-                      else len(HF_PROJECTIONS) + (moe.projections.index(n) if n in moe.projections else -1))
+        # attention (multi-latent attention's first) and MLP names, then a MoE layer's router (its leaf: gate) and its
+        # experts' names; the name breaks ties, so that the file does not depend on set order
+        def order(n: str) -> tuple[int, str]:
+            if n in HF_PROJECTIONS:
+                return HF_PROJECTIONS.index(n), n
+            if n in attention:
+                return attention.index(n) - len(attention), n
+            if n == LM_HEAD:
+                return 2 * len(HF_PROJECTIONS), n
+            return len(HF_PROJECTIONS) + (moe.projections.index(n) if n in moe.projections else -1), n
+
+        return sorted(leaves, key=order)
     return sorted(hf_module_name(i, p) for i, p in modules)
 
 

@@ -216,6 +216,3 @@ class Engine:
                              f"num_key_value_heads={kv}")
         if self.fp8 not in FP8:
             raise ValueError(f"engine fp8={self.fp8!r}; valid: None, 'torch'")
-
-    def kv_heads_per_gpu(self, spec: ModelSpec) -> int:
-        return max(1, spec.num_kv_heads // self.tp)
