@@ -25,6 +25,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from mlora.lora.routing import EXPERT_TOKENS
 
 GROUPED_MM = getattr(F, "grouped_mm", None)  # a torch without the public grouped_mm runs the experts sequentially
+GROUPED_MM_ALIGN = 16  # bytes: grouped_mm takes strides of whole 16-byte units only
 
 
 class GroupedLoraExperts(SequentialMLP):
@@ -60,7 +61,7 @@ class GroupedLoraExperts(SequentialMLP):
                 or config.moe_apply_probs_on_input or config.activation_func_clamp_value is not None
                 or config.glu_linear_offset != 0.0):
             return None
-        unit = 16 // self.local_experts[0].linear_fc1.weight.element_size()  # grouped_mm's stride alignment
+        unit = GROUPED_MM_ALIGN // self.local_experts[0].linear_fc1.weight.element_size()
         if config.hidden_size % unit or config.moe_ffn_hidden_size % unit:
             return None
         out = {}
@@ -117,7 +118,7 @@ class GroupedLoraExperts(SequentialMLP):
 def padded_rank(rank: int, item: int) -> int:
     """``rank`` rounded up to whole 16-byte units of ``item``-byte elements: ``grouped_mm`` takes no other strides, so
     each projection's A gets zero rows and its B zero columns up to it (they add exact zeros)."""
-    return rank + -rank % (16 // item)
+    return rank + -rank % (GROUPED_MM_ALIGN // item)
 
 
 def _is_view_of(param: torch.Tensor, stack: torch.Tensor, i: int) -> bool:

@@ -363,7 +363,7 @@ def _mla_saved(g: Geometry, lora: LayerLora, grad: bool) -> tuple[int, bool]:
     RoPE keeps cos and sin for the side (query, key) that requires grad; SDPA keeps q, k, the values padded to the
     query's head dim, its output (as wide) and the log-sum-exp; o_proj's LoRA reads a copy of the output."""
     m, t, s = g.mla, g.stream_tokens, g.seq
-    qk, total = m.qk_nope_head_dim + m.qk_rope_head_dim, 0
+    qk, total = m.qk_head_dim, 0
     kqa, kqb, kq, kkva, kkvb, ko = (lora.k(site) for site in ("q_a", "q_b", "qkv", "kv_a", "kv_b", "proj"))
     if kqa or kkva:  # the down projections' LoRA: the norm output they share (or each its own copy in the branch
         # dtype), and each its x·Aᵀ
@@ -428,7 +428,7 @@ def _mla_workspace(g: Geometry) -> int:
     outputs and their norms (this rank's stream tokens, float32 norms), the whole sequence's latents, q and kv, the
     query and key with RoPE, the padded values, SDPA's padded output and the output's copy."""
     m, e = g.mla, g.item
-    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    qk = m.qk_head_dim
     down = (m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_rope_head_dim
     return (g.stream_tokens * down * (e + F32) + g.tokens * down * e
             + g.tokens * g.heads * (5 * qk + m.qk_nope_head_dim + 2 * m.v_head_dim) * e)
@@ -462,7 +462,7 @@ def backward_workspace(g: Geometry, attention: str) -> int:
     attn = g.tokens * (g.q_width + g.qkv_width) * e
     if g.mla is not None:  # the gradients of SDPA's padded output, q, k and padded v, then of q and kv (not measured)
         m = g.mla
-        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        qk = m.qk_head_dim
         attn = g.tokens * g.heads * (5 * qk + m.qk_nope_head_dim + m.v_head_dim) * e
     elif attention == "unfused":
         attn += g.scores * (e + F32 + (F32 if e != F32 else 0))
