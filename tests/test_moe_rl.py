@@ -92,7 +92,7 @@ def test_checkpoint_resumes_on_another_mesh(run, tmp_path):
     assert step6["kl/mean"] == pytest.approx(first["kl/mean"], rel=1e-3), (step6, first)
 
 
-@pytest.mark.parametrize("model", ["glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("model", ["glm4_moe", "deepseek_v3", "gpt_oss"])
 def test_new_families_two_grpo_steps_with_the_engine_hand_off(tmp_path, model):
     """GLM-4.5's tiny model (sigmoid routing with the correction bias, group-limited and scaled; two shared experts;
     a dense first layer; RoPE on half of each head) and DeepSeek-V3's (multi-head latent attention with YaRN RoPE, the
@@ -100,7 +100,9 @@ def test_new_families_two_grpo_steps_with_the_engine_hand_off(tmp_path, model):
     kernel, which takes DeepSeek-V3's latent 512 + RoPE 64 only) reloading the merged attention projections, experts
     and routers (their correction bias with them) after each; its log-probs of the sampled tokens equal the trainer's.
     The shared experts stay out of the adapter: PEFT 0.21 cannot load their LoRA, so the trainer refuses it before
-    its first step (tests/test_peft_moe_refusals.py)."""
+    its first step (tests/test_peft_moe_refusals.py). gpt-oss's (attention sinks, a window on every other layer,
+    biases everywhere, stacked experts with a clamped SwiGLU): the engine reloads its stacked experts, their biases
+    and the routers as gpt-oss checkpoints hold them."""
     run_dir = tmp_path / "run"
     mc = "trainer.policy.megatron_config."
     shared = "[shared_experts.gate_proj,shared_experts.up_proj,shared_experts.down_proj]"
@@ -109,7 +111,9 @@ def test_new_families_two_grpo_steps_with_the_engine_hand_off(tmp_path, model):
             "trainer.eval_before_train=false", "trainer.ckpt_interval=0",
             "trainer.algorithm.advantage_estimator=grpo", "generator.n_samples_per_prompt=4",
             f"{mc}tensor_model_parallel_size=1", f"{mc}pipeline_model_parallel_size=1",
-            f"{mc}expert_model_parallel_size=2", TARGETS, f"trainer.policy.model.lora.exclude_modules={shared}"]
+            f"{mc}expert_model_parallel_size=2", TARGETS]
+    if model != "gpt_oss":  # no shared expert there
+        args.append(f"trainer.policy.model.lora.exclude_modules={shared}")
     steps = [m for m in _train(args, 2, run_dir) if m["step"] > 0]
     assert [m["step"] for m in steps] == [1, 2]
     for m in steps:

@@ -75,10 +75,11 @@ def mesh1():
     return mlora.init_parallel(tp=1, pp=1)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gpt_oss"])
 def test_packed_logits_equal_padded(tiny_models, mesh1, arch):
     """Rows of 3..30 tokens packed into one row: logits at every token equal the padded batch's (Mistral's
-    window of 8 applies inside each sequence; Llama's llama3 RoPE restarts per sequence)."""
+    window of 8 applies inside each sequence, gpt-oss's on every other layer with its sinks; Llama's llama3 RoPE
+    restarts per sequence)."""
     model = mlora.from_pretrained(tiny_models / arch, mesh1)
     ids, mask = right_padded_batch(model.spec.vocab_size, (3, 30, 12, 2, 25), seed=0)
     ref = model.logits(ids, mask)

@@ -74,8 +74,15 @@ def peft_adapter_config(config: LoraConfig, modules: set[tuple[int, str]], num_l
     :func:`mlora.lora.targets.attention_projections`)."""
     import transformers
 
+    stacked, target = {}, modules
+    if moe is not None and moe.gpt_oss:  # the experts (and routers) as target_parameters (mlora.export.peft_gpt_oss)
+        from mlora.export.peft_gpt_oss import peft_config_fields
+
+        stacked = peft_config_fields(config, modules, num_layers, moe.sparse_layers)
+        target = {(i, p) for i, p in modules if expert_of(p) is None and not is_router(p)}
+    ranks = _ranks(config, modules) if not stacked else {"r": config.rank, "rank_pattern": stacked["rank_pattern"]}
     return {
-        "alpha_pattern": {},
+        "alpha_pattern": stacked.get("alpha_pattern", {}),
         "auto_mapping": {"base_model_class": architecture,
                          "parent_library": getattr(transformers, architecture).__module__},
         "base_model_name_or_path": base_model_name_or_path,
@@ -96,9 +103,10 @@ def peft_adapter_config(config: LoraConfig, modules: set[tuple[int, str]], num_l
         "megatron_core": "megatron.core",
         "modules_to_save": None,
         "peft_type": "LORA",
-        **_ranks(config, modules),
+        **ranks,
         "revision": None,
-        "target_modules": peft_target_modules(modules, num_layers, moe, attention),
+        "target_modules": peft_target_modules(target, num_layers, moe, attention) if target else None,
+        **({"target_parameters": stacked["target_parameters"]} if stacked else {}),
         "task_type": "CAUSAL_LM",
         "use_dora": False,
         "use_rslora": config.use_rslora,

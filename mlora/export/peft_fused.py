@@ -123,7 +123,7 @@ def _check_target_parameters(raw: dict, spec, factors: list[FusedFactor], direct
     known = [fused_expert_name(i, p) for i in spec.sparse_layers for p in (GATE_UP, DOWN)]
     for (i, proj) in model_projections(spec.num_layers, spec.moe, attention_projections(spec)):
         if is_router(proj):  # transformers 5's router module, whatever the checkpoint calls its block
-            known.append(f"model.layers.{i}.{FUSED_BLOCK}.gate.weight")
+            known.append(f"model.layers.{i}.{FUSED_BLOCK}.{spec.moe.router_name}.weight")
         elif expert_of(proj) is None:
             known.append(f"{hf_module_name(i, proj)}.weight")
     for target in targets:
@@ -244,7 +244,9 @@ class FusedExperts:
             a = self.reader.read(f.a_name, 0, e * f.rank, (e + 1) * f.rank)
             return torch.cat([a, a.new_zeros(rank - f.rank, a.shape[1])]) if rank > f.rank else a
         b = self._b(f.b_name).reshape(-1, f.rank, experts)[:, :, e]  # PEFT's lora_B.reshape(out, r, E)[..., e]
-        if f.param == GATE_UP:  # the gate's rows, then the up's, as in gate_up_proj
+        if f.param == GATE_UP and self.spec.moe.gpt_oss:  # gpt-oss interleaves them: gate j at row 2j, up at 2j + 1
+            b = b[k::2]
+        elif f.param == GATE_UP:  # the gate's rows, then the up's, as in gate_up_proj
             b = b[:ffn] if k == 0 else b[ffn:]
         b = b.contiguous()
         if rank > f.rank:

@@ -29,10 +29,18 @@ from mlora.export.peft_files import (
     write_peft_adapter_sharded,
 )
 from mlora.export.peft_fused import FusedExperts
+from mlora.export.peft_gpt_oss import (
+    GATE_UP,
+    adapted_params,
+    peft_stacked,
+    stack_gate_up,
+    stacked_layout,
+    stacked_names,
+)
 from mlora.export.sharded_write import select_shards
 from mlora.formats.checkpoint_reader import CheckpointError, CheckpointReader
 from mlora.formats.safetensors_writer import TensorShard
-from mlora.formats.weight_map import REPLICATED, read_shard, shard, unshard
+from mlora.formats.weight_map import REPLICATED, local_experts, read_shard, shard, stage_layers, unshard
 from mlora.lora.config import INIT_METHODS, LoraConfig, derive_seed, master_dtype
 from mlora.lora.layers import (
     DropoutKey,
@@ -49,6 +57,7 @@ from mlora.lora.targets import (
     MLP_PROJECTIONS,
     attention_projections,
     expert_of,
+    expert_projection,
     hf_module_name,
     is_router,
     projection_order,
@@ -468,12 +477,17 @@ class AdapterHost:
         info, sites = self.adapters[name], model_sites(self.spec, self.mesh.tp)
         dtype = dtype or self.adapter_dtype
         modules = sorted(info.modules, key=lambda m: (m[0], projection_order(m[1], self.spec.moe)))
+        gpt_oss = self.spec.moe is not None and self.spec.moe.gpt_oss
         layout = {}
         for layer, sub in modules:
+            if gpt_oss and expert_of(sub) is not None:  # stacked below
+                continue
             site = sites[(layer, sub)]
             a_shape, b_shape = factor_shapes(site, sub, info.config.rank_of(site.expert is not None))
             layout[peft_tensor_name(layer, sub, "A")] = (dtype, a_shape)
             layout[peft_tensor_name(layer, sub, "B")] = (dtype, b_shape)
+        if gpt_oss:
+            layout.update(stacked_layout(info.modules, self.spec, info.config.rank_of(True), dtype))
         if order == "layer":
             return layout
         if order != "name":
@@ -521,8 +535,48 @@ class AdapterHost:
         yield from select_shards(self._factor_shards(name, experts=False), mesh.tp, mesh.tp_rank, mesh.dp_rank)
         if self.spec.moe is None or mesh.expert_dp_rank != 0:
             return  # no experts, or another rank holding the same experts writes them
+        if self.spec.moe.gpt_oss:
+            yield from self._stacked_expert_shards(name)
+            return
         for peft_name, local, _ in self._factor_shards(name, experts=True):
             yield TensorShard(peft_name, local)
+
+    def _stacked_expert_shards(self, name: str) -> Iterator[TensorShard]:
+        """gpt-oss: adapter ``name``'s expert LoRA as PEFT's stacked factors (:mod:`mlora.export.peft_gpt_oss`), each
+        gathered over the EP group (collective over EP, ranks of expert-data-parallel rank 0) and written by its EP
+        rank 0; a layer's stacked B interleaves every expert's columns, so no EP rank can write its own part."""
+        mesh, moe = self.mesh, self.spec.moe
+        factors = {}
+        for linear in self._lora_linears():
+            branch = linear.lora[name] if name in linear.lora else None
+            if branch is not None and is_expert_param(branch.lora_A):
+                for k, sub in enumerate(branch.subs):
+                    factors[(linear.lora_site.layer, sub)] = (branch.a_of(k).detach(), branch.lora_B[k].detach())
+        stage = set(stage_layers(self.spec, mesh.pp, mesh.pp_rank))
+        for layer, params in adapted_params(self.adapters[name].modules).items():
+            if layer not in stage:
+                continue
+            for param, (a_name, b_name) in stacked_names(layer, params).items():
+                a_parts, b_parts = [], []
+                for e in local_experts(self.spec, mesh.ep, mesh.ep_rank):
+                    if param == GATE_UP:
+                        a, b = stack_gate_up(*factors[(layer, expert_projection(moe, e, 0))],
+                                             *factors[(layer, expert_projection(moe, e, 1))])
+                    else:
+                        a, b = factors[(layer, expert_projection(moe, e, 2))]
+                    a_parts.append(a)
+                    b_parts.append(b)
+                a_local, b_local = torch.stack(a_parts), torch.stack(b_parts)
+                if mesh.ep > 1:
+                    a_all = [torch.empty_like(a_local) for _ in range(mesh.ep)]
+                    b_all = [torch.empty_like(b_local) for _ in range(mesh.ep)]
+                    dist.all_gather(a_all, a_local.contiguous(), group=mesh.ep_group)
+                    dist.all_gather(b_all, b_local.contiguous(), group=mesh.ep_group)
+                    a_local, b_local = torch.cat(a_all), torch.cat(b_all)
+                if mesh.ep_rank == 0:
+                    a, b = peft_stacked(list(a_local.cpu()), list(b_local.cpu()))
+                    yield TensorShard(a_name, a)
+                    yield TensorShard(b_name, b)
 
     def require_peft_loadable(self, name: str) -> None:
         """Raise when PEFT 0.21 could not load adapter ``name`` as :meth:`save_adapter` writes it

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from mlora.facade.adapters import AdapterHost
 from mlora.formats.checkpoint_reader import SIDE_FILES  # copied verbatim from the source by save_merged
+from mlora.formats.fused_experts import fuse_gpt_oss_experts, gpt_oss_layout
 from mlora.formats.hf_config import ModelSpec
 from mlora.formats.safetensors_writer import SafetensorsWriter
 from mlora.formats.weight_map import ParamMap, is_export_copy, stage_param_maps
@@ -369,11 +370,16 @@ class MLoraModel(AdapterHost, torch.nn.Module):
         return dequantize_rows(linear.weight.detach(), scale, self.dtype)
 
     # ------------------------------------------------------------------ export
-    def _hf_tensors(self, adapters: list[str], only: set[str] | None = None) -> Iterable[tuple[str, torch.Tensor]]:
+    def _hf_tensors(self, adapters: list[str], only: set[str] | None = None, per_expert: bool = False
+                    ) -> Iterable[tuple[str, torch.Tensor]]:
         """This stage's HF tensors, gathered over TP one parameter at a time (collective over TP) and,
         with EP, every expert of the stage gathered over the EP group (collective over EP); the weights of
         adapted linears come merged with ``adapters``. ``only``: the HF names wanted (None: all); a parameter
-        none of whose names is wanted is not gathered at all."""
+        none of whose names is wanted is not gathered at all. gpt-oss's experts come stacked as its checkpoints
+        hold them, or (``per_expert``) expert by expert (:func:`~mlora.formats.fused_experts.fuse_gpt_oss_experts`)."""
+        return fuse_gpt_oss_experts(self._per_expert_hf_tensors(adapters, only), self.spec, per_expert)
+
+    def _per_expert_hf_tensors(self, adapters: list[str], only: set[str] | None) -> Iterable[tuple[str, torch.Tensor]]:
         params = dict(self.gpt.named_parameters())
         modules = dict(self.gpt.named_modules())
         group, mesh = self.mesh.tp_group, self.mesh
@@ -414,9 +420,11 @@ class MLoraModel(AdapterHost, torch.nn.Module):
             if not is_export_copy(pm, self.spec):
                 yield pm, [maps[i] for maps in per_ep] if pm.expert else [pm]
 
-    def _hf_layout(self, only: set[str] | None = None) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        return {name: (self.dtype, shape) for _, sources in self._export_maps() for source in sources
-                for name, shape in source.hf_shapes(self.spec).items() if only is None or name in only}
+    def _hf_layout(self, only: set[str] | None = None, per_expert: bool = False
+                   ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        return gpt_oss_layout({name: (self.dtype, shape) for _, sources in self._export_maps() for source in sources
+                               for name, shape in source.hf_shapes(self.spec).items() if only is None or name in only},
+                              self.spec, per_expert)
 
     def adapted_weight_names(self, adapters: Iterable[str]) -> set[str]:
         """The HF weight names of the attention projections of every layer where one of ``adapters`` adapts one,
@@ -443,6 +451,10 @@ class MLoraModel(AdapterHost, torch.nn.Module):
         names = {f"{hf_module_name(layer, proj)}.weight" for layer, proj in model_projections(
             self.spec.num_layers, self.spec.moe, attention_projections(self.spec))
                  if (layer, block(proj)) in blocks}
+        if self.spec.linear_bias:  # gpt-oss: every linear's bias comes with its weight (the engine reloads them whole)
+            names |= {name[:-len("weight")] + "bias" for name in names}
+        if self.spec.attention_sinks:  # and the sinks with the attention (vLLM's attention layer holds them)
+            names |= {f"model.layers.{layer}.self_attn.sinks" for layer, b in blocks if b == "self_attn"}
         if self.spec.moe is not None and self.spec.moe.expert_bias:  # the router's other weight: its correction bias
             names |= {f"{hf_module_name(layer, proj)}.e_score_correction_bias" for layer, proj in blocks
                       if is_router(proj)}
@@ -465,7 +477,8 @@ class MLoraModel(AdapterHost, torch.nn.Module):
         ``model.safetensors.index.json``, config and tokenizer files copied from the source.
         Each stage streams its tensors, gathered over TP one at a time. ``only_adapted``: only the weights
         of the linears ``adapters`` adapt (what the engines of a base they cannot serve LoRA on reload after
-        each update, :mod:`mlora.rollout.vllm_weights`); nothing else is gathered.
+        each update, :mod:`mlora.rollout.vllm_weights`; gpt-oss's experts then expert by expert, as vLLM reloads
+        them); nothing else is gathered.
         """
         adapters = list(adapters)
         self._require(*adapters)
@@ -475,14 +488,14 @@ class MLoraModel(AdapterHost, torch.nn.Module):
         file_name = "model.safetensors" if pp == 1 else f"model-{stage + 1:05d}-of-{pp:05d}.safetensors"
         writer_rank = self.mesh.tp_rank == 0 and self.mesh.dp_rank == 0
         only = self.adapted_weight_names(adapters) if only_adapted else None
-        layout = self._hf_layout(only)
+        layout = self._hf_layout(only, per_expert=only_adapted)
         if self.mesh.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         if self.mesh.dp_rank == 0 or self.mesh.ep > 1:  # EP groups span DP ranks: all gather the experts
             writer = SafetensorsWriter(out / file_name, layout) if writer_rank else None
             try:
-                for name, tensor in self._hf_tensors(adapters, only):
+                for name, tensor in self._hf_tensors(adapters, only, per_expert=only_adapted):
                     if writer is not None:
                         writer.write(name, tensor.to(self.dtype))
             except BaseException:

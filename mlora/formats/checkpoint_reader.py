@@ -14,6 +14,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -81,6 +82,7 @@ class CheckpointReader:
         self.entries: dict[str, TensorEntry] = {}
         self.bytes_read = 0
         self._fds: dict[Path, int] = {}
+        self._derived: dict[str, Callable[[], torch.Tensor]] = {}  # name -> its whole tensor, computed (derive)
         for file in self._files():
             entries, _ = read_safetensors_header(file)
             self.entries.update(entries)
@@ -107,7 +109,15 @@ class CheckpointReader:
     @property
     def total_bytes(self) -> int:
         """Size of all tensor data in the checkpoint."""
-        return sum(e.nbytes for e in self.entries.values())
+        return sum(e.nbytes for n, e in self.entries.items() if n not in self._derived)
+
+    def derive(self, name: str, like: TensorEntry, shape: tuple[int, ...], make: Callable[[], torch.Tensor]) -> None:
+        """Add tensor ``name`` of ``shape`` (``like``'s dtype and file), computed whole by ``make`` from the
+        file's tensors when read: a layout the file holds in another arrangement (gpt-oss's interleaved,
+        transposed experts, :mod:`mlora.formats.fused_experts`)."""
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=like.dtype).element_size()
+        self.entries[name] = TensorEntry(like.file, like.dtype, tuple(shape), -1, nbytes)
+        self._derived[name] = make
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
@@ -131,6 +141,12 @@ class CheckpointReader:
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """The tensor ``name``, or its ``[start:stop]`` slice along ``dim``, reading only those bytes."""
         entry = self.entry(name)
+        if name in self._derived:
+            whole = self._derived[name]()
+            if dim is None:
+                return whole
+            stop = whole.shape[dim] if stop is None else stop
+            return whole.narrow(dim, start, stop - start).contiguous()
         shape = list(entry.shape)
         if dim is None:
             dim, start, stop = 0, 0, (shape[0] if shape else 1)

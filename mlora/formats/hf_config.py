@@ -14,7 +14,7 @@ from mlora.formats.moe_refusals import MOE_REFUSALS
 
 # mixture-of-experts architectures: experts, router and their HF names (see MoESpec)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "OlmoeForCausalLM",
-                     "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
+                     "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM")
 # multi-head latent attention (MLASpec) in place of grouped-query attention
 MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
@@ -27,6 +27,10 @@ ATTENTION_BIAS_ON_QKV = ("Glm4MoeForCausalLM",)
 QK_NORM = {"Qwen3ForCausalLM": "head", "Qwen3MoeForCausalLM": "head", "OlmoeForCausalLM": "full"}
 # RoPE on part of each head (partial_rotary_factor in rope_parameters)
 PARTIAL_ROTARY = ("Glm4MoeForCausalLM",)
+# gpt-oss: attention sinks, biases on q/k/v/o, the router and the experts, a clamped SwiGLU, alternating windows
+GPT_OSS = "GptOssForCausalLM"
+# the SwiGLU constants megatron-core's quick_gelu and vLLM's CPU kernel hard-code (transformers reads the config's)
+GPT_OSS_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
 # every other mixture-of-experts architecture transformers has, with what it would need (mlora/formats/moe_refusals.py)
 MOE_NOT_YET = MOE_REFUSALS
 
@@ -67,6 +71,11 @@ class MoESpec:
     scaling: float | None = None
     groups: tuple[int, int] | None = None
     router_fp32: bool = False
+    router_name: str = "gate"  # the router's HF module below the block (gpt-oss: router)
+    # gpt-oss: the experts held stacked as transformers holds them (gate_up_proj [E, hidden, 2·ffn], gate and up
+    # columns interleaved, down_proj [E, ffn, hidden], biases), a SwiGLU clamped at ``GPT_OSS_SWIGLU``'s limit with
+    # ``(up + 1)``, biases on the router and the experts (mlora.formats.fused_experts)
+    gpt_oss: bool = False
 # rope types whose inverse frequencies are static and whose cos/sin are not rescaled.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # with multi-head latent attention also YaRN, whose cos/sin scale (attention_factor) MLA's rotary embedding applies
@@ -115,6 +124,11 @@ class ModelSpec:
     moe: MoESpec | None = None
     rotary_percent: float = 1.0  # RoPE on the first rotary_percent of each head's dims (GLM-4.5: 0.5), the rest as is
     mla: MLASpec | None = None  # multi-head latent attention (DeepSeek-V3) in place of grouped-query attention
+    # gpt-oss: a learned sink logit per head joins each softmax; biases on o_proj (and router, experts); a sliding
+    # window per layer (None: full attention), where ``sliding_window`` (None then) would give every layer one
+    attention_sinks: bool = False
+    linear_bias: bool = False
+    layer_windows: tuple[int | None, ...] | None = None
 
     @property
     def rotary_dim(self) -> int:
@@ -194,12 +208,12 @@ def model_spec(cfg: Any) -> ModelSpec:
         raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     if getattr(cfg, "hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}; supported: 'silu'")
-    if getattr(cfg, "attention_bias", False) and arch not in QKV_BIAS + ATTENTION_BIAS_ON_QKV:
+    if getattr(cfg, "attention_bias", False) and arch not in QKV_BIAS + ATTENTION_BIAS_ON_QKV + (GPT_OSS,):
         raise ValueError(f"{arch} with attention_bias=True (bias on o_proj) is not supported; supported: False")
     if getattr(cfg, "mlp_bias", False):
         raise ValueError("mlp_bias=True is not supported; supported: False")
     rope = rope_parameters(cfg)
-    rope_types = MLA_ROPE_TYPES if arch in MLA_ARCHITECTURES else SUPPORTED_ROPE_TYPES
+    rope_types = MLA_ROPE_TYPES if arch in MLA_ARCHITECTURES + (GPT_OSS,) else SUPPORTED_ROPE_TYPES
     if rope["rope_type"] not in rope_types:
         raise ValueError(f"unsupported rope_type {rope['rope_type']!r} for {arch}; supported: {', '.join(rope_types)}")
     partial = float(rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) or 1.0)
@@ -224,6 +238,9 @@ def model_spec(cfg: Any) -> ModelSpec:
         qk_norm = "head" if getattr(cfg, "use_qk_norm", False) else None
     if arch == "OlmoeForCausalLM" and getattr(cfg, "clip_qkv", None) is not None:
         raise ValueError(f"OlmoeForCausalLM with clip_qkv={cfg.clip_qkv} is not supported; supported: None")
+    windows = _gpt_oss_windows(cfg) if arch == GPT_OSS else None
+    if windows is not None:
+        sliding = None
     return ModelSpec(
         architecture=arch,
         num_layers=cfg.num_hidden_layers,
@@ -245,7 +262,29 @@ def model_spec(cfg: Any) -> ModelSpec:
         moe=_moe_spec(arch, cfg) if arch in MOE_ARCHITECTURES else None,
         rotary_percent=partial,
         mla=_mla_spec(arch, cfg) if arch in MLA_ARCHITECTURES else None,
+        attention_sinks=arch == GPT_OSS,
+        linear_bias=arch == GPT_OSS,
+        layer_windows=windows,
     )
+
+
+def _gpt_oss_windows(cfg: Any) -> tuple[int | None, ...]:
+    """gpt-oss's window per layer (``layer_types``: sliding_attention or full_attention), refusing the SwiGLU
+    constants megatron-core and vLLM do not take from the config."""
+    for key, value in GPT_OSS_SWIGLU.items():
+        if float(getattr(cfg, key, value)) != value:
+            raise ValueError(f"{GPT_OSS} with {key}={getattr(cfg, key)} is not supported (megatron-core's quick_gelu "
+                             f"and vLLM's CPU kernel compute {', '.join(f'{k}={v}' for k, v in GPT_OSS_SWIGLU.items())}"
+                             f"); supported: {value}")
+    types = list(cfg.layer_types or ())
+    kinds = {"sliding_attention", "full_attention"}
+    if len(types) != cfg.num_hidden_layers or not set(types) <= kinds:
+        raise ValueError(f"{GPT_OSS}: layer_types={types}; valid: one of {sorted(kinds)} per layer "
+                         f"({cfg.num_hidden_layers})")
+    window = cfg.sliding_window
+    if "sliding_attention" in types and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"{GPT_OSS}: sliding_window={window!r} with sliding_attention layers; valid: an int >= 1")
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 def _mla_spec(arch: str, cfg: Any) -> MLASpec:
@@ -285,6 +324,9 @@ def _moe_spec(arch: str, cfg: Any) -> MoESpec:
                        ("gate_proj", "up_proj", "down_proj"), shared)
     if arch in ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM"):
         return _sigmoid_moe_spec(arch, cfg, experts, top_k)
+    if arch == GPT_OSS:  # every layer sparse; top-k of the router's logits, then softmax over those k
+        return MoESpec(experts, top_k, cfg.intermediate_size, True, tuple(layers), "mlp",
+                       ("gate_proj", "up_proj", "down_proj"), router_name="router", gpt_oss=True)
     return MoESpec(experts, top_k, cfg.intermediate_size, bool(getattr(cfg, "norm_topk_prob", False)), tuple(layers),
                    "mlp", ("gate_proj", "up_proj", "down_proj"))
 

@@ -56,10 +56,6 @@ MOE_REFUSALS: dict[str, str] = {
     "Glm5NextForConditionalGeneration": "linear-attention layers, which megatron-core 0.16 has no local layer for, "
                                         "between indexed multi-head latent attention layers, sigmoid routing with a "
                                         "correction bias, a shared expert and a clamped SwiGLU",
-    # OpenAI
-    "GptOssForCausalLM": "attention sinks, biases on the experts (and q/k/v/o), a clamped SwiGLU (swiglu_limit, "
-                         "swiglu_alpha) with softmax over the top-k router logits, and alternating sliding-window "
-                         "attention",
     # Qwen
     "Qwen3NextForCausalLM": _QWEN3_NEXT,
     "Qwen3_5MoeForCausalLM": _QWEN3_NEXT + " (Qwen3.5/3.6-MoE)",

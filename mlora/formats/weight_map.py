@@ -27,6 +27,7 @@ REPLICATED, ROWS, COLUMNS, QKV, FC1, VOCAB = "replicated", "rows", "columns", "q
 _SPLIT_DIM = {ROWS: 0, COLUMNS: 1}
 _SHARED = "mlp.shared_experts."  # megatron's SharedExpertMLP in a MoE layer
 EXPERT_BIAS = "mlp.router.expert_bias"  # a sigmoid router's correction bias: float32 whatever the base's dtype
+SINKS = "core_attention.softmax_offset"  # gpt-oss's sink logit per head (megatron's learnable softmax offset)
 
 
 def read_shard(reader: CheckpointReader, name: str, kind: str, tp: int, tp_rank: int) -> torch.Tensor:
@@ -80,8 +81,8 @@ class ParamMap:
             return {q: (spec.num_heads * hd, *trail), k: (spec.num_kv_heads * hd, *trail),
                     v: (spec.num_kv_heads * hd, *trail)}
         ffn = self.ffn(spec)
-        if self.kind == FC1:
-            return {n: (ffn, h) for n in self.hf_names}
+        if self.kind == FC1:  # a gate/up pair's weights, or (gpt-oss) biases
+            return {n: (ffn, h) if self.megatron_name.endswith("weight") else (ffn,) for n in self.hf_names}
         if self.kind == VOCAB:
             return {self.hf_names[0]: (spec.vocab_size, h)}
         if self.kind == COLUMNS:
@@ -90,6 +91,10 @@ class ParamMap:
             return {self.hf_names[0]: (out, inp)}
         if self.megatron_name.endswith("router.weight"):
             return {self.hf_names[0]: (spec.moe.num_experts, h)}
+        if self.megatron_name.endswith("router.bias"):
+            return {self.hf_names[0]: (spec.moe.num_experts,)}
+        if self.megatron_name.endswith(SINKS):
+            return {self.hf_names[0]: (spec.num_heads,)}
         if self.megatron_name.endswith(EXPERT_BIAS):
             return {self.hf_names[0]: (spec.moe.num_experts,)}
         if self.megatron_name.endswith(_SHARED + "gate_weight"):  # the shared expert's sigmoid gate, [1, hidden]
@@ -189,6 +194,10 @@ def stage_param_maps(spec: ModelSpec, pp: int, pp_rank: int, ep: int = 1, ep_ran
                 maps.append(ParamMap(m + f"self_attention.{q}_layernorm.weight", (h + f"self_attn.{q}_norm.weight",),
                                      kind))
         maps.append(ParamMap(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), COLUMNS))
+        if spec.linear_bias:  # added once, after the row-parallel sum
+            maps.append(ParamMap(m + "self_attention.linear_proj.bias", (h + "self_attn.o_proj.bias",), REPLICATED))
+        if spec.attention_sinks:  # one per head: TP splits them with the heads
+            maps.append(ParamMap(m + "self_attention." + SINKS, (h + "self_attn.sinks",), ROWS))
         maps.append(ParamMap(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), REPLICATED))
         if spec.is_sparse(i):
             maps += _expert_maps(spec, m, h, ep, ep_rank)
@@ -239,13 +248,20 @@ def _expert_maps(spec: ModelSpec, m: str, h: str, ep: int, ep_rank: int) -> list
     prefix ``h``)."""
     block = f"{h}{spec.moe.block}."
     gate, up, down = spec.moe.projections
-    maps = [ParamMap(m + "mlp.router.weight", (block + "gate.weight",), REPLICATED)]
+    router = f"{block}{spec.moe.router_name}."
+    maps = [ParamMap(m + "mlp.router.weight", (router + "weight",), REPLICATED)]
+    if spec.linear_bias:
+        maps.append(ParamMap(m + "mlp.router.bias", (router + "bias",), REPLICATED))
     if spec.moe.expert_bias:
-        maps.append(ParamMap(m + EXPERT_BIAS, (block + "gate.e_score_correction_bias",), REPLICATED))
+        maps.append(ParamMap(m + EXPERT_BIAS, (router + "e_score_correction_bias",), REPLICATED))
     for j, e in enumerate(local_experts(spec, ep, ep_rank)):
         x, hx = f"{m}mlp.experts.local_experts.{j}.", f"{block}experts.{e}."
         maps.append(ParamMap(x + "linear_fc1.weight", (f"{hx}{gate}.weight", f"{hx}{up}.weight"), FC1, expert=True))
+        if spec.linear_bias:
+            maps.append(ParamMap(x + "linear_fc1.bias", (f"{hx}{gate}.bias", f"{hx}{up}.bias"), FC1, expert=True))
         maps.append(ParamMap(x + "linear_fc2.weight", (f"{hx}{down}.weight",), COLUMNS, expert=True))
+        if spec.linear_bias:
+            maps.append(ParamMap(x + "linear_fc2.bias", (f"{hx}{down}.bias",), REPLICATED, expert=True))
     if spec.moe.shared_ffn_size is not None:
         x, hx = f"{m}{_SHARED}", f"{block}{spec.moe.shared_name}."
         maps.append(ParamMap(x + "linear_fc1.weight", (f"{hx}gate_proj.weight", f"{hx}up_proj.weight"), FC1))

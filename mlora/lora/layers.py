@@ -398,7 +398,8 @@ class _LoraLinear(torch.autograd.Function):
         ctx.site, ctx.specs, ctx.x_shape = site, specs, x.shape
         keep_x = weight.requires_grad or not all(spec[0] for spec in specs)
         ctx.save_for_backward(x2 if keep_x else None, weight, *hiddens, *factors)
-        return out.view(*x.shape[:-1], out.shape[-1])
+        # not a view where none is needed: an expert's output (2-D) gets its bias added in place (megatron's MLP)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     @once_differentiable
@@ -676,7 +677,9 @@ class LoraRowParallelLinear(LoraHost, tensor_parallel.RowParallelLinear):
         group = self.tp_group if self.weight_scale is not None and self.tp_group.size() > 1 else None
         branches, routes = self._routed_branches()
         out = lora_linear(input_, self.weight, None, branches, self.lora_site, self.weight_scale, group, routes)
-        if not self.explicit_expert_comm:  # an expert's output goes back through the dispatcher unreduced
+        # an expert's output goes back through the dispatcher unreduced; one rank reduces nothing (megatron's
+        # identity Function would return a view, which an expert's in-place bias addition then refuses)
+        if not self.explicit_expert_comm and (self.sequence_parallel or self.tp_group.size() > 1):
             out = row_output(out, self.sequence_parallel, self.tp_group)
         if self.skip_bias_add:
             return out, self.bias

@@ -64,13 +64,15 @@ ROUTER_NAMES = ("gate", "router")  # its HF and megatron names
 
 
 def router_projection(moe) -> str:
-    """The key of a MoE layer's router: its HF path below the layer, ``mlp.gate`` (Mixtral ``block_sparse_moe.gate``)."""
-    return f"{moe.block}.gate"
+    """The key of a MoE layer's router: its HF path below the layer, ``mlp.gate`` (Mixtral ``block_sparse_moe.gate``,
+    gpt-oss ``mlp.router``)."""
+    return f"{moe.block}.{moe.router_name}"
 
 
 def is_router(proj: str) -> bool:
     """Whether the projection key ``proj`` is a MoE layer's router."""
-    return proj.endswith(".gate")
+    block, dot, leaf = proj.partition(".")
+    return bool(dot) and leaf in ROUTER_NAMES
 
 
 def shared_expert_projection(moe, k: int) -> str:
@@ -180,7 +182,7 @@ def _expand(pattern: str, universe: dict[tuple[int, str], str], moe) -> set[tupl
     elif last in _ORDER or last in leaves:
         projs = {last}
     elif last in ROUTER_NAMES and moe is not None:
-        projs = {"gate"}  # a router's leaf, whatever its name: matched below against the HF path
+        projs = {ROUTER}  # a router, whatever its HF name: matched below against the HF path
         prefix = _hf_path(prefix, moe)
     elif (last in ("shared_expert_gate", "gate_weight") and moe is not None and moe.shared_ffn_size is not None
           and moe.shared_gate):

@@ -8,6 +8,8 @@ Two implementations fill megatron's ``core_attention`` slot (chosen with
   ``[s, s]`` score matrix, and :func:`sdpa_mask` gives it no mask at all for causal batches without
   padding or with right padding only; Mistral's sliding window costs one ``[1, 1, s, s]`` additive
   mask per step, shared by every layer and micro-batch.
+  gpt-oss's attention sinks ride along as one key more (:func:`_with_sink_key`) and its window on every other layer
+  is each layer's own (``LAYER_WINDOWS_CONFIG_ATTR``), on top of the model's mask.
 - ``"unfused"``: megatron's ``DotProductAttention`` (scores materialised, softmax, matmul) with
   the full ``[b, 1, s, s]`` boolean mask of :func:`attention_mask`; kept as the reference the fused
   path is tested and benchmarked against. The Transformer Engine spec (``fp8="te"``) also takes the
@@ -29,6 +31,9 @@ ATTENTION_CONFIG_ATTR = "mlora_attention"  # on megatron's TransformerConfig: wh
 # on megatron's TransformerConfig: the model's sliding window (Mistral), which packed rows apply per segment;
 # unpacked batches carry it in their mask
 WINDOW_CONFIG_ATTR = "mlora_sliding_window"
+# on megatron's TransformerConfig: a window per layer (gpt-oss: None = full attention), applied by each layer's
+# SDPAttention on top of the model's mask (which then carries no window)
+LAYER_WINDOWS_CONFIG_ATTR = "mlora_layer_windows"
 
 # Mask types under which a missing mask means "causal" (megatron's unfused path builds a causal
 # mask for these itself; SDPA's is_causal does the same without one).
@@ -133,6 +138,30 @@ def _value_as_wide_as_query(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Ten
     return torch.nn.functional.pad(v, (0, q.shape[-1] - v_dim)), v_dim
 
 
+def _with_sink_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, sink: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """q, k, v and the mask ``[b, h, s, ·]`` with gpt-oss's attention sinks as one key more, for SDPA's fused kernels.
+
+    A sink adds ``exp(sink_h)`` to each softmax denominator of head h and nothing to the output (transformers
+    concatenates it to the scores and drops its column). Here it is key 0 with a zero value, its score ``sink_h`` made
+    by one more head dim: 1 on the sink key, 0 on the others, ``sink_h / scale`` on every query of head h (per query
+    head, so K/V stay grouped); zeros pad the head dim to a multiple of 8. A dummy query 0 (zeros, its output dropped)
+    keeps the causal mask square: query i + 1 sees keys 0..i + 1, the sink and real keys 0..i. An explicit mask gets
+    the sink's column (always seen) and the dummy's row."""
+    b, h, s, d = q.shape
+    pad = (-(d + 1)) % 8 + 1
+    column = (sink.to(q.dtype) / scale).view(1, h, 1, 1).expand(b, h, s, 1)
+    q = torch.cat([q, column, q.new_zeros(b, h, s, pad - 1)], dim=-1)
+    q = torch.cat([q.new_zeros(b, h, 1, d + pad), q], dim=2)
+    sink_key = k.new_zeros(1, 1, 1, d + pad)
+    sink_key[..., d] = 1.0
+    k = torch.cat([sink_key.expand(b, k.shape[1], 1, d + pad), F.pad(k, (0, pad))], dim=2)
+    v = torch.cat([v.new_zeros(b, v.shape[1], 1, v.shape[-1]), v], dim=2)
+    if mask is not None:
+        mask = F.pad(mask, (1, 0, 1, 0), value=True if mask.dtype == torch.bool else 0.0)
+    return q, k, v, mask
+
+
 class SDPAttention(MegatronModule):
     """Drop-in for megatron's ``DotProductAttention`` (same constructor and forward signature)
     computed by ``torch.nn.functional.scaled_dot_product_attention``.
@@ -159,9 +188,21 @@ class SDPAttention(MegatronModule):
         super().__init__(config=config)
         if config.context_parallel_size != 1:
             raise ValueError("SDPAttention does not support context parallelism (context_parallel_size must be 1)")
-        if config.softmax_type != "vanilla":
-            raise NotImplementedError(f"SDPAttention supports softmax_type='vanilla' only, not {config.softmax_type!r}")
+        if config.softmax_type not in ("vanilla", "learnable"):
+            raise NotImplementedError(f"SDPAttention supports softmax_type 'vanilla' and 'learnable' (attention sinks), "
+                                      f"not {config.softmax_type!r}")
         self.layer_number = max(1, layer_number)
+        # gpt-oss's sinks: megatron's learnable softmax offset (its name and TP split), loaded from the checkpoint
+        self.softmax_offset = None
+        if config.softmax_type == "learnable":
+            from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+            heads = config.num_attention_heads // config.tensor_model_parallel_size
+            self.softmax_offset = torch.nn.Parameter(torch.zeros(heads, dtype=config.params_dtype))
+            set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+        windows = getattr(config, LAYER_WINDOWS_CONFIG_ATTR, None)
+        self.window = windows[self.layer_number - 1] if windows is not None else None
+        self._window_mask: tuple | None = None
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
         self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
@@ -184,25 +225,50 @@ class SDPAttention(MegatronModule):
         if mask is not None:
             # boolean masks come in megatron's convention (True = masked), SDPA's is True = attend
             mask = ~mask if mask.dtype == torch.bool else mask.to(query.dtype)
+        if self.window is not None and self.window < sq:  # this layer's window on top of the model's mask
+            mask = self._windowed(mask, sq, query)
+            is_causal = False
         # [s, b, h, d] -> [b, h, s, d]: views; the kernels read strided inputs
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        v, v_dim = _value_as_wide_as_query(q, v)
+        dropout = self.dropout_p if self.training else 0.0
+        fork = contextlib.nullcontext()
+        if dropout > 0.0 and not self.config.sequence_parallel:
+            from megatron.core import tensor_parallel
+
+            fork = tensor_parallel.get_cuda_rng_tracker().fork()  # as megatron: per-TP-rank dropout stream
+        with fork:
+            out = self._attend(q, k, v, mask, is_causal, dropout)
+        # [b, h, s, d] -> [s, b, h * d]
+        return out.permute(2, 0, 1, 3).reshape(sq, batch, -1)
+
+    def _windowed(self, mask: torch.Tensor | None, seq_len: int, like: torch.Tensor) -> torch.Tensor:
+        """``mask`` (SDPA's convention, or None: causal) with this layer's window: additive ``[1, 1, s, s]`` alone
+        (built once per length), else combined with the model's mask."""
+        key = (seq_len, like.dtype, like.device)
+        if self._window_mask is None or self._window_mask[0] != key:
+            self._window_mask = (key, sdpa_mask(seq_len, None, self.window, like.dtype, like.device))
+        windowed = self._window_mask[1]
+        if mask is None:
+            return windowed
+        if mask.dtype == torch.bool:
+            return mask & (windowed == 0)
+        return mask + windowed
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+                dropout: float) -> torch.Tensor:
+        """SDPA of ``[b, h, s, d]`` q and grouped k/v, with the sinks where the layer has them; ``[b, h, s, d_v]``."""
+        v_dim, sq = v.shape[-1], q.shape[2]
+        if self.softmax_offset is not None:
+            q, k, v, mask = _with_sink_key(q, k, v, mask, self.softmax_offset, self.softmax_scale)
+        v, _ = _value_as_wide_as_query(q, v)
+        heads = q.shape[1]
         gqa = k.shape[1] != heads
         if gqa and _repeat_kv_needed(q, k, v, mask, is_causal):
             k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
             gqa = False
-        dropout = self.dropout_p if self.training else 0.0
-        if dropout > 0.0 and not self.config.sequence_parallel:
-            from megatron.core import tensor_parallel
-
-            with tensor_parallel.get_cuda_rng_tracker().fork():  # as megatron: per-TP-rank dropout stream
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
-                                                     scale=self.softmax_scale, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
-                                                 scale=self.softmax_scale, enable_gqa=gqa)
-        # [b, h, s, d] -> [s, b, h * d]
-        return out[..., :v_dim].permute(2, 0, 1, 3).reshape(sq, batch, -1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
+                                             scale=self.softmax_scale, enable_gqa=gqa)
+        return out[:, :, -sq:, :v_dim]
 
     def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed_seq_params,
                 mask_type: AttnMaskType) -> torch.Tensor:
@@ -220,8 +286,8 @@ class SDPAttention(MegatronModule):
         if cu != packed_seq_params.cu_seqlens_kv.tolist() or cu[-1] != query.shape[0]:
             raise ValueError(f"packed attention needs cu_seqlens_q == cu_seqlens_kv ending at the {query.shape[0]} "
                              f"tokens, got {cu} and {packed_seq_params.cu_seqlens_kv.tolist()}")
-        heads = query.shape[1]
-        window = getattr(self.config, WINDOW_CONFIG_ATTR, None)
+        per_layer = getattr(self.config, LAYER_WINDOWS_CONFIG_ATTR, None) is not None
+        window = self.window if per_layer else getattr(self.config, WINDOW_CONFIG_ATTR, None)
         dropout = self.dropout_p if self.training else 0.0
         fork = contextlib.nullcontext()
         if dropout > 0.0 and not self.config.sequence_parallel:
@@ -233,14 +299,7 @@ class SDPAttention(MegatronModule):
             for a, b in zip(cu[:-1], cu[1:]):
                 # [len, h, d] -> [1, h, len, d]: views
                 q, k, v = (t[a:b].permute(1, 0, 2)[None] for t in (query, key, value))
-                v, v_dim = _value_as_wide_as_query(q, v)
                 mask = sdpa_mask(b - a, None, window, query.dtype, query.device)
-                gqa = k.shape[1] != heads
-                if gqa and _repeat_kv_needed(q, k, v, mask, mask is None):
-                    k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
-                    gqa = False
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                     is_causal=mask is None, scale=self.softmax_scale,
-                                                     enable_gqa=gqa)
-                outs.append(out[0, ..., :v_dim].permute(1, 0, 2).reshape(b - a, -1))
+                out = self._attend(q, k, v, mask, mask is None, dropout)
+                outs.append(out[0].permute(1, 0, 2).reshape(b - a, -1))
         return torch.cat(outs)

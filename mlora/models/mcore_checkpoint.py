@@ -230,6 +230,15 @@ def _short(names: Iterable[str], n: int = 5) -> str:
 
 
 # ----------------------------------------------------------------------------- HF -> mcore
+def _refuse_unconvertible(spec: ModelSpec) -> None:
+    """A ValueError for the architectures mlora trains but does not convert to megatron-core's dist checkpoints."""
+    if spec.moe is not None and spec.moe.gpt_oss:
+        raise ValueError(f"{spec.architecture} is not converted to or from megatron-core dist checkpoints yet: its "
+                         "stacked, interleaved experts, their biases and the attention sinks have no dist-checkpoint "
+                         "keys in this converter; mlora.from_pretrained reads the HF checkpoint directly, and "
+                         "save_merged writes one")
+
+
 def check_hf_checkpoint(reader: CheckpointReader, spec: ModelSpec, hf_dir: Path) -> list[ParamMap]:
     """Every ParamMap of the whole model (TP1/PP1 names); raises when the files do not match the config
     or hold tensors a megatron GPTModel has no place for (they could not come back on export)."""
@@ -335,6 +344,7 @@ def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int =
             raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer")
     hf, out = Path(hf_dir), Path(out_dir)
     spec = model_spec(load_hf_config(hf))
+    _refuse_unconvertible(spec)
     check_layout(spec, tp, pp, ep)
     if fp8_quantization_config(json.loads((hf / "config.json").read_text())) is not None:
         raise ValueError(f"{hf} is a block-quantized FP8 checkpoint (quantization_config); hf-to-mcore converts "
@@ -655,6 +665,7 @@ def mcore_to_hf(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike,
     out = Path(out_dir)
     ckpt = locate_mcore_checkpoint(mcore_dir, hf_config)
     spec = model_spec(load_hf_config(ckpt.config_dir))
+    _refuse_unconvertible(spec)
     metadata = _dcp_metadata(ckpt.directory)
     check_shard_files(ckpt.directory, metadata)
     tensors = _model_tensors(metadata)

@@ -10,7 +10,13 @@ import torch.nn.functional as F
 from mlora.formats.hf_config import ModelSpec, check_layout, hf_inv_freq, hf_rope, rope_parameters
 from mlora.fp8.quant import SCALED_MM_MULTIPLE, FP8ShapeError, fp8_shape_problems
 from mlora.lora.sites import attach_lora_sites
-from mlora.models.attention import ATTENTION_CONFIG_ATTR, WINDOW_CONFIG_ATTR, SDPAttention, check_attention_arg
+from mlora.models.attention import (
+    ATTENTION_CONFIG_ATTR,
+    LAYER_WINDOWS_CONFIG_ATTR,
+    WINDOW_CONFIG_ATTR,
+    SDPAttention,
+    check_attention_arg,
+)
 from mlora.models.norm import QK_NORM_CONFIG_ATTR, RMSNorm
 from mlora.models.recompute import Recompute, prepare_for_recompute
 from mlora.parallel.mesh import Mesh
@@ -34,8 +40,7 @@ def transformer_config(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, recomput
         normalization="RMSNorm",
         layernorm_epsilon=spec.norm_eps,
         gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
+        add_bias_linear=spec.linear_bias,
         add_qkv_bias=spec.qkv_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -62,6 +67,7 @@ def transformer_config(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, recomput
         **recompute.config_kwargs(),
         **moe_config_kwargs(spec, mesh),
         **mla,
+        **gpt_oss_config_kwargs(spec),
     )
     if spec.mla is not None:
         from mlora.models.mla import MLA_ROPE_CONFIG_ATTR
@@ -69,6 +75,23 @@ def transformer_config(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, recomput
         inv_freq, factor = hf_rope(spec)
         setattr(config, MLA_ROPE_CONFIG_ATTR, (inv_freq.to(mesh.device), factor))
     return config
+
+
+def gpt_oss_config_kwargs(spec: ModelSpec) -> dict:
+    """The activation (SiLU's SwiGLU; gpt-oss's ``(up + 1) · gate · sigmoid(1.702 · gate)``, gate clamped above and up
+    on both sides at 7, megatron's quick_gelu GLU with its clamp and linear offset), attention sinks (megatron's
+    learnable softmax offset, :class:`~mlora.models.attention.SDPAttention`'s) and the softmax scale (YaRN's attention
+    factor scales cos and sin, so q·k by its square, as in transformers)."""
+    if not (spec.moe is not None and spec.moe.gpt_oss):
+        return dict(activation_func=F.silu)
+    from megatron.core.activations import quick_gelu
+
+    from mlora.formats.hf_config import GPT_OSS_SWIGLU
+
+    _, factor = hf_rope(spec)
+    return dict(activation_func=quick_gelu, activation_func_clamp_value=GPT_OSS_SWIGLU["swiglu_limit"],
+                glu_linear_offset=1.0, softmax_type="learnable" if spec.attention_sinks else "vanilla",
+                softmax_scale=factor * factor / spec.head_dim ** 0.5)
 
 
 def mla_config_kwargs(spec: ModelSpec) -> dict:
@@ -200,7 +223,9 @@ def gpt_model(spec: ModelSpec, mesh, config, layer_spec, vocab_size: int):
         parallel_output=True,
     )
     if spec.mla is None:  # multi-latent attention has its own, per layer (mlora.models.mla)
-        model.rotary_pos_emb.inv_freq = hf_inv_freq(spec).to(mesh.device)
+        # YaRN's cos/sin factor (gpt-oss) is in the softmax scale (gpt_oss_config_kwargs)
+        inv_freq = hf_rope(spec)[0] if spec.moe is not None and spec.moe.gpt_oss else hf_inv_freq(spec)
+        model.rotary_pos_emb.inv_freq = inv_freq.to(mesh.device)
     if spec.moe is not None and spec.moe.expert_bias:  # GLM-4.5's correction bias: no megatron option builds it here
         add_expert_biases(model)
     return model.to(mesh.device)
@@ -336,6 +361,10 @@ def build_gpt_model(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, fp8: str | 
     from mlora.lora.layers import FP8_CONFIG_ATTR
 
     recompute = recompute or Recompute()
+    if spec.layer_windows is not None and (fp8 is not None or attention != "sdpa"):
+        raise ValueError(f"{spec.architecture} (attention sinks, a window per layer) runs with fp8=None and "
+                         f"attention='sdpa' only (got fp8={fp8!r}, attention={attention!r}): megatron's unfused "
+                         "attention and Transformer Engine's take one window for every layer")
     if spec.mla is not None and (fp8 is not None or attention != "sdpa"):
         raise ValueError(f"{spec.architecture} (multi-latent attention) runs with fp8=None and attention='sdpa' only "
                          f"(got fp8={fp8!r}, attention={attention!r}): mlora's FP8 linears and megatron's unfused "
@@ -344,6 +373,7 @@ def build_gpt_model(spec: ModelSpec, mesh: Mesh, dtype: torch.dtype, fp8: str | 
     setattr(config, FP8_CONFIG_ATTR, fp8)
     setattr(config, ATTENTION_CONFIG_ATTR, check_attention_arg(attention))
     setattr(config, WINDOW_CONFIG_ATTR, spec.sliding_window)
+    setattr(config, LAYER_WINDOWS_CONFIG_ATTR, spec.layer_windows)
     setattr(config, QK_NORM_CONFIG_ATTR, spec.qk_norm)
     layer_spec = block_spec
     if fp8 == "te":

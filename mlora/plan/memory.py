@@ -205,6 +205,10 @@ def stage_activations(spec: ModelSpec, layout: Layout, workload: Workload, stage
                       ) -> _StageActivations:
     """Bytes one micro-batch keeps on ``stage`` between its forward and its backward, for the actor
     (``critic=False``) or the critic; and what a recomputed group adds while it runs backward."""
+    if spec.attention_sinks:
+        raise ValueError(f"the memory planner has no activation formula for {spec.architecture} yet (what autograd "
+                         "keeps of attention with sinks, the windowed layers' masks and the clamped SwiGLU with "
+                         "biases); its weights are counted (mlora.plan.weights), its activations are not")
     g = geometry(spec, layout, workload, workload.micro_batch)
     first, last = stage == 0, stage == layout.pp - 1
     layers = stage_layers(spec, layout.pp, stage)

@@ -62,7 +62,8 @@ class MergedWeightsWorkerExtension:
         return sum(map(len, names.values()))
 
 
-_EXPERT_LAYER = re.compile(r"layers\.(\d+)\.[\w.]*experts\.\d+\.")
+# an expert's weight (gpt-oss: the layer's stacked experts)
+_EXPERT_LAYER = re.compile(r"layers\.(\d+)\.[\w.]*experts\.(?:\d+\.|gate_up_proj|down_proj)")
 
 
 def _names(file: Path) -> list[str]:

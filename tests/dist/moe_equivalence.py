@@ -14,6 +14,7 @@ equal the whole batch's on one rank.
 from __future__ import annotations
 
 import argparse
+import os
 import zlib
 from pathlib import Path
 
@@ -26,12 +27,13 @@ from mlora.lora.grads import finalize_grads
 from mlora.parallel import reset_parallel
 from mlora.testing import right_padded_batch
 
-MOE_MODELS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe", "deepseek_v3")
+MOE_MODELS = tuple(os.environ.get("MLORA_MOE_MODELS", "mixtral,qwen3_moe,qwen2_moe,olmoe,glm4_moe,deepseek_v3,gpt_oss"
+                                  ).split(","))
 DENSE_MODELS = ("qwen3",)  # q/k norm per head, no experts: layouts without EP only
 LORA = dict(rank=4, alpha=8, seed=3, target_modules="all-linear", init_method="gaussian")
 # The router as a target too (named: all-linear leaves it out), where PEFT loads it; PEFT 0.21 refuses a Qwen2-MoE
 # adapter with router LoRA outright (mlora warns when saving), so there its router is adapted in the mixed check only.
-ROUTER_IN_PEFT = {"mixtral", "qwen3_moe", "olmoe", "glm4_moe", "deepseek_v3"}
+ROUTER_IN_PEFT = {"mixtral", "qwen3_moe", "olmoe", "glm4_moe", "deepseek_v3", "gpt_oss"}
 # Mixtral's experts at a rank of their own: PEFT files with r = 2 and the attention's 4 in rank_pattern
 EXPERT_RANK = {"mixtral": 2}
 # PEFT 0.21 on transformers 5 maps every gate/up/down target of a Qwen3-MoE adapter onto the stacked experts, so
@@ -73,8 +75,9 @@ def hf_routes(model_dir: Path, ids: torch.Tensor) -> list[torch.Tensor]:
     """Per sparse layer, HF's top-k weights scattered over the experts, ``[tokens, experts]`` with tokens
     in megatron's order (sequence-major)."""
     hf, out = hf_model(model_dir), []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: out.append(o)) for layer in hf.model.layers
-             if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")]
+    hooks = [getattr(layer.mlp, "router", None) or layer.mlp.gate for layer in hf.model.layers
+             if hasattr(layer.mlp, "experts")]  # gpt-oss calls its router router
+    hooks = [router.register_forward_hook(lambda m, i, o: out.append(o)) for router in hooks]
     with torch.no_grad():
         hf(input_ids=ids)
     for h in hooks:
@@ -160,7 +163,7 @@ def main() -> None:
     for tp, pp, ep, sp in parse(args.layouts):
         mesh = mlora.init_parallel(tp=tp, pp=pp, sp=sp, ep=ep)
         layout = dict(tp=tp, pp=pp, ep=ep, dp=mesh.dp, sp=sp, rank=mesh.rank)
-        for name in MOE_MODELS + (DENSE_MODELS if ep == 1 else ()):
+        for name in MOE_MODELS + (DENSE_MODELS if ep == 1 and os.environ.get("MLORA_MOE_MODELS") is None else ()):
             model_dir = args.models_dir / name
             model = mlora.from_pretrained(model_dir, mesh, dtype=torch.float32)
             ids, mask = right_padded_batch(model.spec.vocab_size, (17, 11, 6, 17), seed=7)
