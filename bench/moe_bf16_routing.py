@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import records  # noqa: E402
 
-MODELS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe")
+MODELS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss")
 ROUTER_DTYPES = {"fp32": "fp32", "bf16": None}
 
 
@@ -56,7 +56,8 @@ def hf_run(model_dir: Path, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16, attn_implementation="eager").eval()
-    gates = [layer.mlp.gate for layer in hf.model.layers if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")]
+    gates = [getattr(layer.mlp, "router", None) or layer.mlp.gate for layer in hf.model.layers
+             if hasattr(layer.mlp, "experts")]  # gpt-oss calls its router router
     routes: list[torch.Tensor] = []
     hooks = [gate.register_forward_hook(lambda m, i, o: routes.append(choices(o))) for gate in gates]
     with torch.no_grad():

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.quick
 WEIGHT_TOL = 2 ** -7  # relative: one bf16 rounding of a weight in (0, 1] (transformers rounds after renormalising)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss"])
 def test_bf16_routers_pick_transformers_experts_on_the_same_input(tiny_models, arch):
     from megatron.core.transformer.moe.router import TopKRouter
     from transformers import AutoModelForCausalLM
@@ -45,7 +45,8 @@ def test_bf16_routers_pick_transformers_experts_on_the_same_input(tiny_models, a
     assert all(r.config.moe_router_dtype == ("fp32" if model.spec.moe.router_fp32 else None) for r in routers)
 
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_models / arch), dtype=torch.bfloat16).eval()
-    gates = [layer.mlp.gate for layer in hf.model.layers if hasattr(layer.mlp, "experts")]
+    gates = [getattr(layer.mlp, "router", None) or layer.mlp.gate for layer in hf.model.layers
+             if hasattr(layer.mlp, "experts")]  # gpt-oss calls its router router
     assert len(gates) == len(seen) == len(model.spec.moe.sparse_layers)
     for layer, gate, (x, probs) in zip(model.spec.moe.sparse_layers, gates, seen):
         with torch.no_grad():

@@ -1,6 +1,7 @@
 """tools/convert_checkpoint.py on mixtures of experts (Qwen3-MoE with a dense layer among its sparse ones,
 Qwen2-MoE's gated shared expert, Mixtral's block_sparse_moe w1/w3/w2, OLMoE's full-width q/k norm, GLM-4.5's
-router correction bias and ungated shared experts) and Qwen3's per-head q/k norm.
+router correction bias and ungated shared experts, DeepSeek-V3's multi-latent attention, gpt-oss's stacked
+interleaved experts with their biases and its attention sinks) and Qwen3's per-head q/k norm.
 
 In this process (TP1, EP1): HF -> megatron-core dist checkpoint -> megatron's dist_checkpointing.load into a
 model built by mlora gives exactly the parameters mlora's own HF loader gives, and into a GPTModel of
@@ -28,7 +29,7 @@ from mlora.models.mcore_checkpoint import CONVERT_INFO, HF_SIDE_DIR, RELEASE_DIR
 from mlora.testing import load_checkpoint_tensors
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "convert_checkpoint.py"
-MODELS = ("qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3")
+MODELS = ("qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "gpt_oss")
 MOE = ("qwen3_moe", "mixtral", "olmoe")
 
 
@@ -135,13 +136,22 @@ def test_tp1_checkpoint_loads_into_mlora_model_and_converts_back_bit_for_bit(tp1
         assert stored.get("decoder.layers.0.self_attention.q_layernorm.weight") == q_norm
     if name == "qwen3_moe":
         assert spec.moe.sparse_layers == (0, 2, 3)  # layer 1 is dense: both kinds are covered
+    if name == "gpt_oss":  # the sinks under megatron's key, the experts' biases stacked like their weights
+        moe = spec.moe
+        assert stored["decoder.layers.1.self_attention.core_attention.softmax_offset"] == (spec.num_heads,)
+        assert stored["decoder.layers.1.mlp.experts.experts.linear_fc1.bias"] == (moe.num_experts, 2 * moe.ffn_size)
+        assert stored["decoder.layers.1.mlp.experts.experts.linear_fc2.bias"] == (moe.num_experts, h)
+        assert stored["decoder.layers.1.mlp.router.bias"] == (moe.num_experts,)
+        assert stored["decoder.layers.1.self_attention.linear_proj.bias"] == (h,)
 
     ours, ref = _load_into_mlora_model(ckpt, tiny_models / name)
     assert sorted(ours) == sorted(ref)
     differ = [n for n in ref if not torch.equal(ours[n], ref[n])]
     assert not differ, differ
     if spec.moe is not None:
-        assert sum(".local_experts." in n for n in ours) == 2 * spec.moe.num_experts * len(spec.moe.sparse_layers)
+        per_expert = 4 if spec.linear_bias else 2  # fc1 and fc2 (and their biases)
+        assert sum(".local_experts." in n for n in ours) == per_expert * spec.moe.num_experts * len(
+            spec.moe.sparse_layers)
 
     out = mcore_to_hf(tp1 / name, tmp_path / "hf", progress=False)
     _assert_same_hf_files(tiny_models / name, out)
@@ -216,11 +226,12 @@ def test_stacked_te_named_moe_checkpoint_from_elsewhere_converts(tp1, tiny_model
 def test_ep2_pp2_tp2_checkpoints_load_at_other_layouts_and_convert_back(launched, tiny_models, tmp_path):
     out, records = launched
     writes = {(r["model"], r["tp"], r["pp"], r["ep"]): r["exit"] for r in records if "exit" in r}
-    assert writes == {("qwen3_moe", 1, 1, 2): 0, ("mixtral", 1, 2, 1): 0, ("olmoe", 2, 1, 2): 0, ("qwen3", 2, 1, 1): 0}
+    assert writes == {("qwen3_moe", 1, 1, 2): 0, ("mixtral", 1, 2, 1): 0, ("olmoe", 2, 1, 2): 0, ("qwen3", 2, 1, 1): 0,
+                      ("gpt_oss", 2, 1, 2): 0}
     loads = [r for r in records if "load" in r]
     assert {(r["load"], r["tp"], r["ep"], r["rank"]) for r in loads} == {
-        (n, tp, ep, rank) for n, tp, ep in (("qwen3_moe", 1, 2), ("mixtral", 1, 2), ("olmoe", 2, 1), ("qwen3", 2, 1))
-        for rank in (0, 1)}
+        (n, tp, ep, rank) for n, tp, ep in (("qwen3_moe", 1, 2), ("mixtral", 1, 2), ("olmoe", 2, 1), ("qwen3", 2, 1),
+                                            ("gpt_oss", 2, 1)) for rank in (0, 1)}
     for r in loads:  # megatron's load into mlora's model == mlora's HF loader, on every rank
         assert r["same_names"] and r["params"] > 0 and not r["differ"], r
         if r["load"] != "qwen3":
@@ -261,9 +272,7 @@ def test_moe_families_not_built_and_mismatched_checkpoints_are_refused(tp1, tiny
     assert _tool().main(["hf-to-mcore", "--hf", str(lite), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "'Glm4MoeLiteForCausalLM'" in err and "needs multi-head latent attention" in err
-    # gpt-oss, which mlora trains, is not converted yet: the tool says so
-    assert _tool().main(["hf-to-mcore", "--hf", str(tiny_models / "gpt_oss"), "--out", str(tmp_path / "o")]) == 2
-    assert "GptOssForCausalLM is not converted to or from megatron-core dist checkpoints" in capsys.readouterr().err
+
     # an OLMoE checkpoint from elsewhere read with Qwen3-MoE's config: the tensors give it away
     foreign = shutil.copytree(tp1 / "olmoe" / RELEASE_DIR, tmp_path / "foreign")
     shutil.rmtree(foreign / HF_SIDE_DIR)

@@ -111,6 +111,10 @@ class CheckpointReader:
         """Size of all tensor data in the checkpoint."""
         return sum(e.nbytes for n, e in self.entries.items() if n not in self._derived)
 
+    def is_derived(self, name: str) -> bool:
+        """Whether tensor ``name`` is computed from others (:meth:`derive`) rather than stored."""
+        return name in self._derived
+
     def derive(self, name: str, like: TensorEntry, shape: tuple[int, ...], make: Callable[[], torch.Tensor]) -> None:
         """Add tensor ``name`` of ``shape`` (``like``'s dtype and file), computed whole by ``make`` from the
         file's tensors when read: a layout the file holds in another arrangement (gpt-oss's interleaved,

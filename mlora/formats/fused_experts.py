@@ -89,9 +89,16 @@ def expose_unfused_experts(reader: CheckpointReader, spec: ModelSpec) -> int:
     return found
 
 
-GPT_OSS_FUSED = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")  # below mlp.experts.
 _GPT_OSS_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\."
                              r"(weight|bias)$")
+
+
+_GPT_OSS_STACKED = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+
+
+def is_gpt_oss_stacked(name: str, spec: ModelSpec) -> bool:
+    """Whether ``name`` is one of gpt-oss's stacked expert tensors (``spec`` a gpt-oss's)."""
+    return spec.moe is not None and spec.moe.gpt_oss and _GPT_OSS_STACKED.match(name) is not None
 
 
 def _gpt_oss_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:

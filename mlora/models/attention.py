@@ -241,6 +241,16 @@ class SDPAttention(MegatronModule):
         # [b, h, s, d] -> [s, b, h * d]
         return out.permute(2, 0, 1, 3).reshape(sq, batch, -1)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """The sinks (where the layer has them) split over TP with the heads, under megatron's key
+        (``core_attention.softmax_offset``, as its ``DotProductAttention`` writes them)."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        if self.softmax_offset is None:
+            return {}
+        return make_sharded_tensors_for_checkpoint({"softmax_offset": self.softmax_offset}, prefix,
+                                                   {"softmax_offset": 0}, sharded_offsets)
+
     def _windowed(self, mask: torch.Tensor | None, seq_len: int, like: torch.Tensor) -> torch.Tensor:
         """``mask`` (SDPA's convention, or None: causal) with this layer's window: additive ``[1, 1, s, s]`` alone
         (built once per length), else combined with the model's mask."""

@@ -61,6 +61,12 @@ import torch
 
 from mlora.formats.checkpoint_reader import INDEX_FILE, CheckpointError, CheckpointReader
 from mlora.formats.dtypes import SAFETENSORS_DTYPES, SAFETENSORS_NAMES
+from mlora.formats.fused_experts import (
+    expose_gpt_oss_experts,
+    fuse_gpt_oss_experts,
+    gpt_oss_layout,
+    is_gpt_oss_stacked,
+)
 from mlora.formats.hf_config import ModelSpec, check_layout, load_hf_config, model_spec
 from mlora.formats.weight_map import VOCAB, ParamMap, is_export_copy, stage_layers, stage_param_maps
 
@@ -230,15 +236,6 @@ def _short(names: Iterable[str], n: int = 5) -> str:
 
 
 # ----------------------------------------------------------------------------- HF -> mcore
-def _refuse_unconvertible(spec: ModelSpec) -> None:
-    """A ValueError for the architectures mlora trains but does not convert to megatron-core's dist checkpoints."""
-    if spec.moe is not None and spec.moe.gpt_oss:
-        raise ValueError(f"{spec.architecture} is not converted to or from megatron-core dist checkpoints yet: its "
-                         "stacked, interleaved experts, their biases and the attention sinks have no dist-checkpoint "
-                         "keys in this converter; mlora.from_pretrained reads the HF checkpoint directly, and "
-                         "save_merged writes one")
-
-
 def check_hf_checkpoint(reader: CheckpointReader, spec: ModelSpec, hf_dir: Path) -> list[ParamMap]:
     """Every ParamMap of the whole model (TP1/PP1 names); raises when the files do not match the config
     or hold tensors a megatron GPTModel has no place for (they could not come back on export)."""
@@ -251,7 +248,7 @@ def check_hf_checkpoint(reader: CheckpointReader, spec: ModelSpec, hf_dir: Path)
              for pm in maps for name, shape in pm.hf_shapes(spec).items() if reader.entry(name).shape != shape]
     if wrong:
         raise CheckpointError(f"{hf_dir} does not match its config.json: " + "; ".join(wrong[:3]))
-    extra = sorted(set(reader.entries) - needed)
+    extra = sorted(n for n in set(reader.entries) - needed if not is_gpt_oss_stacked(n, spec))
     if extra:
         raise CheckpointError(
             f"{hf_dir} holds tensors that a megatron GPTModel of {spec.architecture} has no place for: "
@@ -262,13 +259,14 @@ def check_hf_checkpoint(reader: CheckpointReader, spec: ModelSpec, hf_dir: Path)
 def _source_layout(reader: CheckpointReader, hf_dir: Path) -> dict[str, Any]:
     """The HF files, their tensors in file order and the index metadata: what export reproduces."""
     files: dict[str, list[str]] = {}
-    for name, entry in sorted(reader.entries.items(), key=lambda kv: (kv[1].file.name, kv[1].offset)):
+    stored = {name: entry for name, entry in reader.entries.items() if not reader.is_derived(name)}
+    for name, entry in sorted(stored.items(), key=lambda kv: (kv[1].file.name, kv[1].offset)):
         files.setdefault(entry.file.name, []).append(name)
     index = hf_dir / INDEX_FILE
     index_metadata = json.loads(index.read_text()).get("metadata", {}) if index.is_file() else None
     return {"hf_files": files, "hf_index_metadata": index_metadata,
             "hf_tensors": {n: {"dtype": SAFETENSORS_NAMES[e.dtype], "shape": list(e.shape)}
-                           for n, e in reader.entries.items()}}
+                           for n, e in stored.items()}}
 
 
 def _read_vocab_shard(reader: CheckpointReader, name: str, spec: ModelSpec, padded: int, tp: int,
@@ -344,7 +342,6 @@ def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int =
             raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer")
     hf, out = Path(hf_dir), Path(out_dir)
     spec = model_spec(load_hf_config(hf))
-    _refuse_unconvertible(spec)
     check_layout(spec, tp, pp, ep)
     if fp8_quantization_config(json.loads((hf / "config.json").read_text())) is not None:
         raise ValueError(f"{hf} is a block-quantized FP8 checkpoint (quantization_config); hf-to-mcore converts "
@@ -359,6 +356,7 @@ def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int =
         raise ValueError(f"tp={tp} × pp={pp}{with_ep} needs {needed} ranks, this run has {world}: launch it with "
                          f"torchrun --nproc_per_node={needed} (a dist checkpoint is written by one rank per shard)")
     with CheckpointReader(hf) as reader:
+        expose_gpt_oss_experts(reader, spec)  # gpt-oss's stacked experts, read expert by expert
         check_hf_checkpoint(reader, spec, hf)  # every rank checks the whole model: headers only
         dtype = _dtype_from_name(dtype) if isinstance(dtype, str) else dtype or _hf_dtype(reader, hf)
         layout = _source_layout(reader, hf)
@@ -624,17 +622,40 @@ class DistCheckpointReader:
         return {k: b.reshape(b.shape[len(reads[k]):]) for k, (b, _) in requests.items()}
 
 
-def _hf_sources(spec: ModelSpec) -> dict[str, ParamMap]:
-    """HF tensor name -> the TP1 ParamMap it comes from (the tied copy left out)."""
-    return {name: pm for pm in stage_param_maps(spec, 1, 0) if not is_export_copy(pm, spec)
-            for name in pm.hf_names}
+def _hf_sources(spec: ModelSpec) -> dict[str, list[ParamMap]]:
+    """HF tensor name -> the TP1 ParamMaps it comes from (the tied copy left out): one, or for a gpt-oss stacked
+    expert tensor every expert's (:func:`~mlora.formats.fused_experts.fuse_gpt_oss_experts`)."""
+    sources: dict[str, list[ParamMap]] = {}
+    for pm in stage_param_maps(spec, 1, 0):
+        if is_export_copy(pm, spec):
+            continue
+        for name in gpt_oss_layout({n: (None, s) for n, s in pm.hf_shapes(spec).items()}, spec):
+            if pm not in sources.setdefault(name, []):
+                sources[name].append(pm)
+    return sources
 
 
-def _default_layout(sources: dict[str, ParamMap], spec: ModelSpec, dtype: torch.dtype) -> dict[str, list[str]]:
+def _hf_shapes(sources: dict[str, list[ParamMap]], names: Iterable[str], spec: ModelSpec) -> dict[str, tuple]:
+    """The HF shapes of ``names`` (gpt-oss's stacked expert tensors whole)."""
+    per_expert = {n: (None, s) for name in names for pm in sources[name] for n, s in pm.hf_shapes(spec).items()}
+    return {n: shape for n, (_, shape) in gpt_oss_layout(per_expert, spec).items()}
+
+
+def _convert_all(pms: list[ParamMap], reader: "DistCheckpointReader", spec: ModelSpec, layout: "KeyLayout"
+                 ) -> dict[str, torch.Tensor]:
+    """The HF tensors of ``pms`` (gpt-oss's per-expert pieces stacked)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for pm in pms:
+        tensors.update(_convert(pm, reader, spec, layout))
+    return dict(fuse_gpt_oss_experts(tensors.items(), spec))
+
+
+def _default_layout(sources: dict[str, list[ParamMap]], spec: ModelSpec, dtype: torch.dtype
+                    ) -> dict[str, list[str]]:
     """HF file names and tensor order for a checkpoint without a recorded source layout: HF's order,
     split into ``model-0000i-of-0000n.safetensors`` at 5 GiB like ``save_pretrained``."""
     item = torch.empty((), dtype=dtype).element_size()
-    shapes = {n: s for pm in set(sources.values()) for n, s in pm.hf_shapes(spec).items()}
+    shapes = _hf_shapes(sources, sources, spec)
     groups: list[list[str]] = [[]]
     size = 0
     for name in sources:
@@ -665,7 +686,6 @@ def mcore_to_hf(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike,
     out = Path(out_dir)
     ckpt = locate_mcore_checkpoint(mcore_dir, hf_config)
     spec = model_spec(load_hf_config(ckpt.config_dir))
-    _refuse_unconvertible(spec)
     metadata = _dcp_metadata(ckpt.directory)
     check_shard_files(ckpt.directory, metadata)
     tensors = _model_tensors(metadata)
@@ -694,17 +714,17 @@ def mcore_to_hf(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike,
     total_bytes = 0
     bar = _progress(len(sources), "mcore-to-hf", progress)
     for file, names in files.items():
-        shapes = {n: s for pm in {sources[n] for n in names} for n, s in pm.hf_shapes(spec).items()}
+        shapes = _hf_shapes(sources, names, spec)
         file_layout = {}
         for name in names:
-            key, _ = layout.key(sources[name].megatron_name)
+            key, _ = layout.key(sources[name][0].megatron_name)
             file_layout[name] = (dtypes.get(name, tensors[key].properties.dtype), shapes[name])
             total_bytes += torch.Size(shapes[name]).numel() * file_layout[name][0].itemsize
         writer = SafetensorsWriter(out / file, file_layout, metadata={"format": "pt"})
         try:
             for name in names:
                 if name not in pending:
-                    pending.update(_convert(sources[name], reader, spec, layout))
+                    pending.update(_convert_all(sources[name], reader, spec, layout))
                 tensor = pending.pop(name)
                 writer.write(name, tensor.to(file_layout[name][0]))
                 del tensor  # hold no written tensor while the next one is read

@@ -4,10 +4,11 @@ dense and sparse layers over stages), then megatron-core's dist_checkpointing.lo
 by mlora at another layout, against mlora's own HF loader at that layout.
 
 Usage: torchrun --nproc_per_node=2 moe_convert.py MODELS_DIR OUT_DIR
-Writes (name, tp, pp, ep): qwen3_moe (1, 1, 2), mixtral (1, 2, 1), olmoe (2, 1, 2), qwen3 (2, 1, 1), all with
+Writes (name, tp, pp, ep): qwen3_moe (1, 1, 2), mixtral (1, 2, 1), olmoe (2, 1, 2), qwen3 (2, 1, 1), gpt_oss
+(2, 1, 2) (its sinks split over TP with the heads), all with
 --make-vocab-size-divisible-by 1 (mlora's own vocabulary padding, so mlora's model takes the checkpoint
 as it is); the dist checkpoints go to OUT_DIR/<name>. Loads: qwen3_moe and mixtral at (tp, pp, ep) = (1, 1, 2),
-olmoe and qwen3 at (2, 1, 1) with SP. Rank 0 writes OUT_DIR/records.json: each conversion's exit status and,
+olmoe, qwen3 and gpt_oss at (2, 1, 1) with SP. Rank 0 writes OUT_DIR/records.json: each conversion's exit status and,
 per load and rank, the parameters that differ from mlora's loader's.
 """
 
@@ -16,8 +17,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-WRITES = (("qwen3_moe", 1, 1, 2), ("mixtral", 1, 2, 1), ("olmoe", 2, 1, 2), ("qwen3", 2, 1, 1))
-LOADS = (((1, 1, 2, False), ("qwen3_moe", "mixtral")), ((2, 1, 1, True), ("olmoe", "qwen3")))
+WRITES = (("qwen3_moe", 1, 1, 2), ("mixtral", 1, 2, 1), ("olmoe", 2, 1, 2), ("qwen3", 2, 1, 1), ("gpt_oss", 2, 1, 2))
+LOADS = (((1, 1, 2, False), ("qwen3_moe", "mixtral")), ((2, 1, 1, True), ("olmoe", "qwen3", "gpt_oss")))
 
 
 def load_and_compare(models: Path, ckpts: Path, name: str, mesh) -> dict:
