@@ -122,10 +122,12 @@ def test_weight_terms_equal_parameter_bytes_at_ep2(tiny_models, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- activations
-@pytest.mark.parametrize("arch", MOE)
+@pytest.mark.parametrize("arch", [*MOE, "gpt_oss"])
 def test_layer_formula_equals_saved_tensors(tiny_models, arch):
     """Every byte autograd keeps per layer (router, permutation, experts, their LoRA; q/k norms) is in the formula,
-    for attention LoRA, all linears, experts-only and router LoRA; selective ``mlp`` recompute skips MoE layers."""
+    for attention LoRA, all linears, experts-only and router LoRA; selective ``mlp`` recompute skips MoE layers.
+    gpt-oss: SDPA's q, k, v and output with the sink key, its windowed layers' padded masks, the biased experts'
+    clamped SwiGLU computed one expert after another."""
     mesh = mlora.init_parallel()
     spec = model_spec(load_hf_config(tiny_models / arch))
     batch, seq = 2, 48
@@ -232,13 +234,6 @@ def test_qwen3_30b_on_one_node(qwen3_30b, capsys):
 def test_bad_moe_layouts(qwen3_30b, layout, workload, message):
     with pytest.raises(ValueError, match=message):
         plan_memory(model_spec(load_hf_config(qwen3_30b)), layout, workload)
-
-
-def test_gpt_oss_activations_are_refused(tiny_models, capsys):
-    """gpt-oss's weights are planned (test_weight_terms_equal_parameter_bytes_at_ep1), its activations are not yet:
-    the planner says so instead of counting another attention's."""
-    assert cli(["plan", "--memory", "--model", str(tiny_models / "gpt_oss"), "--ep", "2", "--dp", "2"]) == 2
-    assert "no activation formula for GptOssForCausalLM yet" in capsys.readouterr().err
 
 
 def test_ep_on_a_dense_model(tiny_models, capsys):

@@ -19,6 +19,7 @@ Two implementations fill megatron's ``core_attention`` slot (chosen with
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -138,6 +139,13 @@ def _value_as_wide_as_query(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Ten
     return torch.nn.functional.pad(v, (0, q.shape[-1] - v_dim)), v_dim
 
 
+@functools.lru_cache(maxsize=2)
+def _window_mask(seq_len: int, window: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The additive causal ``[1, 1, s, s]`` mask of a ``window``, built once for every layer that has it (gpt-oss's
+    windowed layers share one; the latest two lengths kept)."""
+    return sdpa_mask(seq_len, None, window, dtype, device)
+
+
 def _with_sink_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, sink: torch.Tensor,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """q, k, v and the mask ``[b, h, s, ·]`` with gpt-oss's attention sinks as one key more, for SDPA's fused kernels.
@@ -202,7 +210,6 @@ class SDPAttention(MegatronModule):
             set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
         windows = getattr(config, LAYER_WINDOWS_CONFIG_ATTR, None)
         self.window = windows[self.layer_number - 1] if windows is not None else None
-        self._window_mask: tuple | None = None
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
         self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
@@ -253,11 +260,8 @@ class SDPAttention(MegatronModule):
 
     def _windowed(self, mask: torch.Tensor | None, seq_len: int, like: torch.Tensor) -> torch.Tensor:
         """``mask`` (SDPA's convention, or None: causal) with this layer's window: additive ``[1, 1, s, s]`` alone
-        (built once per length), else combined with the model's mask."""
-        key = (seq_len, like.dtype, like.device)
-        if self._window_mask is None or self._window_mask[0] != key:
-            self._window_mask = (key, sdpa_mask(seq_len, None, self.window, like.dtype, like.device))
-        windowed = self._window_mask[1]
+        (one for every layer with this window and length, :func:`_window_mask`), else combined with the model's."""
+        windowed = _window_mask(seq_len, self.window, like.dtype, like.device)
         if mask is None:
             return windowed
         if mask.dtype == torch.bool:

@@ -84,6 +84,7 @@ class Experts:
     shared_gate: bool = True  # the shared expert's output scaled by sigmoid(x·gate) (Qwen2-MoE; GLM-4.5: none)
     sigmoid: bool = False  # sigmoid scores (GLM-4.5, DeepSeek-V3), else softmax
     router_fp32: bool = False  # the router's logits and routing weights in float32, else in the model's dtype
+    clamped: bool = False  # gpt-oss: biased experts with the clamped SwiGLU, computed one after another
 
     @property
     def local(self) -> int:
@@ -118,6 +119,8 @@ class Geometry:
     qk_norm: str | None = None  # RMSNorm on q and k before RoPE: per head ("head", Qwen3) or over all ("full")
     rotary_dim: int = 0  # the head dims RoPE rotates (0: all of head_dim; GLM-4.5 rotates half)
     mla: object = None  # multi-latent attention's dims (mlora.formats.hf_config.MLASpec; DeepSeek-V3), else None
+    sinks: bool = False  # gpt-oss's attention sinks (SDPA with one key more: mlora.models.attention)
+    window: int | None = None  # this layer's own sliding window (gpt-oss), applied by its attention
 
     @property
     def branch_item(self) -> int:
@@ -214,13 +217,14 @@ def _experts_saved(g: Geometry, lora: LayerLora, grad: bool) -> tuple[int, bool]
         total += _branch_input(g, g.hidden, tokens=n) + _expert_lora_saved(g, k1, r, g.hidden, 2 * x.ffn, n, grad)
     mlp_grad = grad or k1 > 0
     if mlp_grad:  # [gate; up], silu(gate), (sequential) up + 0, and the routing weight the GLU output is scaled by
-        total += n * (4 if g.fp8 else 3) * x.ffn * e + n * ri
+        # gpt-oss: [gate; up] + bias (both clamps keep it), the clamped gate, its quick_gelu, up clamped + 1
+        total += n * (5 if x.clamped else 4 if g.fp8 else 3) * x.ffn * e + n * ri
     if route_grad:
         total += n * x.ffn * e  # the GLU output itself, for the routing weight's gradient
     if k2:
         total += _branch_input(g, x.ffn, tokens=n) + _expert_lora_saved(g, k2, r, x.ffn, g.hidden, n,
                                                                          mlp_grad or route_grad)
-    if (mlp_grad or route_grad or k2) and not g.fp8:
+    if (mlp_grad or route_grad or k2) and not (g.fp8 or x.clamped):
         total += x.local * I32  # the grouped GEMMs' offsets
     shared, shared_grad = _shared_expert_saved(g, lora, grad)
     return total + shared, mlp_grad or route_grad or k2 > 0 or shared_grad
@@ -232,7 +236,7 @@ def _expert_lora_saved(g: Geometry, k: int, rank: int, in_width: int, out_width:
     ``[E, out, k·r]`` of the local experts and, when the input requires grad, their stacked A ``[E, k·r, in]``,
     ranks padded; sequential, one ``s·B`` block per expert where the branch runs as two autograd GEMMs
     (:func:`_lora_saved`)."""
-    if g.fp8:
+    if g.fp8 or g.experts.clamped:  # computed one expert after another
         return _lora_saved(g, k, rank, out_width, tokens, g.experts.local)
     rows = tokens + g.experts.local * ((in_width if input_grad else 0) + out_width)
     return rows * k * padded_rank(rank, g.branch_item) * g.branch_item
@@ -298,6 +302,8 @@ def _attention_saved(g: Geometry, attention: str, selective: bool) -> tuple[int,
     q, k, qkv = g.tokens * g.q_width, g.tokens * g.kv_width, g.tokens * g.qkv_width
     if selective:  # megatron's checkpoint keeps the core attention's inputs: q, k, v (a view of QKV) and
         return rope + (q + k + qkv) * g.item + 4, False  # the mask type as an int32 tensor
+    if attention == "sdpa" and g.sinks:
+        return rope + _sink_attention_saved(g), False
     if attention == "sdpa":
         lse = g.batch * g.heads * g.seq * F32
         return rope + (q + k + qkv + q) * g.item + lse, True
@@ -306,6 +312,17 @@ def _attention_saved(g: Geometry, attention: str, selective: bool) -> tuple[int,
     values = q if gqa else qkv  # V repeated, or a view of the QKV output
     probs = g.scores * (F32 + (g.item if g.item != F32 else 0))  # float32 softmax (+ its dtype copy)
     return rope + (q + keys + values) * g.item + probs, False
+
+
+def _sink_attention_saved(g: Geometry) -> int:
+    """SDPA with the sinks as one key more (:func:`mlora.models.attention._with_sink_key`): its q, k, v and output
+    with one row more and the head dim padded past a multiple of 8, its float32 log-sum-exp, and on a windowed layer
+    the padded window mask (the unpadded one, ``[1, 1, s, s]``, is shared by every windowed layer and not counted);
+    the output it hands on is a copy (sliced off the padding)."""
+    rows, dim = g.seq + 1, g.head_dim + (-(g.head_dim + 1)) % 8 + 1
+    tensors = g.batch * rows * dim * (2 * g.heads + 2 * g.kv_heads)
+    mask = rows * rows if g.window is not None and g.window < g.seq else 0
+    return (tensors + mask) * g.item + g.batch * g.heads * rows * F32
 
 
 def layer_saved(g: Geometry, lora: LayerLora, attention: str, input_requires_grad: bool,
@@ -413,6 +430,8 @@ def forward_workspace(g: Geometry, attention: str) -> int:
         attn = _mla_workspace(g)
     elif attention == "unfused":
         attn += g.scores * (e + 2 * F32)
+    elif g.sinks:  # SDPA's extended q, k, v, output and mask (an account, not measured)
+        attn += _sink_attention_saved(g)
     mlp = g.tokens * 5 * g.ffn * e
     if g.experts is not None:
         x, t = g.experts, g.stream_tokens
@@ -436,8 +455,8 @@ def _mla_workspace(g: Geometry) -> int:
 
 def _mlp_copies(g: Geometry, tokens: int) -> int:
     """The token copies whose expert MLP terms are alive at once: every received one when the experts run grouped,
-    one expert's share on the sequential path (FP8 weights)."""
-    return g.experts.per_expert(tokens) if g.fp8 else g.experts.received(tokens)
+    one expert's share on the sequential path (FP8 weights, gpt-oss's biased experts)."""
+    return g.experts.per_expert(tokens) if g.fp8 or g.experts.clamped else g.experts.received(tokens)
 
 
 def backward_workspace(g: Geometry, attention: str) -> int:
@@ -466,4 +485,7 @@ def backward_workspace(g: Geometry, attention: str) -> int:
         attn = g.tokens * g.heads * (5 * qk + m.qk_nope_head_dim + m.v_head_dim) * e
     elif attention == "unfused":
         attn += g.scores * (e + F32 + (F32 if e != F32 else 0))
+    elif g.sinks:  # the gradients of SDPA's extended q, k, v (an account, not measured)
+        rows, dim = g.seq + 1, g.head_dim + (-(g.head_dim + 1)) % 8 + 1
+        attn += g.batch * rows * dim * (g.heads + 2 * g.kv_heads) * e
     return g.stream_tokens * g.hidden * e + max(mlp, attn)

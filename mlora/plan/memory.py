@@ -139,21 +139,28 @@ def geometry(spec: ModelSpec, layout: Layout, workload: Workload, batch: int) ->
                     head_dim=spec.head_dim, ffn=spec.intermediate_size // layout.tp, tp=layout.tp, sp=layout.sp,
                     item=_item(workload.dtype), fp8=workload.fp8 is not None,
                     lora_item=_item(workload.lora_compute_dtype or master_dtype(workload.dtype)), qk_norm=spec.qk_norm,
-                    rotary_dim=spec.rotary_dim, mla=spec.mla)
+                    rotary_dim=spec.rotary_dim, mla=spec.mla, sinks=spec.attention_sinks)
 
 
 def layer_geometries(spec: ModelSpec, layout: Layout, workload: Workload, batch: int, layers: range
                      ) -> list[Geometry]:
     """:func:`geometry` for each of ``layers``, with its :class:`Experts` where the layer is sparse."""
     g = geometry(spec, layout, workload, batch)
+    if spec.layer_windows is not None:  # gpt-oss: each layer's own window
+        return [replace(_sparse(g, spec, layout, workload), window=spec.layer_windows[i]) for i in layers]
     if spec.moe is None:
         return [g] * len(layers)
-    moe = spec.moe
-    sparse = replace(g, experts=Experts(moe.num_experts, moe.top_k, moe.ffn_size, layout.ep, moe.normalize_topk,
-                                        workload.expert_load, (moe.shared_ffn_size or 0) // layout.tp,
-                                        shared_gate=moe.shared_gate, sigmoid=moe.score == "sigmoid",
-                                        router_fp32=moe.router_fp32))
+    sparse = _sparse(g, spec, layout, workload)
     return [sparse if spec.is_sparse(i) else g for i in layers]
+
+
+def _sparse(g: Geometry, spec: ModelSpec, layout: Layout, workload: Workload) -> Geometry:
+    """``g`` with the :class:`Experts` of ``spec``'s sparse layers."""
+    moe = spec.moe
+    return replace(g, experts=Experts(moe.num_experts, moe.top_k, moe.ffn_size, layout.ep, moe.normalize_topk,
+                                      workload.expert_load, (moe.shared_ffn_size or 0) // layout.tp,
+                                      shared_gate=moe.shared_gate, sigmoid=moe.score == "sigmoid",
+                                      router_fp32=moe.router_fp32, clamped=moe.gpt_oss))
 
 
 def _site_of(proj: str) -> str:
@@ -205,10 +212,6 @@ def stage_activations(spec: ModelSpec, layout: Layout, workload: Workload, stage
                       ) -> _StageActivations:
     """Bytes one micro-batch keeps on ``stage`` between its forward and its backward, for the actor
     (``critic=False``) or the critic; and what a recomputed group adds while it runs backward."""
-    if spec.attention_sinks:
-        raise ValueError(f"the memory planner has no activation formula for {spec.architecture} yet (what autograd "
-                         "keeps of attention with sinks, the windowed layers' masks and the clamped SwiGLU with "
-                         "biases); its weights are counted (mlora.plan.weights), its activations are not")
     g = geometry(spec, layout, workload, workload.micro_batch)
     first, last = stage == 0, stage == layout.pp - 1
     layers = stage_layers(spec, layout.pp, stage)
