@@ -71,6 +71,7 @@ def driver():
 
 
 def test_newcomer_path(served, driver):
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
@@ -120,7 +121,8 @@ def test_newcomer_path(served, driver):
         return [a for a in d.find_elements(By.CSS_SELECTOR, "a.md-search-result__link")
                 if (a.get_attribute("href") or "").endswith("#trainer.policy.model.lora.rank")]
 
-    result = wait.until(key_results)[0]
+    # the results render while the search runs: a link read as it is replaced is stale, and read again
+    result = WebDriverWait(driver, 30, ignored_exceptions=(StaleElementReferenceException,)).until(key_results)[0]
     if not result.is_displayed():  # among the page's other matches: "N more on this page", as a reader opens it
         driver.find_element(By.CSS_SELECTOR, "details.md-search-result__more > summary").click()
         wait.until(lambda d: result.is_displayed())

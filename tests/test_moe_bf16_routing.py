@@ -57,3 +57,33 @@ def test_bf16_routers_pick_transformers_experts_on_the_same_input(tiny_models, a
         assert torch.equal(mine, theirs), (arch, layer, int((mine != theirs).any(dim=1).sum()))
         ref = torch.zeros_like(probs, dtype=torch.float32).scatter(1, index, weights.float())
         assert ((probs.float() - ref).abs() <= WEIGHT_TOL * ref.abs()).all(), (arch, layer)
+
+
+
+def test_merged_hand_off_rounds_each_weight_once(tiny_models):
+    """The merged weights an engine of a bf16 base reloads are ``W + s·B·A`` summed in float32 and rounded to bf16
+    once (what the float32 masters give), not a bf16 sum of a rounded delta: with updates of about half a bf16 step
+    of each weight, where rounding decides whether an update reaches the engine, rounding twice keeps fewer."""
+    from mlora.lora.layers import stacked_b
+
+    model = mlora.from_pretrained(tiny_models / "qwen3_moe", mlora.init_parallel(tp=1, pp=1), dtype=torch.bfloat16)
+    model.add_adapter("a", mlora.LoraConfig(rank=4, alpha=8, target_modules="all-linear"))
+    linear = model.gpt.decoder.layers[0].mlp.experts.local_experts[3].linear_fc1
+    branch, w = linear.lora["a"], linear.weight.detach()
+    step = torch.finfo(torch.bfloat16).eps * w.float().abs()  # about one bf16 step at each weight
+
+    def delta() -> torch.Tensor:
+        return (stacked_b(branch, linear.lora_site) @ branch.lora_A).detach().float()
+
+    with torch.no_grad():  # B drawn, then scaled so that the typical update is half a step
+        for b in branch.lora_B:
+            b.normal_(generator=torch.Generator().manual_seed(3))
+        scale = (0.5 * step.median() / delta().abs().median()).item()
+        for b in branch.lora_B:
+            b.mul_(scale)
+    dw = delta()
+    merged = model.merged_weight(linear, ["a"])
+    once, twice = (w.float() + dw).to(torch.bfloat16), w + dw.to(torch.bfloat16)
+    assert merged.dtype == torch.bfloat16 and torch.equal(merged, once)
+    kept_once, kept_twice = int((once != w).sum()), int((twice != w).sum())
+    assert kept_once > kept_twice, (kept_once, kept_twice, w.numel())

@@ -608,15 +608,17 @@ class AdapterHost:
 
     def merged_weight(self, linear: torch.nn.Module, names: list[str]) -> torch.Tensor:
         """This rank's ``W + Σ s·B·A`` of a LoRA linear for adapters ``names`` (same layout as W; an FP8
-        base dequantized first, see ``base_weight``)."""
-        weight = self.base_weight(linear).clone()
+        base dequantized first, see ``base_weight``), summed in float32 at least and rounded to W's dtype once: a
+        16-bit sum of a rounded delta would round twice, and lose an update just over half a step of W."""
+        base = self.base_weight(linear)
+        weight = base.to(torch.promote_types(base.dtype, torch.float32), copy=True)
         site = linear.lora_site
         for name in names:
             if name not in linear.lora:
                 continue
             branch = linear.lora[name]
             weight += (stacked_b(branch, site) @ branch.lora_A).detach().to(weight.dtype)
-        return weight
+        return weight.to(base.dtype)
 
     def _gather_tp(self, local: torch.Tensor, kind: str) -> torch.Tensor:
         local = local.detach()
