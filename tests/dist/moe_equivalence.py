@@ -7,6 +7,7 @@ a mixed-adapter micro-batch (two adapters on alternate rows, routed through the 
 
 Usage: torchrun --nproc_per_node N tests/dist/moe_equivalence.py MODELS_DIR OUT_JSON LAYOUTS
 LAYOUTS is "tp,pp,ep[,sp];..." (DP = world // (tp*pp)). Rank 0 writes one JSON record per check.
+MLORA_MOE_MODELS=gpt_oss,... runs those MoE models only (no dense one): a family's checks alone, by hand.
 Each DP rank takes its share of the gradient batch's rows: gradients are summed over DP, so every layout's
 equal the whole batch's on one rank.
 """
