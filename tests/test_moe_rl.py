@@ -108,7 +108,8 @@ def test_new_families_two_grpo_steps_with_the_engine_hand_off(tmp_path, model):
     shared = "[shared_experts.gate_proj,shared_experts.up_proj,shared_experts.down_proj]"
     args = ["--config-name", "cpu_demo", f"demo.model={model}", f"demo.dir={tmp_path / 'assets'}",
             f"trainer.run_dir={run_dir}", "trainer.total_steps=2", "trainer.eval_interval=0",
-            "trainer.eval_before_train=false", "trainer.ckpt_interval=0",
+            "trainer.eval_before_train=false", "trainer.ckpt_interval=0", "trainer.train_batch_size=4",
+            "trainer.policy_mini_batch_size=4",
             "trainer.algorithm.advantage_estimator=grpo", "generator.n_samples_per_prompt=4",
             f"{mc}tensor_model_parallel_size=1", f"{mc}pipeline_model_parallel_size=1",
             f"{mc}expert_model_parallel_size=2", TARGETS]
