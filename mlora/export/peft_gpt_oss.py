@@ -21,15 +21,9 @@ import re
 
 import torch
 
+from mlora.formats.fused_experts import DOWN, GATE_UP, fused_expert_name
 from mlora.lora.config import LoraConfig
 from mlora.lora.targets import expert_of, hf_module_name, is_router
-
-GATE_UP, DOWN = "gate_up_proj", "down_proj"
-
-
-def stacked_path(layer: int, param: str) -> str:
-    """transformers' path of a stacked expert parameter of layer ``layer``."""
-    return f"model.layers.{layer}.mlp.experts.{param}"
 
 
 def stacked_names(layer: int, params: tuple[str, ...]) -> dict[str, tuple[str, str]]:
@@ -65,10 +59,10 @@ def peft_config_fields(config: LoraConfig, modules, num_layers: int, sparse_laye
         if not layers:
             continue
         every = layers == list(sparse_layers)
-        targets += [f"mlp.experts.{param}"] if every else [stacked_path(i, param) for i in layers]
+        targets += [f"mlp.experts.{param}"] if every else [fused_expert_name(i, param) for i in layers]
         wide = 2 if param == GATE_UP else 1
         for i in layers:
-            key = re.escape(stacked_path(i, param))
+            key = re.escape(fused_expert_name(i, param))
             ranks[key] = wide * expert_rank
             alpha = config.alpha * (math.sqrt(wide) if config.use_rslora else wide)
             if alpha != config.alpha:

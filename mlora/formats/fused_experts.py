@@ -104,8 +104,8 @@ def is_gpt_oss_stacked(name: str, spec: ModelSpec) -> bool:
 def _gpt_oss_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """gpt-oss's stacked expert tensors' shapes."""
     e_count, ffn, hidden = spec.moe.num_experts, spec.moe.ffn_size, spec.hidden_size
-    return {"gate_up_proj": (e_count, hidden, 2 * ffn), "gate_up_proj_bias": (e_count, 2 * ffn),
-            "down_proj": (e_count, ffn, hidden), "down_proj_bias": (e_count, hidden)}
+    return {GATE_UP: (e_count, hidden, 2 * ffn), GATE_UP + "_bias": (e_count, 2 * ffn),
+            DOWN: (e_count, ffn, hidden), DOWN + "_bias": (e_count, hidden)}
 
 
 def expose_gpt_oss_experts(reader: CheckpointReader, spec: ModelSpec) -> int:
@@ -117,25 +117,28 @@ def expose_gpt_oss_experts(reader: CheckpointReader, spec: ModelSpec) -> int:
         return 0
     shapes, ffn, hidden = _gpt_oss_shapes(spec), moe.ffn_size, spec.hidden_size
     found = 0
+    last: dict = {}  # the latest expert block read: (name, expert) and its tensor
     for i in moe.sparse_layers:
         for param, shape in shapes.items():
-            name = f"model.layers.{i}.{FUSED_BLOCK}.experts.{param}"
+            name = fused_expert_name(i, param)
             if name not in reader:
                 continue
             found += 1
             entry = _check_shape(reader, name, shape, "gpt-oss's stacked experts")
             for e in range(moe.num_experts):
-                def block(name=name, e=e) -> torch.Tensor:  # expert e's [hidden, 2·ffn], [2·ffn], ...: one range
-                    return reader.read(name, 0, e, e + 1)[0]
+                def block(name=name, e=e) -> torch.Tensor:  # expert e's [hidden, 2·ffn], [2·ffn], ...: one range,
+                    if last.get("key") != (name, e):  # read once for its gate and its up (the loader asks in turn)
+                        last.update(key=(name, e), block=reader.read(name, 0, e, e + 1)[0])
+                    return last["block"]
 
                 x = f"model.layers.{i}.mlp.experts.{e}."
-                if param == "gate_up_proj":  # x @ W: W's columns are the outputs, gate/up interleaved
+                if param == GATE_UP:  # x @ W: W's columns are the outputs, gate/up interleaved
                     reader.derive(x + "gate_proj.weight", entry, (ffn, hidden), lambda b=block: b()[:, 0::2].t())
                     reader.derive(x + "up_proj.weight", entry, (ffn, hidden), lambda b=block: b()[:, 1::2].t())
-                elif param == "gate_up_proj_bias":
+                elif param == GATE_UP + "_bias":
                     reader.derive(x + "gate_proj.bias", entry, (ffn,), lambda b=block: b()[0::2])
                     reader.derive(x + "up_proj.bias", entry, (ffn,), lambda b=block: b()[1::2])
-                elif param == "down_proj":
+                elif param == DOWN:
                     reader.derive(x + "down_proj.weight", entry, (hidden, ffn), lambda b=block: b().t())
                 else:
                     reader.derive(x + "down_proj.bias", entry, (hidden,), block)
@@ -156,13 +159,13 @@ def gpt_oss_layout(names: dict[str, tuple], spec: ModelSpec, per_expert: bool = 
             continue
         param = _stacked_param(m.group(3), m.group(4))
         expert = f"{m.group(2)}." if per_expert else ""
-        out.setdefault(f"model.layers.{m.group(1)}.mlp.experts.{expert}{param}",
+        out.setdefault(fused_expert_name(int(m.group(1)), f"{expert}{param}"),
                        (dtype, shapes[param][1:] if per_expert else shapes[param]))
     return out
 
 
 def _stacked_param(proj: str, kind: str) -> str:
-    base = "down_proj" if proj == "down_proj" else "gate_up_proj"
+    base = DOWN if proj == "down_proj" else GATE_UP
     return base if kind == "weight" else base + "_bias"
 
 
@@ -201,9 +204,9 @@ def fuse_gpt_oss_experts(tensors: Iterable[tuple[str, torch.Tensor]], spec: Mode
                 both = torch.stack([parts[(e, "gate_proj")], parts[(e, "up_proj")]], dim=1).flatten(0, 1)
                 stacked.append(both.t() if kind == "weight" else both)
         if per_expert:
-            yield f"model.layers.{layer}.mlp.experts.{expert}.{param}", stacked[0].contiguous()
+            yield fused_expert_name(layer, f"{expert}.{param}"), stacked[0].contiguous()
         else:
-            yield f"model.layers.{layer}.mlp.experts.{param}", torch.stack(stacked).contiguous()
+            yield fused_expert_name(layer, param), torch.stack(stacked).contiguous()
     if pending:
         key, parts = next(iter(pending.items()))
         raise RuntimeError(f"gpt-oss layer {key[0]}'s {key[1]}: {len(parts)} expert pieces, not all its experts' "

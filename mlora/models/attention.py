@@ -146,6 +146,12 @@ def _window_mask(seq_len: int, window: int, dtype: torch.dtype, device: torch.de
     return sdpa_mask(seq_len, None, window, dtype, device)
 
 
+def sink_key_dim(head_dim: int) -> int:
+    """The head dim of q, k and v with the sinks' extra dim (:func:`_with_sink_key`): past ``head_dim`` by 1, padded
+    to a multiple of 8."""
+    return head_dim + (-(head_dim + 1)) % 8 + 1
+
+
 def _with_sink_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, sink: torch.Tensor,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """q, k, v and the mask ``[b, h, s, ·]`` with gpt-oss's attention sinks as one key more, for SDPA's fused kernels.
@@ -157,7 +163,7 @@ def _with_sink_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     keeps the causal mask square: query i + 1 sees keys 0..i + 1, the sink and real keys 0..i. An explicit mask gets
     the sink's column (always seen) and the dummy's row."""
     b, h, s, d = q.shape
-    pad = (-(d + 1)) % 8 + 1
+    pad = sink_key_dim(d) - d
     column = (sink.to(q.dtype) / scale).view(1, h, 1, 1).expand(b, h, s, 1)
     q = torch.cat([q, column, q.new_zeros(b, h, s, pad - 1)], dim=-1)
     q = torch.cat([q.new_zeros(b, h, 1, d + pad), q], dim=2)

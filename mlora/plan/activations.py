@@ -62,6 +62,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
+from mlora.models.attention import sink_key_dim
 from mlora.models.grouped_experts import padded_rank
 
 F32 = 4  # bytes of a float32
@@ -319,7 +320,7 @@ def _sink_attention_saved(g: Geometry) -> int:
     with one row more and the head dim padded past a multiple of 8, its float32 log-sum-exp, and on a windowed layer
     the padded window mask (the unpadded one, ``[1, 1, s, s]``, is shared by every windowed layer and not counted);
     the output it hands on is a copy (sliced off the padding)."""
-    rows, dim = g.seq + 1, g.head_dim + (-(g.head_dim + 1)) % 8 + 1
+    rows, dim = g.seq + 1, sink_key_dim(g.head_dim)
     tensors = g.batch * rows * dim * (2 * g.heads + 2 * g.kv_heads)
     mask = rows * rows if g.window is not None and g.window < g.seq else 0
     return (tensors + mask) * g.item + g.batch * g.heads * rows * F32
@@ -486,6 +487,6 @@ def backward_workspace(g: Geometry, attention: str) -> int:
     elif attention == "unfused":
         attn += g.scores * (e + F32 + (F32 if e != F32 else 0))
     elif g.sinks:  # the gradients of SDPA's extended q, k, v (an account, not measured)
-        rows, dim = g.seq + 1, g.head_dim + (-(g.head_dim + 1)) % 8 + 1
+        rows, dim = g.seq + 1, sink_key_dim(g.head_dim)
         attn += g.batch * rows * dim * (g.heads + 2 * g.kv_heads) * e
     return g.stream_tokens * g.hidden * e + max(mlp, attn)

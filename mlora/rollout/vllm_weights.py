@@ -62,8 +62,7 @@ class MergedWeightsWorkerExtension:
         return sum(map(len, names.values()))
 
 
-# an expert's weight (gpt-oss: the layer's stacked experts)
-_EXPERT_LAYER = re.compile(r"layers\.(\d+)\.[\w.]*experts\.(?:\d+\.|gate_up_proj|down_proj)")
+_EXPERT_LAYER = re.compile(r"layers\.(\d+)\.[\w.]*experts\.\d+\.")
 
 
 def _names(file: Path) -> list[str]:
